@@ -1,0 +1,142 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Binding target-model MoE layers through each backend, with fake vLLM layers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from vllm_ascend_routing import backends
+from vllm_ascend_routing.capture import LayerCapture, new_capture_buffer, new_error_counter
+
+
+class FakeRouter:
+    def __init__(self) -> None:
+        self.capture_fn: Any = None
+
+    def set_capture_fn(self, fn: Any) -> None:
+        self.capture_fn = fn
+
+
+class FakeCPUFusedMoE:
+    def __init__(self) -> None:
+        self.calls = 0
+        self.forward_method = self.forward_torch
+
+    def forward_torch(self, layer: Any, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      activation: str = "silu") -> torch.Tensor:
+        self.calls += 1
+        return x + 1
+
+
+class FakeQuantMethod:
+    def __init__(self, cpu: bool) -> None:
+        self.is_monolithic = cpu
+        if cpu:
+            self.cpu_fused_moe = FakeCPUFusedMoE()
+
+
+class FakeMoE(torch.nn.Module):
+    def __init__(self, layer_id: int, cpu: bool) -> None:
+        super().__init__()
+        self.layer_name = f"model.layers.{layer_id}.mlp.experts"
+        self.layer_id = layer_id
+        self.router = FakeRouter()
+        self.quant_method = FakeQuantMethod(cpu)
+
+
+class FakeModel(torch.nn.Module):
+    def __init__(self, cpu: bool, moe_layers: tuple[int, ...] = (0, 2)) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            [FakeMoE(i, cpu) if i in moe_layers else torch.nn.Linear(2, 2) for i in range(3)]
+        )
+
+
+def bind(model: torch.nn.Module, num_experts: int = 8) -> torch.Tensor:
+    buffer = new_capture_buffer(4, 3, 2, num_experts, "cpu")
+    errors = new_error_counter("cpu")
+    backends.bind_model(model, lambda layer_id: LayerCapture(buffer, layer_id, num_experts, errors))
+    return buffer
+
+
+def test_router_backend_records_logical_ids_per_layer() -> None:
+    model = FakeModel(cpu=False)
+    buffer = bind(model)
+    model.layers[0].router.capture_fn(torch.tensor([[1, 5], [2, 3]], dtype=torch.int32))
+    model.layers[2].router.capture_fn(torch.tensor([[7, 0]], dtype=torch.int64))
+    assert buffer[:2, 0].tolist() == [[1, 5], [2, 3]]
+    assert buffer[:1, 2].tolist() == [[7, 0]]
+    assert (buffer[:, 1] == 0).all()  # the dense layer's rows stay zero
+
+
+def test_cpu_moe_backend_wraps_forward_method() -> None:
+    model = FakeModel(cpu=True)
+    buffer = bind(model)
+    impl = model.layers[2].quant_method.cpu_fused_moe
+    x = torch.zeros(3, 2)
+    y = impl.forward_method(model.layers[2], x, torch.ones(3, 2), torch.tensor([[4, 1], [0, 6], [3, 3]]))
+    assert torch.equal(y, x + 1) and impl.calls == 1
+    assert buffer[:3, 2].tolist() == [[4, 1], [0, 6], [3, 3]]
+    assert model.layers[2].router.capture_fn is None  # the router is bypassed, so not used
+
+
+def test_rebinding_replaces_instead_of_stacking() -> None:
+    model = FakeModel(cpu=True)
+    first = bind(model)
+    second = bind(model)
+    impl = model.layers[0].quant_method.cpu_fused_moe
+    impl.forward_method(model.layers[0], torch.zeros(1, 2), torch.ones(1, 2), torch.tensor([[2, 3]]))
+    assert impl.calls == 1
+    assert second[0, 0].tolist() == [2, 3] and first[0, 0].tolist() == [0, 0]
+
+
+def test_out_of_range_ids_are_marked_not_wrapped() -> None:
+    model = FakeModel(cpu=False)
+    buffer = bind(model, num_experts=8)
+    model.layers[0].router.capture_fn(torch.tensor([[8, -3]], dtype=torch.int32))
+    assert buffer[0, 0].tolist() == [-1, -1]
+
+
+def test_draft_layers_outside_target_model_are_not_bound() -> None:
+    target, draft = FakeModel(cpu=False), FakeModel(cpu=False)
+    bind(target)
+    assert draft.layers[0].router.capture_fn is None
+
+
+def test_shared_router_is_bound_once() -> None:
+    model = FakeModel(cpu=False)
+    runner = torch.nn.Module()
+    runner.layer_name = "model.layers.0.mlp.experts"  # type: ignore[assignment]
+    runner.router = model.layers[0].router  # type: ignore[assignment]
+    model.layers[0].add_module("runner", runner)
+    calls: list[int] = []
+    backends.bind_model(model, lambda layer_id: calls.append(layer_id) or LayerCapture(
+        new_capture_buffer(1, 3, 2, 8, "cpu"), layer_id, 8, new_error_counter("cpu")))
+    assert calls == [0, 2]
+
+
+def test_unroutable_layer_is_refused() -> None:
+    model = FakeModel(cpu=False)
+    model.layers[2].router = object()  # no capture hook, no CPU MoE
+    with pytest.raises(backends.UnboundLayerError, match="model.layers.2|layers.2"):
+        bind(model)
+
+
+def test_model_without_moe_is_refused() -> None:
+    with pytest.raises(backends.UnboundLayerError, match="No MoE layer"):
+        bind(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_sgl_kernel_without_forward_method_is_refused() -> None:
+    model = FakeModel(cpu=True)
+    del model.layers[0].quant_method.cpu_fused_moe.forward_method
+    with pytest.raises(RuntimeError, match="VLLM_CPU_SGL_KERNEL"):
+        bind(model)
+
+
+def test_too_many_experts_for_storage_is_refused() -> None:
+    with pytest.raises(ValueError, match="40000 experts"):
+        new_capture_buffer(1, 1, 1, 40000, "cpu")

@@ -1,0 +1,97 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Generation detection against fake vLLM module trees (no vLLM install needed)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from vllm_ascend_routing.compat import _detect
+from vllm_ascend_routing.compat.base import Generation, UnsupportedVllmError
+
+CAPTURER = "vllm.model_executor.layers.fused_moe.routed_experts_capturer"
+
+
+def fake_vllm(monkeypatch: pytest.MonkeyPatch, version: str, capturer: list[str], outputs: list[str],
+              aux: bool = False) -> None:
+    for name in list(sys.modules):
+        if name == "vllm" or name.startswith("vllm."):
+            monkeypatch.delitem(sys.modules, name)
+    vllm = types.ModuleType("vllm")
+    vllm.__version__ = version  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    mod = types.ModuleType(CAPTURER)
+    for name in capturer:
+        setattr(mod, name, object())
+    monkeypatch.setitem(sys.modules, CAPTURER, mod)
+    out = types.ModuleType("vllm.v1.outputs")
+    for name in outputs:
+        setattr(out, name, object())
+    monkeypatch.setitem(sys.modules, "vllm.v1.outputs", out)
+    if aux:
+        monkeypatch.setitem(sys.modules, "vllm.distributed.aux_output_connector",
+                            types.ModuleType("vllm.distributed.aux_output_connector"))
+    else:  # make the import fail like on a release without it
+        monkeypatch.setitem(sys.modules, "vllm.distributed.aux_output_connector", None)
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING_VLLM_API", "auto")
+
+
+@pytest.mark.parametrize(
+    ("version", "capturer", "outputs", "aux", "expected"),
+    [
+        ("0.20.2", ["RoutedExpertsCapturer", "RoutedExpertsReader"], [], False, Generation.SHM),
+        ("0.23.0", ["RoutedExpertsCapturer", "RoutedExpertsManager"], ["RoutedExpertsLists"], False,
+         Generation.RUNNER_OUTPUT),
+        ("0.30.0", ["RoutedExpertsManager", "bind_routed_experts_capturer"], ["RoutedExpertsLists"], False,
+         Generation.RUNNER_OUTPUT),
+        ("0.32.0", ["RoutedExpertsCapturer"], [], True, Generation.AUX_OUTPUT),
+        # Features win over the version string (a source build of main calling itself 0.23.0).
+        ("0.23.0+dev", ["RoutedExpertsCapturer"], [], True, Generation.AUX_OUTPUT),
+        # No recognisable feature: the version decides.
+        ("0.25.1", [], [], False, Generation.RUNNER_OUTPUT),
+    ],
+    ids=["0.20.2-shm", "0.23-runner-output", "0.30-runner-output", "0.32-aux", "features-win", "version-tiebreak"],
+)
+def test_detection(monkeypatch: pytest.MonkeyPatch, version: str, capturer: list[str], outputs: list[str],
+                   aux: bool, expected: Generation) -> None:
+    fake_vllm(monkeypatch, version, capturer, outputs, aux)
+    assert _detect.detect_generation() is expected
+
+
+def test_0_21_is_refused_naming_supported_releases(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_vllm(monkeypatch, "0.21.0", ["bind_routing_capture_to_model", "RoutedExpertsCapturer"], [])
+    with pytest.raises(UnsupportedVllmError, match=r"0\.21\.0.*reverted.*0\.22\.0-0\.30\.0"):
+        _detect.detect_generation()
+
+
+def test_unknown_release_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_vllm(monkeypatch, "0.19.1", [], [])
+    with pytest.raises(UnsupportedVllmError, match=r"vLLM 0\.19\.1 .*Supported releases"):
+        _detect.detect_generation()
+
+
+def test_missing_vllm_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING_VLLM_API", "auto")
+    with pytest.raises(UnsupportedVllmError, match="vLLM is not importable"):
+        _detect.detect_generation()
+
+
+def test_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_vllm(monkeypatch, "0.23.0", ["RoutedExpertsManager"], ["RoutedExpertsLists"])
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING_VLLM_API", "shm")
+    assert _detect.detect_generation() is Generation.SHM
+
+
+def test_unimplemented_generation_refused_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_ascend_routing import compat
+
+    fake_vllm(monkeypatch, "0.20.2", ["RoutedExpertsReader"], [])
+    compat.get_api.cache_clear()
+    try:
+        with pytest.raises(UnsupportedVllmError, match=r"'shm' routed-experts API.*0\.22\.0-0\.30\.0"):
+            compat.get_api()
+    finally:
+        compat.get_api.cache_clear()

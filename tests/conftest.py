@@ -1,0 +1,38 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Markers, and the rule that a required resource is a failure when missing, never a silent skip.
+
+``make test`` sets ``VLLM_ASCEND_ROUTING_TEST_REQUIRE`` to the resources it provides (e.g. ``vllm``):
+a test marked with one of them fails instead of skipping if the resource is absent.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+RESOURCES = {
+    "vllm": lambda: importlib.util.find_spec("vllm") is not None,
+    "cuda": lambda: _torch_has("cuda"),
+    "npu": lambda: importlib.util.find_spec("torch_npu") is not None,
+}
+
+
+def _torch_has(device: str) -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(getattr(torch, device).is_available())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    required = set(filter(None, os.environ.get("VLLM_ASCEND_ROUTING_TEST_REQUIRE", "").split(",")))
+    available = {name: probe() for name, probe in RESOURCES.items()}
+    for item in items:
+        for name, present in available.items():
+            if name in item.keywords and not present:
+                if name in required:
+                    raise pytest.UsageError(f"{item.nodeid} needs {name}, which this run must provide")
+                item.add_marker(pytest.mark.skip(reason=f"needs {name}, not available here"))

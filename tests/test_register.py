@@ -1,0 +1,55 @@
+# SPDX-License-Identifier: Apache-2.0
+import subprocess
+import sys
+
+import pytest
+
+import vllm_ascend_routing
+from vllm_ascend_routing import integration
+
+
+def test_off_by_default_imports_nothing() -> None:
+    """With the variable unset, register() returns without importing vLLM, torch or our modules."""
+    code = (
+        "import sys, vllm_ascend_routing as p; p.register(); "
+        "heavy = [m for m in ('vllm', 'torch', 'vllm_ascend_routing.integration') if m in sys.modules]; "
+        "print(heavy)"
+    )
+    env = {"PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_enabled_installs_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(integration, "install", lambda: calls.append(1))
+    monkeypatch.setattr(vllm_ascend_routing, "_registered", False)
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING", "1")
+    vllm_ascend_routing.register()
+    vllm_ascend_routing.register()
+    assert calls == [1]
+
+
+def test_failed_install_is_not_marked_done(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse() -> None:
+        raise RuntimeError("unsupported")
+
+    monkeypatch.setattr(integration, "install", refuse)
+    monkeypatch.setattr(vllm_ascend_routing, "_registered", False)
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING", "1")
+    for _ in range(2):  # every process start refuses again, loudly
+        with pytest.raises(RuntimeError, match="unsupported"):
+            vllm_ascend_routing.register()
+
+
+def test_entry_point_declared() -> None:
+    from importlib.metadata import entry_points
+
+    eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert eps.get("vllm_ascend_routing") == "vllm_ascend_routing:register"
+
+
+def test_logger_goes_through_vllm_namespace() -> None:
+    from vllm_ascend_routing._logging import get_logger
+
+    assert get_logger("vllm_ascend_routing.integration").name.startswith("vllm.")

@@ -1,0 +1,41 @@
+# SPDX-License-Identifier: Apache-2.0
+import numpy as np
+
+from vllm_ascend_routing.testing.compare import compare
+
+
+def reference() -> np.ndarray:
+    ref = np.zeros((3, 3, 2), dtype=np.int64)
+    ref[:, 0] = [[1, 4], [0, 2], [3, 5]]
+    ref[:, 2] = [[2, 7], [1, 6], [0, 4]]
+    return ref
+
+
+def test_exact_match_in_any_order() -> None:
+    got = reference()[:, :, ::-1].astype(np.uint8)
+    result = compare(got, reference(), (0, 2))
+    assert result.ok and result.rows == 6 and result.rate == 1.0
+
+
+def test_one_wrong_row_is_reported() -> None:
+    got = reference().astype(np.uint8)
+    got[1, 2] = [1, 5]
+    result = compare(got, reference(), (0, 2), label="r")
+    assert not result.ok and result.matched == 5
+    assert "first at token 1, layer 2" in result.problems[0]
+
+
+def test_zeros_fail() -> None:
+    assert not compare(np.zeros((3, 3, 2), np.uint8), reference(), (0, 2)).ok
+
+
+def test_dense_layer_must_be_zero() -> None:
+    got = reference().astype(np.uint8)
+    got[0, 1] = [1, 1]
+    result = compare(got, reference(), (0, 2))
+    assert not result.ok and "dense layers [1]" in result.problems[0]
+
+
+def test_shape_and_none() -> None:
+    assert not compare(reference()[:2], reference(), (0, 2)).ok
+    assert not compare(None, reference(), (0, 2)).ok

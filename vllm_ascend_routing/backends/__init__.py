@@ -1,0 +1,85 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Bind every MoE layer of a target model to a ``LayerCapture``, through the backend that routes it.
+
+Backends (one module each) answer one question: for this MoE layer, where can its logical top-k ids be
+intercepted? ``router``: vLLM's ``BaseRouter`` capture hook. ``cpu_moe``: vLLM's CPU fused MoE
+(releases up to 0.27), which computes routing itself and never calls the router.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from vllm_ascend_routing._logging import get_logger
+from vllm_ascend_routing.backends import cpu_moe, router
+from vllm_ascend_routing.capture import LayerCapture
+
+logger = get_logger(__name__)
+
+
+class UnboundLayerError(RuntimeError):
+    """An MoE layer exists whose routing the plugin cannot intercept: refusing beats zeros."""
+
+
+def moe_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, int]]:
+    """``(name, module, layer_id)`` for each MoE layer of ``model`` (one per router).
+
+    Walks ``model.modules()`` (the target model only, never vLLM's ``static_forward_context``, which
+    also holds draft/MTP layers whose layer ids collide with the target's).
+    """
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        moe_router = getattr(module, "router", None)
+        if moe_router is None or not isinstance(getattr(module, "layer_name", None), str):
+            continue
+        if id(moe_router) in seen:
+            continue  # e.g. FusedMoE and its MoERunner share one router
+        seen.add(id(moe_router))
+        yield name, module, _layer_id(name, module)
+
+
+def _layer_id(name: str, module: torch.nn.Module) -> int:
+    layer_id = getattr(module, "layer_id", None)
+    if isinstance(layer_id, int):
+        return layer_id
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    try:
+        return int(extract_layer_index(module.layer_name))
+    except (AssertionError, ValueError) as exc:
+        raise UnboundLayerError(
+            f"MoE layer {name!r} ({module.layer_name!r}) has no layer id; its routing cannot be "
+            "placed. Report the model architecture to vllm-ascend-routing."
+        ) from exc
+
+
+def bind_model(model: torch.nn.Module, make_capture: Callable[[int], LayerCapture]) -> int:
+    """Bind each MoE layer of the target ``model``; returns how many were bound.
+
+    Raises:
+        UnboundLayerError: for a layer no backend can intercept, or a model with no MoE layer.
+    """
+    count = 0
+    for name, module, layer_id in moe_layers(model):
+        capture = make_capture(layer_id)
+        if cpu_moe.handles(module):
+            cpu_moe.bind(module, capture)
+        elif router.handles(module):
+            router.bind(module, capture)
+        else:
+            raise UnboundLayerError(
+                f"MoE layer {name!r}: no capture backend for router {type(module.router).__name__} "
+                f"/ quant method {type(quant_method(module)).__name__}; refusing instead of "
+                "returning zeros."
+            )
+        count += 1
+    if count == 0:
+        raise UnboundLayerError("No MoE layer found in the model: nothing to capture.")
+    logger.debug("bound %d MoE layers", count)
+    return count
+
+
+def quant_method(module: torch.nn.Module) -> object:
+    return getattr(module, "quant_method", None) or getattr(module, "_quant_method", None)

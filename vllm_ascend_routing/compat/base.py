@@ -1,0 +1,46 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The small interface every vLLM API generation implements, and the generation names."""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+SUPPORTED_RELEASES = "0.22.0-0.30.0"
+
+
+class Generation(str, enum.Enum):
+    """How a vLLM release moves routed experts from the worker to the user."""
+
+    SHM = "shm"  # 0.20.x: singleton capturer, KV-slot-indexed POSIX shared memory
+    REVERTED = "reverted"  # 0.21.0 only: device-cache design, reverted upstream; refused
+    RUNNER_OUTPUT = "runner-output"  # 0.22-0.30: per-runner capturer, ModelRunnerOutput.routed_experts
+    AUX_OUTPUT = "aux-output"  # 0.31+: AuxOutput connector on Model Runner V2
+
+
+class UnsupportedVllmError(RuntimeError):
+    """Raised at start-up for a vLLM release or configuration the plugin refuses."""
+
+
+class CaptureAPI(Protocol):
+    """What the runner mixin and ``integration`` need from one vLLM API generation."""
+
+    generation: Generation
+
+    def install(self) -> None:
+        """Patch this generation's runner hooks into vLLM (idempotent)."""
+
+    def check_config(self, vllm_config: Any) -> None:
+        """Raise ``UnsupportedVllmError`` for a configuration the capture cannot serve exactly."""
+
+    def bind(self, model: torch.nn.Module, capturer: Any, vllm_config: Any) -> None:
+        """Make every MoE layer of the target ``model`` record its logical top-k ids into ``capturer``.
+
+        Args:
+            model: the target model (never a draft/MTP model).
+            capturer: the generation's capturer object as the runner created it.
+            vllm_config: the engine's ``VllmConfig``.
+        """

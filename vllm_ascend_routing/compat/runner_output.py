@@ -1,0 +1,112 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Generation ``runner-output``: vLLM 0.22.0-0.30.0 (vLLM PR #39568, per-runner capturer).
+
+vLLM's runner owns the transport: it snapshots the step's attention slot mapping, copies
+``capturer.device_buffer[:num_tokens]`` to a pinned host buffer (non-blocking, joined with the step's
+existing sync) and ships ``RoutedExpertsLists`` on ``ModelRunnerOutput.routed_experts``; the scheduler's
+``RoutedExpertsManager`` stores rows by KV slot and returns uint8/uint16
+``[num_tokens - 1 - prompt_start, num_hidden_layers, top_k]``. This adapter only replaces the binding:
+  * target-model MoE layers only, through whichever backend routes them (``backends``);
+  * the capture buffer becomes int16 (half the bytes of upstream's int32 per step), written by the
+    ``record_topk_ids`` custom op so the write survives ``torch.compile``.
+Binding entry: ``GPUModelRunner._bind_routed_experts_capturer`` (0.22-0.27) or the module function
+``bind_routed_experts_capturer(model, capturer)`` the runners import (0.28-0.30, both runners).
+
+SCAFFOLDING: remove when the lowest supported vLLM is >= 0.31 (AuxOutput connector only).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from vllm_ascend_routing import backends
+from vllm_ascend_routing._logging import get_logger
+from vllm_ascend_routing.capture import LayerCapture, new_capture_buffer, new_error_counter
+from vllm_ascend_routing.compat.base import Generation, UnsupportedVllmError
+from vllm_ascend_routing.runner_mixin import binding_runner
+
+logger = get_logger(__name__)
+
+# Runner modules that import the module-level binder (0.28-0.30); absent names are skipped.
+_BINDER_IMPORTERS = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner")
+_BINDER = "bind_routed_experts_capturer"
+_PATCHED = "_vllm_ascend_routing_patched"
+
+
+def _bind_through_runner(model: torch.nn.Module, capturer: Any) -> None:
+    """Stands in for vLLM's module-level binder: route to the runner's (mixin) bind hook."""
+    runner = binding_runner()
+    if runner is None or runner.model is not model:
+        raise RuntimeError(
+            "vllm-ascend-routing: routed-experts binding called outside a patched model runner's "
+            "init_routed_experts_capturer(); this runner class is not supported."
+        )
+    runner._bind_routed_experts_capturer(capturer)
+
+
+setattr(_bind_through_runner, _PATCHED, True)
+
+
+class RunnerOutputAPI:
+    generation = Generation.RUNNER_OUTPUT
+
+    def install(self) -> None:
+        for name in _BINDER_IMPORTERS:
+            try:
+                module = importlib.import_module(name)
+            except ImportError:
+                continue
+            if hasattr(module, _BINDER):
+                setattr(module, _BINDER, _bind_through_runner)
+
+    def check_config(self, vllm_config: Any) -> None:
+        parallel = vllm_config.parallel_config
+        refusals = {
+            "pipeline_parallel_size": "pipeline parallelism",
+            "data_parallel_size": "data parallelism",
+            "decode_context_parallel_size": "decode context parallelism",
+            "prefill_context_parallel_size": "prefill context parallelism",
+        }
+        for attr, what in refusals.items():
+            size = getattr(parallel, attr, 1) or 1
+            if size > 1:
+                raise UnsupportedVllmError(
+                    f"vllm-ascend-routing: {what} ({attr}={size}) is not supported with routed-experts "
+                    f"capture on vLLM's runner-output API; set {attr}=1 or unset VLLM_ASCEND_ROUTING."
+                )
+        if getattr(vllm_config, "kv_transfer_config", None) is not None:
+            raise UnsupportedVllmError(
+                "vllm-ascend-routing: KV-transfer connectors (P/D disaggregation, KV offload) load KV "
+                "blocks whose routing was never captured here; remove --kv-transfer-config or unset "
+                "VLLM_ASCEND_ROUTING."
+            )
+
+    def bind(self, model: torch.nn.Module, capturer: Any, vllm_config: Any) -> None:
+        self.check_config(vllm_config)
+        old = capturer.device_buffer
+        num_tokens, num_layers, top_k = old.shape
+        num_experts = int(vllm_config.model_config.get_num_experts())
+        # Replaced before the runner allocates its pinned host mirror (which copies this dtype) and
+        # before any graph capture, and never again.
+        buffer = new_capture_buffer(num_tokens, num_layers, top_k, num_experts, old.device)
+        capturer.device_buffer = buffer
+        errors = new_error_counter(old.device)
+
+        def make_capture(layer_id: int) -> LayerCapture:
+            if not 0 <= layer_id < num_layers:
+                raise backends.UnboundLayerError(
+                    f"MoE layer id {layer_id} is outside the {num_layers} hidden layers of the output."
+                )
+            return LayerCapture(buffer, layer_id, num_experts, errors)
+
+        count = backends.bind_model(model, make_capture)
+        logger.info(
+            "routed-experts capture bound to %d MoE layers: buffer %s %s, %d experts",
+            count,
+            tuple(buffer.shape),
+            str(buffer.dtype).removeprefix("torch."),
+            num_experts,
+        )

@@ -1,0 +1,69 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Every environment variable the plugin reads, in one place.
+
+Values are read lazily (module ``__getattr__``) so a test or a process that sets a variable after import
+still sees it, and so importing this module never imports vLLM or torch. ``setup.py`` reads the build
+section by path.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    VLLM_ASCEND_ROUTING: bool = False
+    VLLM_ASCEND_ROUTING_VLLM_API: str = "auto"
+    VLLM_ASCEND_ROUTING_FORCE_REFERENCE: bool = False
+    VLLM_ASCEND_ROUTING_TARGET_DEVICE: str = ""
+
+
+def _bool(name: str) -> Callable[[], bool]:
+    def read() -> bool:
+        value = os.getenv(name, "0").strip().lower()
+        if value in ("1", "true", "yes", "on"):
+            return True
+        if value in ("", "0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name}={value!r}: expected 0 or 1")
+
+    return read
+
+
+def _choice(name: str, default: str, choices: tuple[str, ...]) -> Callable[[], str]:
+    def read() -> str:
+        value = os.getenv(name, default).strip().lower() or default
+        if value not in choices:
+            raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)}")
+        return value
+
+    return read
+
+
+environment_variables: dict[str, Callable[[], Any]] = {
+    # ---- runtime ----
+    # Master switch: the plugin does nothing at all unless this is 1.
+    "VLLM_ASCEND_ROUTING": _bool("VLLM_ASCEND_ROUTING"),
+    # Force the vLLM API generation instead of detecting it (tests, source builds with odd versions).
+    "VLLM_ASCEND_ROUTING_VLLM_API": _choice(
+        "VLLM_ASCEND_ROUTING_VLLM_API", "auto", ("auto", "shm", "runner-output", "aux-output")
+    ),
+    # Use the PyTorch reference of record_topk_ids even where a native kernel is built.
+    "VLLM_ASCEND_ROUTING_FORCE_REFERENCE": _bool("VLLM_ASCEND_ROUTING_FORCE_REFERENCE"),
+    # ---- build (read by setup.py) ----
+    # Native kernel backend to build: "cuda", "npu", or "" (none: PyTorch reference only).
+    "VLLM_ASCEND_ROUTING_TARGET_DEVICE": _choice(
+        "VLLM_ASCEND_ROUTING_TARGET_DEVICE", "", ("", "empty", "cuda", "npu")
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in environment_variables:
+        return environment_variables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(environment_variables)

@@ -1,0 +1,68 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The only module that patches vLLM. Called once by ``register()`` when ``VLLM_ASCEND_ROUTING=1``.
+
+Patch manifest (every patch is idempotent; nothing is patched when the plugin is off):
+
+| Symbol | What / why | Releases | Remove when |
+|---|---|---|---|
+| ``GPUModelRunner.init_routed_experts_capturer`` (V1 ``vllm.v1.worker.gpu_model_runner`` and MRV2 ``vllm.v1.worker.gpu.model_runner``; CPU runners inherit) | mixin hook: vLLM's own init runs, our binding is used | 0.22-0.30 | generation dropped |
+| ``GPUModelRunner._bind_routed_experts_capturer`` | mixin hook: bind target-model MoE layers through our backends (upstream's bind skips CPU MoE / raises on 0.27) | 0.22-0.27 | generation dropped |
+| ``bind_routed_experts_capturer`` name in the runner modules | redirect vLLM's module-level binder to the runner's mixin hook | 0.28-0.30 | generation dropped |
+| ``cpu_fused_moe.CPUFusedMOE`` instance ``forward_method`` (per bound layer, at bind time) | record top-k ids the CPU MoE computes without the router | 0.22-0.27 | CPU MoE goes through ``BaseRouter`` (0.28+) everywhere supported |
+| ``cpu_fused_moe._CPU_MOE_ACT_FN[SILU]`` | CPU compat fix (see ``_cpu_compat``) | 0.20-0.27 | fixed upstream |
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from vllm_ascend_routing import _cpu_compat, ops
+from vllm_ascend_routing._logging import get_logger
+from vllm_ascend_routing.compat import UnsupportedVllmError, get_api, vllm_version
+from vllm_ascend_routing.runner_mixin import apply_mixin
+
+logger = get_logger(__name__)
+
+# Model-runner classes per platform device type; absent modules are skipped (a release may lack MRV2).
+_RUNNERS = {
+    "cuda": ("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "vllm.v1.worker.gpu.model_runner:GPUModelRunner"),
+    "cpu": ("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "vllm.v1.worker.gpu.model_runner:GPUModelRunner"),
+}
+
+
+def _load(path: str) -> type | None:
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return None
+    cls = getattr(module, attr, None)
+    return cls if isinstance(cls, type) else None
+
+
+def install() -> None:
+    """Detect the vLLM generation, patch the runner hooks, log one start-up line."""
+    api = get_api()
+    from vllm.platforms import current_platform
+
+    device = str(current_platform.device_type)
+    if device not in _RUNNERS:
+        raise UnsupportedVllmError(
+            f"vllm-ascend-routing: platform '{device}' is not supported by this version "
+            f"(supported: {', '.join(sorted(_RUNNERS))}); unset VLLM_ASCEND_ROUTING."
+        )
+    runners = [cls for cls in map(_load, _RUNNERS[device]) if cls is not None]
+    if not runners:
+        raise UnsupportedVllmError(f"vllm-ascend-routing: no model runner found for '{device}'.")
+    for cls in runners:
+        apply_mixin(cls)
+    api.install()
+    fixed = device == "cpu" and _cpu_compat.apply()
+    logger.info(
+        "vllm-ascend-routing enabled: vLLM %s, API generation %s, platform %s, kernel backend %s%s",
+        vllm_version(),
+        api.generation.value,
+        device,
+        ops.kernel_backend(),
+        ", CPU MoE compat fix applied" if fixed else "",
+    )

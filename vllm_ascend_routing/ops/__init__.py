@@ -1,0 +1,42 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Public op ``record_topk_ids``: scatter a layer's top-k expert ids into a capture buffer."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_ascend_routing.ops._library import check_arguments, record_topk_ids_op
+from vllm_ascend_routing.ops._reference import storage_limit
+
+__all__ = ["kernel_backend", "record_topk_ids", "storage_limit"]
+
+
+def record_topk_ids(
+    topk_ids: torch.Tensor,
+    out: torch.Tensor,
+    layer_id: int,
+    rows: torch.Tensor | None = None,
+    num_experts: int | None = None,
+    errors: torch.Tensor | None = None,
+) -> None:
+    """Write one MoE layer's top-k ids into ``out`` in place, without a host synchronisation.
+
+    Args:
+        topk_ids: `[N, K]` int32/int64 logical expert ids, one row per token.
+        out: `[R, L, K]` int16 (or uint8) capture buffer on the same device.
+        layer_id: layer index in ``[0, L)``.
+        rows: optional `[N]` int32/int64 destination row per token; negative rows are padding and are
+            skipped. Without it token ``i`` goes to row ``i``.
+        num_experts: when given, an id outside ``[0, num_experts)`` or outside ``out``'s dtype range is
+            stored as -1 (int16) / 255 (uint8) instead of a wrapped value, and counted in ``errors``.
+        errors: optional 1-element int32/int64 counter, incremented in place.
+    """
+    check_arguments(topk_ids, out, layer_id, rows, errors)
+    if errors is None:
+        errors = topk_ids.new_zeros(1)  # discarded counter; capture paths pass a persistent one
+    record_topk_ids_op(topk_ids, out, layer_id, rows, num_experts, errors)
+
+
+def kernel_backend() -> str:
+    """Which implementation serves ``record_topk_ids`` in this install (logged at start-up)."""
+    return "pytorch-reference"

@@ -1,0 +1,67 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Run vLLM offline on a tiny MoE and check every returned row against the reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from vllm_ascend_routing.testing.compare import Match, compare
+from vllm_ascend_routing.testing.models import TinyMoE
+from vllm_ascend_routing.testing.reference import RouterReference
+
+KV_CACHE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    routed_experts: np.ndarray | None
+
+
+def make_llm(model: TinyMoE, *, enforce_eager: bool = True, **kwargs: Any) -> Any:
+    """An ``LLM`` for ``model`` with routed-experts return on, sized for a small CPU machine."""
+    from vllm import LLM
+
+    options: dict[str, Any] = {
+        "model": str(model.path),
+        "dtype": "float32",
+        "enable_return_routed_experts": True,
+        "kv_cache_memory_bytes": KV_CACHE_BYTES,
+        "max_model_len": 1024,
+        "enforce_eager": enforce_eager,
+        "seed": 0,
+    }
+    options.update(kwargs)
+    return LLM(**options)
+
+
+def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 8) -> list[Completion]:
+    """Greedy generation of exactly ``max_tokens`` tokens per prompt (EOS ignored), in prompt order."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [
+        Completion(list(o.prompt_token_ids), list(o.outputs[0].token_ids), o.outputs[0].routed_experts)
+        for o in outputs
+    ]
+
+
+def check(
+    reference: RouterReference, model: TinyMoE, completions: list[Completion], prompt_start: int = 0
+) -> Match:
+    """Every (token, MoE layer) row of every completion against the reference, exactly."""
+    total = Match()
+    for i, c in enumerate(completions):
+        tokens = c.prompt_ids + c.output_ids[:-1]  # the last sampled token is never forwarded
+        expected = reference.routed_experts(tokens)[prompt_start:]
+        total.add(compare(c.routed_experts, expected, model.moe_layers, label=f"request {i}"))
+    return total
+
+
+def reference_for(model: TinyMoE) -> RouterReference:
+    return RouterReference(model.path, model.num_hidden_layers, model.num_experts, model.top_k)
