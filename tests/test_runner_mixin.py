@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import pytest
@@ -14,10 +13,14 @@ from vllm_ascend_routing.compat import runner_output
 
 class FakeAPI:
     def __init__(self) -> None:
-        self.calls: list[tuple[Any, Any, Any]] = []
+        self.events: list[tuple[str, Any]] = []
 
-    def bind(self, model: Any, capturer: Any, vllm_config: Any) -> None:
-        self.calls.append((model, capturer, vllm_config))
+    def prepare(self, model: Any, vllm_config: Any, device: Any) -> Any:
+        self.events.append(("prepare", model))
+        return f"prepared:{id(model)}"
+
+    def attach(self, prepared: Any, capturer: Any) -> None:
+        self.events.append(("attach", (prepared, capturer)))
 
 
 @pytest.fixture
@@ -27,44 +30,61 @@ def api(monkeypatch: pytest.MonkeyPatch) -> FakeAPI:
     return fake
 
 
-def make_runner_class(binds_via_module: bool) -> type:
-    module_binder = types.SimpleNamespace(bind=None)
-
-    class Runner:
-        upstream_bound = False
+def make_runner_classes(binds_via_module: bool) -> tuple[type, type]:
+    class GPURunner:
+        upstream_bound = 0
 
         def __init__(self) -> None:
-            self.model = object()
             self.vllm_config = object()
+            self.device = "cpu"
             self.steps: list[str] = []
+
+        def load_model(self) -> None:
+            self.model = object()
+            self.steps.append("load")
 
         def init_routed_experts_capturer(self) -> None:
             self.steps.append("create capturer")
-            capturer = "capturer"
             if binds_via_module:  # 0.28-0.30: module-level binder, patched by the adapter
-                runner_output._bind_through_runner(self.model, capturer)
+                runner_output._bind_through_runner(self.model, "capturer")
             else:  # 0.22-0.27
-                self._bind_routed_experts_capturer(capturer)
+                self._bind_routed_experts_capturer("capturer")
             self.steps.append("allocate host buffers")
 
         def _bind_routed_experts_capturer(self, capturer: Any) -> None:
-            Runner.upstream_bound = True
+            GPURunner.upstream_bound += 1
 
-    Runner.module_binder = module_binder  # type: ignore[attr-defined]
-    return Runner
+    class CPURunner(GPURunner):
+        def load_model(self) -> None:  # like vLLM's CPU runner: overrides, calls super
+            super().load_model()
+            self.steps.append("cpu load")
+
+    return GPURunner, CPURunner
 
 
 @pytest.mark.parametrize("binds_via_module", [False, True], ids=["0.22-0.27", "0.28-0.30"])
-def test_hooks_run_in_order_and_bind_target_model(api: FakeAPI, binds_via_module: bool) -> None:
-    cls = make_runner_class(binds_via_module)
-    runner_mixin.apply_mixin(cls)
-    runner_mixin.apply_mixin(cls)  # idempotent
-    runner = cls()
+def test_hooks_run_in_order(api: FakeAPI, binds_via_module: bool) -> None:
+    gpu, cpu = make_runner_classes(binds_via_module)
+    for cls in (cpu, gpu, cpu, gpu):  # any order, repeatedly: idempotent
+        runner_mixin.apply_mixin(cls)
+    runner = cpu()
+    runner.load_model()
     runner.init_routed_experts_capturer()
-    assert runner.steps == ["create capturer", "allocate host buffers"]  # vLLM's own init ran
-    assert api.calls == [(runner.model, "capturer", runner.vllm_config)]
-    assert cls.upstream_bound is False  # upstream binding replaced, not stacked
-    assert runner_mixin.binding_runner() is None  # context cleared after init
+    assert runner.steps == ["load", "cpu load", "create capturer", "allocate host buffers"]
+    prepared = f"prepared:{id(runner.model)}"
+    # prepared exactly once (at load, before any forward), attached when vLLM creates its capturer
+    assert api.events == [("prepare", runner.model), ("attach", (prepared, "capturer"))]
+    assert gpu.upstream_bound == 0  # upstream binding replaced, not stacked
+    assert runner_mixin.binding_runner() is None
+
+
+def test_bind_without_load_hook_is_loud(api: FakeAPI) -> None:
+    gpu, _ = make_runner_classes(False)
+    runner_mixin.apply_mixin(gpu)
+    runner = gpu()
+    runner.model = object()
+    with pytest.raises(RuntimeError, match="load_model hook did not run"):
+        runner.init_routed_experts_capturer()
 
 
 def test_module_binder_outside_runner_init_is_loud() -> None:
@@ -73,8 +93,9 @@ def test_module_binder_outside_runner_init_is_loud() -> None:
 
 
 def test_module_binder_for_another_model_is_loud(api: FakeAPI) -> None:
-    cls = make_runner_class(True)
-    runner_mixin.apply_mixin(cls)
-    runner = cls()
+    gpu, _ = make_runner_classes(True)
+    runner_mixin.apply_mixin(gpu)
+    runner = gpu()
+    runner.load_model()
     with runner_mixin.as_binding_runner(runner), pytest.raises(RuntimeError, match="outside"):
         runner_output._bind_through_runner(object(), "capturer")  # e.g. a draft model

@@ -30,6 +30,16 @@ class LayerCapture:
         record_topk_ids(topk_ids, self.buffer, self.layer_id, None, self.num_experts, self.errors)
 
 
+@dataclass(frozen=True)
+class PreparedCapture:
+    """A target model's capture, bound at load time: one buffer, one error counter, all MoE layers."""
+
+    buffer: torch.Tensor  # [max_tokens, num_hidden_layers, top_k] int16, zeroed
+    errors: torch.Tensor
+    num_experts: int
+    num_bound_layers: int
+
+
 def new_error_counter(device: torch.device | str) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int64, device=device)
 

@@ -5,7 +5,8 @@ Patch manifest (every patch is idempotent; nothing is patched when the plugin is
 
 | Symbol | What / why | Releases | Remove when |
 |---|---|---|---|
-| ``GPUModelRunner.init_routed_experts_capturer`` (V1 ``vllm.v1.worker.gpu_model_runner`` and MRV2 ``vllm.v1.worker.gpu.model_runner``; CPU runners inherit) | mixin hook: vLLM's own init runs, our binding is used | 0.22-0.30 | generation dropped |
+| ``load_model`` of the runner classes (V1 ``vllm.v1.worker.gpu_model_runner.GPUModelRunner``, MRV2 ``vllm.v1.worker.gpu.model_runner.GPUModelRunner``, and the CPU runners that override it) | mixin hook: bind MoE layers to a static buffer before vLLM first compiles the model | 0.22-0.30 | generation dropped |
+| ``init_routed_experts_capturer`` of the same classes | mixin hook: vLLM's own init runs, our binding is used | 0.22-0.30 | generation dropped |
 | ``GPUModelRunner._bind_routed_experts_capturer`` | mixin hook: bind target-model MoE layers through our backends (upstream's bind skips CPU MoE / raises on 0.27) | 0.22-0.27 | generation dropped |
 | ``bind_routed_experts_capturer`` name in the runner modules | redirect vLLM's module-level binder to the runner's mixin hook | 0.28-0.30 | generation dropped |
 | ``cpu_fused_moe.CPUFusedMOE`` instance ``forward_method`` (per bound layer, at bind time) | record top-k ids the CPU MoE computes without the router | 0.22-0.27 | CPU MoE goes through ``BaseRouter`` (0.28+) everywhere supported |
@@ -24,9 +25,14 @@ from vllm_ascend_routing.runner_mixin import apply_mixin
 logger = get_logger(__name__)
 
 # Model-runner classes per platform device type; absent modules are skipped (a release may lack MRV2).
+_GPU_RUNNERS = (
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner",  # V1 runner
+    "vllm.v1.worker.gpu.model_runner:GPUModelRunner",  # Model Runner V2 (0.26+)
+)
 _RUNNERS = {
-    "cuda": ("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "vllm.v1.worker.gpu.model_runner:GPUModelRunner"),
-    "cpu": ("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "vllm.v1.worker.gpu.model_runner:GPUModelRunner"),
+    "cuda": _GPU_RUNNERS,
+    # The CPU runners subclass the GPU ones and override load_model, so they are patched too.
+    "cpu": (*_GPU_RUNNERS, "vllm.v1.worker.cpu_model_runner:CPUModelRunner", "vllm.v1.worker.cpu.model_runner:CPUModelRunner"),
 }
 
 

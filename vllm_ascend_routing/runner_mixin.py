@@ -1,21 +1,29 @@
 # SPDX-License-Identifier: Apache-2.0
 """``RoutingCaptureRunnerMixin``: the model-runner hooks, written once for every vLLM generation.
 
-The hooks call only ``compat.get_api()``; what a generation needs beyond them lives in its adapter.
-``apply_mixin`` installs the hooks on a runner class that vLLM (or vllm-ascend) instantiates itself.
+Two moments matter:
+  * ``load_model``: right after the model exists and before its first forward, the target model's MoE
+    layers are bound to a static capture buffer. It must be this early: vLLM compiles (and captures
+    graphs of) the model during memory profiling, before it creates its capturer, and a compiled graph
+    keeps only the code present when it was traced. Binding later (upstream's moment) records nothing
+    where the MoE forward is traced (vLLM's CPU path: all-zero routing under ``torch.compile``).
+  * ``init_routed_experts_capturer`` / ``_bind_routed_experts_capturer``: vLLM's own capturer is created
+    as usual and is handed the static buffer instead of binding layers itself.
+The hooks call only ``compat.get_api()``; ``apply_mixin`` installs them on runner classes vLLM creates.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from vllm_ascend_routing.compat import get_api
 
 _PATCHED = "_vllm_ascend_routing_patched"
-_ORIGINAL = "_vllm_ascend_routing_original_"
+PREPARED = "_vllm_ascend_routing_capture"
 
 # The runner whose init_routed_experts_capturer() is running, for vLLM releases (0.28+) whose runner
 # binds through a module-level function that is not given the runner.
@@ -28,33 +36,60 @@ def binding_runner() -> Any:
 
 
 class RoutingCaptureRunnerMixin:
-    """Model-runner hooks: create capture through vLLM's own path, bind it through ours."""
+    """Hooks; each receives the patched class's ``original`` method (``None`` if it has none)."""
 
     model: Any
     vllm_config: Any
+    device: Any
 
-    def init_routed_experts_capturer(self) -> None:
-        """vLLM's own initialisation (capturer, pinned buffers, slot mapping), with our binding."""
+    def load_model(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        done = getattr(self, PREPARED, None)
+        if done is None or done[0] is not self.model:  # once per model, even if a subclass nests calls
+            setattr(self, PREPARED, (self.model, get_api().prepare(self.model, self.vllm_config, self.device)))
+        return result
+
+    def init_routed_experts_capturer(self, original: Callable[..., Any]) -> None:
         token = _binding_runner.set(self)
         try:
-            getattr(self, _ORIGINAL + "init_routed_experts_capturer")()
+            original(self)  # vLLM's own init: capturer, pinned host buffers, slot-mapping snapshot
         finally:
             _binding_runner.reset(token)
 
-    def _bind_routed_experts_capturer(self, capturer: Any) -> None:
-        """Bind the target model's MoE layers (never draft/MTP layers) to ``capturer``."""
-        get_api().bind(self.model, capturer, self.vllm_config)
+    def _bind_routed_experts_capturer(self, original: Callable[..., Any] | None, capturer: Any) -> None:
+        _, prepared = getattr(self, PREPARED, (None, None))
+        if prepared is None:
+            raise RuntimeError(
+                "vllm-ascend-routing: the runner's load_model hook did not run, so routed-experts "
+                f"capture was never bound before compilation ({type(self).__name__} is not supported)."
+            )
+        get_api().attach(prepared, capturer)
+
+
+_HOOKS = ("load_model", "init_routed_experts_capturer", "_bind_routed_experts_capturer")
+_HOOK_MARK = "_vllm_ascend_routing_hook"
+
+
+def _hook(name: str, original: Callable[..., Any] | None) -> Callable[..., Any]:
+    hook = getattr(RoutingCaptureRunnerMixin, name)
+
+    @functools.wraps(original or hook)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return hook(self, original, *args, **kwargs)
+
+    setattr(method, _HOOK_MARK, True)
+    return method
 
 
 def apply_mixin(runner_cls: type) -> None:
-    """Install the mixin's hooks on ``runner_cls`` (idempotent); the originals stay reachable."""
+    """Install the hooks on ``runner_cls`` (idempotent); each wraps that class's own original."""
     if runner_cls.__dict__.get(_PATCHED):
         return
-    for name in ("init_routed_experts_capturer", "_bind_routed_experts_capturer"):
-        original = getattr(runner_cls, name, None)
-        if original is not None:
-            setattr(runner_cls, _ORIGINAL + name, original)
-        setattr(runner_cls, name, RoutingCaptureRunnerMixin.__dict__[name])
+    for name in _HOOKS:
+        current = getattr(runner_cls, name, None)
+        if getattr(current, _HOOK_MARK, False):
+            continue  # inherited from a patched base class: wrapping it again would run the hook twice
+        setattr(runner_cls, name, _hook(name, current))
     setattr(runner_cls, _PATCHED, True)
 
 

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from vllm_ascend_routing.capture import PreparedCapture
+
 SUPPORTED_RELEASES = "0.22.0-0.30.0"
 
 
@@ -33,14 +35,18 @@ class CaptureAPI(Protocol):
     def install(self) -> None:
         """Patch this generation's runner hooks into vLLM (idempotent)."""
 
-    def check_config(self, vllm_config: Any) -> None:
-        """Raise ``UnsupportedVllmError`` for a configuration the capture cannot serve exactly."""
+    def prepare(
+        self, model: torch.nn.Module, vllm_config: Any, device: torch.device
+    ) -> PreparedCapture | None:
+        """At model load, before any forward: check the config, allocate the static capture buffer and
+        bind every MoE layer of the target ``model`` (never a draft/MTP model) to it.
 
-    def bind(self, model: torch.nn.Module, capturer: Any, vllm_config: Any) -> None:
-        """Make every MoE layer of the target ``model`` record its logical top-k ids into ``capturer``.
+        Returns:
+            The prepared capture, or ``None`` when routed-experts return is off for this engine.
 
-        Args:
-            model: the target model (never a draft/MTP model).
-            capturer: the generation's capturer object as the runner created it.
-            vllm_config: the engine's ``VllmConfig``.
+        Raises:
+            UnsupportedVllmError: for a configuration the capture cannot serve exactly.
         """
+
+    def attach(self, prepared: PreparedCapture, capturer: Any) -> None:
+        """Make vLLM's own capturer (created later by the runner) carry the prepared buffer."""

@@ -6,11 +6,12 @@ vLLM's runner owns the transport: it snapshots the step's attention slot mapping
 existing sync) and ships ``RoutedExpertsLists`` on ``ModelRunnerOutput.routed_experts``; the scheduler's
 ``RoutedExpertsManager`` stores rows by KV slot and returns uint8/uint16
 ``[num_tokens - 1 - prompt_start, num_hidden_layers, top_k]``. This adapter only replaces the binding:
-  * target-model MoE layers only, through whichever backend routes them (``backends``);
-  * the capture buffer becomes int16 (half the bytes of upstream's int32 per step), written by the
-    ``record_topk_ids`` custom op so the write survives ``torch.compile``.
-Binding entry: ``GPUModelRunner._bind_routed_experts_capturer`` (0.22-0.27) or the module function
-``bind_routed_experts_capturer(model, capturer)`` the runners import (0.28-0.30, both runners).
+  * at model load (before vLLM compiles the model during profiling), target-model MoE layers only are
+    bound, through whichever backend routes them (``backends``), to a static int16 buffer (half the bytes
+    of upstream's int32 per step), written by the ``record_topk_ids`` custom op;
+  * when vLLM creates its capturer, ``_bind_routed_experts_capturer`` (0.22-0.27) or the module function
+    ``bind_routed_experts_capturer(model, capturer)`` the runners import (0.28-0.30, both runners) hands
+    it that buffer instead of binding layers.
 
 SCAFFOLDING: remove when the lowest supported vLLM is >= 0.31 (AuxOutput connector only).
 """
@@ -24,7 +25,7 @@ import torch
 
 from vllm_ascend_routing import backends
 from vllm_ascend_routing._logging import get_logger
-from vllm_ascend_routing.capture import LayerCapture, new_capture_buffer, new_error_counter
+from vllm_ascend_routing.capture import LayerCapture, PreparedCapture, new_capture_buffer, new_error_counter
 from vllm_ascend_routing.compat.base import Generation, UnsupportedVllmError
 from vllm_ascend_routing.runner_mixin import binding_runner
 
@@ -84,16 +85,27 @@ class RunnerOutputAPI:
                 "VLLM_ASCEND_ROUTING."
             )
 
-    def bind(self, model: torch.nn.Module, capturer: Any, vllm_config: Any) -> None:
+    def routing_shape(self, vllm_config: Any) -> tuple[int, int, int]:
+        """``(num_hidden_layers, top_k, num_experts)`` exactly as this generation's capturer sizes them."""
+        model_config = vllm_config.model_config
+        if hasattr(model_config, "get_num_experts_per_tok"):  # 0.28+
+            num_layers = model_config.get_total_num_hidden_layers()
+            top_k = model_config.get_num_experts_per_tok()
+        else:  # 0.22-0.27: the capturer reads the HF text config
+            from vllm.model_executor.layers.fused_moe import routed_experts_capturer as upstream
+
+            num_layers = model_config.hf_text_config.num_hidden_layers
+            top_k = upstream._get_num_experts_per_tok(model_config.hf_text_config)
+        return int(num_layers), int(top_k), int(model_config.get_num_experts())
+
+    def prepare(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> PreparedCapture | None:
+        if not vllm_config.model_config.enable_return_routed_experts:
+            return None
         self.check_config(vllm_config)
-        old = capturer.device_buffer
-        num_tokens, num_layers, top_k = old.shape
-        num_experts = int(vllm_config.model_config.get_num_experts())
-        # Replaced before the runner allocates its pinned host mirror (which copies this dtype) and
-        # before any graph capture, and never again.
-        buffer = new_capture_buffer(num_tokens, num_layers, top_k, num_experts, old.device)
-        capturer.device_buffer = buffer
-        errors = new_error_counter(old.device)
+        num_layers, top_k, num_experts = self.routing_shape(vllm_config)
+        num_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
+        buffer = new_capture_buffer(num_tokens, num_layers, top_k, num_experts, device)
+        errors = new_error_counter(device)
 
         def make_capture(layer_id: int) -> LayerCapture:
             if not 0 <= layer_id < num_layers:
@@ -104,9 +116,21 @@ class RunnerOutputAPI:
 
         count = backends.bind_model(model, make_capture)
         logger.info(
-            "routed-experts capture bound to %d MoE layers: buffer %s %s, %d experts",
+            "routed-experts capture bound to %d MoE layers at load: buffer %s %s, %d experts",
             count,
             tuple(buffer.shape),
             str(buffer.dtype).removeprefix("torch."),
             num_experts,
         )
+        return PreparedCapture(buffer, errors, num_experts, count)
+
+    def attach(self, prepared: PreparedCapture, capturer: Any) -> None:
+        # Done before the runner allocates its pinned host mirror (which copies this dtype) and
+        # before any graph capture; never reallocated.
+        upstream = capturer.device_buffer
+        if tuple(upstream.shape) != tuple(prepared.buffer.shape) or upstream.device != prepared.buffer.device:
+            raise RuntimeError(
+                f"vllm-ascend-routing: vLLM's capturer buffer {tuple(upstream.shape)} on {upstream.device} "
+                f"does not match the prepared {tuple(prepared.buffer.shape)} on {prepared.buffer.device}."
+            )
+        capturer.device_buffer = prepared.buffer
