@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -39,13 +40,27 @@ DROPPED = {"torchvision", "torchaudio", "torchcodec", "triton"}
 
 
 def cache_root() -> Path:
-    env = os.environ.get("VLLM_ASCEND_ROUTING_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "vllm_ascend_routing"
+    # envs.py is read by path: this script runs before the package is installed anywhere.
+    spec = importlib.util.spec_from_file_location("_envs", ROOT / "vllm_ascend_routing" / "envs.py")
+    assert spec is not None and spec.loader is not None
+    envs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(envs)
+    return Path(envs.VLLM_ASCEND_ROUTING_CACHE)
 
 
-def run(cmd: list[str], **kw: object) -> None:
-    print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, **kw)  # type: ignore[call-overload]
+_LOG: list[Path] = []  # with --print, commands write here instead of the terminal
+
+
+def run(cmd: list[str]) -> None:
+    if not _LOG:
+        print("+", " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
+        return
+    with _LOG[0].open("a") as log:
+        log.write("+ " + " ".join(cmd) + "\n")
+        log.flush()
+        if subprocess.run(cmd, stdout=log, stderr=log).returncode != 0:
+            sys.exit(f"scripts/venv.py: command failed: {' '.join(cmd)}\n  see {_LOG[0]}")
 
 
 def pip(py: Path, *args: str) -> None:
@@ -143,14 +158,10 @@ def main() -> None:
     parser.add_argument("--print", action="store_true", help="print only the venv's python path")
     args = parser.parse_args()
     if args.print:
-        with open(os.devnull, "w") as devnull:
-            saved = os.dup(1)
-            os.dup2(devnull.fileno(), 1)
-            try:
-                py = ensure(args.release)
-            finally:
-                os.dup2(saved, 1)
-        print(py)
+        (cache_root() / "logs").mkdir(parents=True, exist_ok=True)
+        _LOG.append(cache_root() / "logs" / f"venv-{args.release}.log")
+        _LOG[0].write_text("")
+        print(ensure(args.release))
     else:
         print(ensure(args.release))
 

@@ -8,9 +8,10 @@ a test marked with one of them fails instead of skipping if the resource is abse
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
+
+from vllm_ascend_routing import envs
 
 RESOURCES = {
     "vllm": lambda: importlib.util.find_spec("vllm") is not None,
@@ -28,7 +29,7 @@ def _torch_has(device: str) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    required = set(filter(None, os.environ.get("VLLM_ASCEND_ROUTING_TEST_REQUIRE", "").split(",")))
+    required = set(filter(None, envs.VLLM_ASCEND_ROUTING_TEST_REQUIRE.split(",")))
     available = {name: probe() for name, probe in RESOURCES.items()}
     for item in items:
         for name, present in available.items():

@@ -9,6 +9,7 @@ section by path.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,9 @@ if TYPE_CHECKING:
     VLLM_ASCEND_ROUTING_VLLM_API: str = "auto"
     VLLM_ASCEND_ROUTING_FORCE_REFERENCE: bool = False
     VLLM_ASCEND_ROUTING_TARGET_DEVICE: str = ""
+    VLLM_ASCEND_ROUTING_CACHE: str = "~/.cache/vllm_ascend_routing"
+    VLLM_ASCEND_ROUTING_MODELS: str = "<tmp>/vllm_ascend_routing_models"
+    VLLM_ASCEND_ROUTING_TEST_REQUIRE: str = ""
 
 
 def _bool(name: str) -> Callable[[], bool]:
@@ -56,6 +60,16 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_ASCEND_ROUTING_TARGET_DEVICE": _choice(
         "VLLM_ASCEND_ROUTING_TARGET_DEVICE", "", ("", "empty", "cuda", "npu")
     ),
+    # ---- tooling (scripts/venv.py, tests, demo) ----
+    # Where per-release virtual environments and downloaded wheels are cached.
+    "VLLM_ASCEND_ROUTING_CACHE": lambda: os.path.expanduser(
+        os.getenv("VLLM_ASCEND_ROUTING_CACHE") or "~/.cache/vllm_ascend_routing"
+    ),
+    # Where the tiny test models are built (reused while their recipe is unchanged).
+    "VLLM_ASCEND_ROUTING_MODELS": lambda: os.getenv("VLLM_ASCEND_ROUTING_MODELS")
+    or os.path.join(tempfile.gettempdir(), "vllm_ascend_routing_models"),
+    # Comma-separated test resources (e.g. "vllm") whose absence fails the run instead of skipping.
+    "VLLM_ASCEND_ROUTING_TEST_REQUIRE": lambda: os.getenv("VLLM_ASCEND_ROUTING_TEST_REQUIRE", ""),
 }
 
 

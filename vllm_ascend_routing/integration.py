@@ -3,14 +3,19 @@
 
 Patch manifest (every patch is idempotent; nothing is patched when the plugin is off):
 
-| Symbol | What / why | Releases | Remove when |
-|---|---|---|---|
-| ``load_model`` of the runner classes (V1 ``vllm.v1.worker.gpu_model_runner.GPUModelRunner``, MRV2 ``vllm.v1.worker.gpu.model_runner.GPUModelRunner``, and the CPU runners that override it) | mixin hook: bind MoE layers to a static buffer before vLLM first compiles the model | 0.22-0.30 | generation dropped |
-| ``init_routed_experts_capturer`` of the same classes | mixin hook: vLLM's own init runs, our binding is used | 0.22-0.30 | generation dropped |
-| ``GPUModelRunner._bind_routed_experts_capturer`` | mixin hook: bind target-model MoE layers through our backends (upstream's bind skips CPU MoE / raises on 0.27) | 0.22-0.27 | generation dropped |
-| ``bind_routed_experts_capturer`` name in the runner modules | redirect vLLM's module-level binder to the runner's mixin hook | 0.28-0.30 | generation dropped |
-| ``cpu_fused_moe.CPUFusedMOE`` instance ``forward_method`` (per bound layer, at bind time) | record top-k ids the CPU MoE computes without the router | 0.22-0.27 | CPU MoE goes through ``BaseRouter`` (0.28+) everywhere supported |
-| ``cpu_fused_moe._CPU_MOE_ACT_FN[SILU]`` | CPU compat fix (see ``_cpu_compat``) | 0.20-0.27 | fixed upstream |
+- ``load_model`` of the model-runner classes: V1 ``vllm.v1.worker.gpu_model_runner.GPUModelRunner``,
+  MRV2 ``vllm.v1.worker.gpu.model_runner.GPUModelRunner`` and the CPU runners that override it.
+  Why: bind MoE layers to a static buffer before vLLM first compiles the model. Releases 0.22-0.30.
+- ``init_routed_experts_capturer`` of the same classes. Why: vLLM's own init runs, our binding is
+  used. Releases 0.22-0.30.
+- ``_bind_routed_experts_capturer`` of the same classes. Why: hand vLLM's capturer the prepared buffer
+  (upstream's bind misses the CPU MoE, raises on 0.27). Releases 0.22-0.27 call it.
+- ``bind_routed_experts_capturer`` as imported by the runner modules. Why: redirect vLLM's module-level
+  binder to the runner's hook. Releases 0.28-0.30.
+- ``CPUFusedMOE`` instances' ``forward_method`` (per bound layer, at bind time, not the class). Why:
+  record top-k ids the CPU MoE computes without the router. Releases 0.22-0.27.
+- ``cpu_fused_moe._CPU_MOE_ACT_FN[SILU]``. Why: the CPU compat fix (``_cpu_compat``). Releases 0.20-0.27.
+All are removed with the generation that needs them (see each adapter's SCAFFOLDING line).
 """
 
 from __future__ import annotations
@@ -32,7 +37,11 @@ _GPU_RUNNERS = (
 _RUNNERS = {
     "cuda": _GPU_RUNNERS,
     # The CPU runners subclass the GPU ones and override load_model, so they are patched too.
-    "cpu": (*_GPU_RUNNERS, "vllm.v1.worker.cpu_model_runner:CPUModelRunner", "vllm.v1.worker.cpu.model_runner:CPUModelRunner"),
+    "cpu": (
+        *_GPU_RUNNERS,
+        "vllm.v1.worker.cpu_model_runner:CPUModelRunner",
+        "vllm.v1.worker.cpu.model_runner:CPUModelRunner",
+    ),
 }
 
 

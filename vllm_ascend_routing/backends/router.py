@@ -17,8 +17,8 @@ def handles(module: torch.nn.Module) -> bool:
     if qm is not None and getattr(qm, "is_monolithic", False):
         return False  # monolithic kernels route inside the kernel and never call the hook
     # Every vLLM router (FusedMoERouter and its BaseRouter implementations) exposes set_capture_fn.
-    return callable(getattr(module.router, "set_capture_fn", None))
+    return callable(getattr(getattr(module, "router", None), "set_capture_fn", None))
 
 
 def bind(module: torch.nn.Module, capture: LayerCapture) -> None:
-    module.router.set_capture_fn(capture)
+    getattr(module, "router").set_capture_fn(capture)  # noqa: B009 (nn.Module attribute typing)

