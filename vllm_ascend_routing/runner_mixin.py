@@ -49,6 +49,13 @@ class RoutingCaptureRunnerMixin:
             setattr(self, PREPARED, (self.model, get_api().prepare(self.model, self.vllm_config, self.device)))
         return result
 
+    def execute_model(self, original: Callable[..., Any], scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, scheduler_output, *args, **kwargs)
+        _, prepared = getattr(self, PREPARED, (None, None))
+        if prepared is not None:  # the forward is enqueued: start moving its rows off the device
+            get_api().after_forward(prepared, scheduler_output.total_num_scheduled_tokens)
+        return result
+
     def init_routed_experts_capturer(self, original: Callable[..., Any]) -> None:
         token = _binding_runner.set(self)
         try:
@@ -66,7 +73,7 @@ class RoutingCaptureRunnerMixin:
         get_api().attach(prepared, capturer)
 
 
-_HOOKS = ("load_model", "init_routed_experts_capturer", "_bind_routed_experts_capturer")
+_HOOKS = ("load_model", "execute_model", "init_routed_experts_capturer", "_bind_routed_experts_capturer")
 _HOOK_MARK = "_vllm_ascend_routing_hook"
 
 

@@ -62,7 +62,7 @@ def test_detection(monkeypatch: pytest.MonkeyPatch, version: str, capturer: list
 
 def test_0_21_is_refused_naming_supported_releases(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_vllm(monkeypatch, "0.21.0", ["bind_routing_capture_to_model", "RoutedExpertsCapturer"], [])
-    with pytest.raises(UnsupportedVllmError, match=r"0\.21\.0.*reverted.*0\.22\.0-0\.30\.0"):
+    with pytest.raises(UnsupportedVllmError, match=r"0\.21\.0.*reverted.*0\.20\.0-0\.20\.2 and 0\.22\.0-0\.30\.0"):
         _detect.detect_generation()
 
 
@@ -88,10 +88,11 @@ def test_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_unimplemented_generation_refused_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm_ascend_routing import compat
 
-    fake_vllm(monkeypatch, "0.20.2", ["RoutedExpertsReader"], [])
+    fake_vllm(monkeypatch, "0.32.0", ["RoutedExpertsCapturer"], [], aux=True)
     compat.get_api.cache_clear()
     try:
-        with pytest.raises(UnsupportedVllmError, match=r"'shm' routed-experts API.*0\.22\.0-0\.30\.0"):
+        expected = r"'aux-output' routed-experts API.*0\.20\.0-0\.20\.2 and 0\.22\.0"
+        with pytest.raises(UnsupportedVllmError, match=expected):
             compat.get_api()
     finally:
         compat.get_api.cache_clear()

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Run a scenario (one vLLM engine) in a subprocess of this venv and return its JSON verdict."""
+"""Run scenarios (one vLLM engine each) in subprocesses of this venv and return their JSON verdicts."""
 
 from __future__ import annotations
 
@@ -13,29 +13,46 @@ from typing import Any
 import pytest
 
 
-@pytest.fixture(scope="session")
-def scenario(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    cache_root = tmp_path_factory.mktemp("vllm_cache")  # a fresh compile cache: really compile
-    results: dict[tuple[Any, ...], dict[str, Any]] = {}
+class Scenarios:
+    def __init__(self, cache_root: Path) -> None:
+        self.cache_root = cache_root  # a fresh compile cache: really compile
+        self.results: dict[tuple[Any, ...], dict[str, Any]] = {}
 
-    def run(*args: str, plugin: bool = True, in_process: bool = True, timeout: int = 900) -> dict[str, Any]:
-        key = (args, plugin, in_process)
-        if key in results:
-            return results[key]
+    def start(self, *args: str, plugin: bool = True, in_process: bool = True) -> subprocess.Popen[str]:
         env = dict(os.environ)
         env.pop("VLLM_ASCEND_ROUTING", None)
         if plugin:
             env["VLLM_ASCEND_ROUTING"] = "1"
         if in_process:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        env["VLLM_CACHE_ROOT"] = str(cache_root)
+        env["VLLM_CACHE_ROOT"] = str(self.cache_root)
         cmd = [sys.executable, "-m", "vllm_ascend_routing.testing.scenarios", *args]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=Path.home())
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("SCENARIO_RESULT ")]
-        if proc.returncode != 0 or not lines:
-            tail = (proc.stdout + proc.stderr)[-6000:]
-            pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{tail}")
-        results[key] = json.loads(lines[-1].removeprefix("SCENARIO_RESULT "))
-        return results[key]
+        # Own session: a test can kill the engine's whole process tree.
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                cwd=Path.home(), start_new_session=True)
 
-    return run
+    @staticmethod
+    def finish(proc: subprocess.Popen[str], timeout: int = 900) -> dict[str, Any]:
+        output, _ = proc.communicate(timeout=timeout)
+        lines = [line for line in output.splitlines() if line.startswith("SCENARIO_RESULT ")]
+        if proc.returncode != 0 or not lines:
+            pytest.fail(f"{' '.join(map(str, proc.args))} exited {proc.returncode}:\n{output[-6000:]}")
+        return dict(json.loads(lines[-1].removeprefix("SCENARIO_RESULT ")))
+
+    def __call__(self, *args: str, plugin: bool = True, in_process: bool = True) -> dict[str, Any]:
+        key = (args, plugin, in_process)
+        if key not in self.results:
+            self.results[key] = self.finish(self.start(*args, plugin=plugin, in_process=in_process))
+        return self.results[key]
+
+
+@pytest.fixture(scope="session")
+def scenario(tmp_path_factory: pytest.TempPathFactory) -> Scenarios:
+    return Scenarios(tmp_path_factory.mktemp("vllm_cache"))
+
+
+@pytest.fixture(scope="session")
+def generation() -> str:
+    from vllm_ascend_routing.compat import get_api
+
+    return get_api().generation.value

@@ -18,9 +18,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 NUM_PROMPTS = 10
 
 
-def expected_arrays(prompts: list[list[int]], arch: str) -> list[dict[str, Any]]:
+def expected_arrays(prompts: list[list[int]], arch: str, generation: str) -> list[dict[str, Any]]:
+    """The release's documented contract: int32 on 0.20.x (shm), uint8/uint16 from 0.22 on."""
     info = models.build_tiny_moe(arch, scenarios.model_dir() / arch)
-    dtype = "uint8" if info.num_experts <= 256 else "uint16"
+    narrow = "uint8" if info.num_experts <= 256 else "uint16"
+    dtype = "int32" if generation == "shm" else narrow
     return [
         {"shape": [len(p) + scenarios.MAX_TOKENS - 1, info.num_hidden_layers, info.top_k], "dtype": dtype}
         for p in prompts
@@ -29,11 +31,11 @@ def expected_arrays(prompts: list[list[int]], arch: str) -> list[dict[str, Any]]
 
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 @pytest.mark.parametrize("arch", models.ARCHITECTURES)
-def test_offline_batch_exact(scenario: Any, arch: str, mode: str) -> None:
+def test_offline_batch_exact(scenario: Any, generation: str, arch: str, mode: str) -> None:
     result = scenario("offline", "--arch", arch, "--mode", mode, "--prompts", str(NUM_PROMPTS))
     batch = result["batch"]
     assert batch["ok"], batch["problems"]
-    assert batch["arrays"] == expected_arrays(models.mixed_prompts(NUM_PROMPTS, seed=1), arch)
+    assert batch["arrays"] == expected_arrays(models.mixed_prompts(NUM_PROMPTS, seed=1), arch, generation)
     assert batch["rows"] > 0 and batch["matched"] == batch["rows"]
 
 
@@ -57,11 +59,13 @@ def test_chunked_prefill_exact(scenario: Any, arch: str, mode: str) -> None:
     )
 
 
-def test_serve_openai_completions_exact(scenario: Any) -> None:
+def test_serve_openai_completions_exact(scenario: Any, generation: str) -> None:
     """Through `vllm serve` (multi-process engine: the plugin loads in the engine-core process too)."""
+    if generation == "shm":
+        pytest.skip("vLLM 0.20.x has no routed_experts field in its OpenAI API (nothing to return over HTTP)")
     result = scenario("serve", "--arch", "mixtral", "--prompts", "4", in_process=False)["serve"]
     assert result["ok"], result["problems"]
-    assert result["arrays"] == expected_arrays(models.mixed_prompts(4, seed=2), "mixtral")
+    assert result["arrays"] == expected_arrays(models.mixed_prompts(4, seed=2), "mixtral", generation)
 
 
 def test_plugin_off_leaves_vllm_alone(scenario: Any) -> None:

@@ -20,6 +20,10 @@ __all__ = ["CaptureAPI", "Generation", "UnsupportedVllmError", "get_api", "vllm_
 def get_api() -> CaptureAPI:
     """The adapter for this process's vLLM (raises ``UnsupportedVllmError`` when there is none)."""
     generation = detect_generation()
+    if generation is Generation.SHM:
+        from vllm_ascend_routing.compat.shm import ShmAPI
+
+        return ShmAPI()
     if generation is Generation.RUNNER_OUTPUT:
         from vllm_ascend_routing.compat.runner_output import RunnerOutputAPI
 

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
     from vllm_ascend_routing.capture import PreparedCapture
 
-SUPPORTED_RELEASES = "0.22.0-0.30.0"
+SUPPORTED_RELEASES = "0.20.0-0.20.2 and 0.22.0-0.30.0"
 
 
 class Generation(str, enum.Enum):
@@ -50,3 +50,6 @@ class CaptureAPI(Protocol):
 
     def attach(self, prepared: PreparedCapture, capturer: Any) -> None:
         """Make vLLM's own capturer (created later by the runner) carry the prepared buffer."""
+
+    def after_forward(self, prepared: PreparedCapture, num_tokens: int) -> None:
+        """Called once per step after the forward is enqueued; must not synchronise the device."""

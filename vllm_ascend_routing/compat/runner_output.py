@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from vllm_ascend_routing import backends
 from vllm_ascend_routing._logging import get_logger
-from vllm_ascend_routing.capture import LayerCapture, PreparedCapture, new_capture_buffer, new_error_counter
-from vllm_ascend_routing.compat.base import Generation, UnsupportedVllmError
+from vllm_ascend_routing.capture import PreparedCapture
+from vllm_ascend_routing.compat._common import bind_target_model, refuse_unsupported_config
+from vllm_ascend_routing.compat.base import Generation
 from vllm_ascend_routing.runner_mixin import binding_runner
 
 logger = get_logger(__name__)
@@ -64,26 +64,7 @@ class RunnerOutputAPI:
                 setattr(module, _BINDER, _bind_through_runner)
 
     def check_config(self, vllm_config: Any) -> None:
-        parallel = vllm_config.parallel_config
-        refusals = {
-            "pipeline_parallel_size": "pipeline parallelism",
-            "data_parallel_size": "data parallelism",
-            "decode_context_parallel_size": "decode context parallelism",
-            "prefill_context_parallel_size": "prefill context parallelism",
-        }
-        for attr, what in refusals.items():
-            size = getattr(parallel, attr, 1) or 1
-            if size > 1:
-                raise UnsupportedVllmError(
-                    f"vllm-ascend-routing: {what} ({attr}={size}) is not supported with routed-experts "
-                    f"capture on vLLM's runner-output API; set {attr}=1 or unset VLLM_ASCEND_ROUTING."
-                )
-        if getattr(vllm_config, "kv_transfer_config", None) is not None:
-            raise UnsupportedVllmError(
-                "vllm-ascend-routing: KV-transfer connectors (P/D disaggregation, KV offload) load KV "
-                "blocks whose routing was never captured here; remove --kv-transfer-config or unset "
-                "VLLM_ASCEND_ROUTING."
-            )
+        refuse_unsupported_config(vllm_config, self.generation.value)
 
     def routing_shape(self, vllm_config: Any) -> tuple[int, int, int]:
         """``(num_hidden_layers, top_k, num_experts)`` exactly as this generation's capturer sizes them."""
@@ -102,27 +83,11 @@ class RunnerOutputAPI:
         if not vllm_config.model_config.enable_return_routed_experts:
             return None
         self.check_config(vllm_config)
-        num_layers, top_k, num_experts = self.routing_shape(vllm_config)
         num_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
-        buffer = new_capture_buffer(num_tokens, num_layers, top_k, num_experts, device)
-        errors = new_error_counter(device)
+        return bind_target_model(model, num_tokens, self.routing_shape(vllm_config), device)
 
-        def make_capture(layer_id: int) -> LayerCapture:
-            if not 0 <= layer_id < num_layers:
-                raise backends.UnboundLayerError(
-                    f"MoE layer id {layer_id} is outside the {num_layers} hidden layers of the output."
-                )
-            return LayerCapture(buffer, layer_id, num_experts, errors)
-
-        count = backends.bind_model(model, make_capture)
-        logger.info(
-            "routed-experts capture bound to %d MoE layers at load: buffer %s %s, %d experts",
-            count,
-            tuple(buffer.shape),
-            str(buffer.dtype).removeprefix("torch."),
-            num_experts,
-        )
-        return PreparedCapture(buffer, errors, num_experts, count)
+    def after_forward(self, prepared: PreparedCapture, num_tokens: int) -> None:
+        """Nothing: vLLM's runner copies the buffer to the host itself, asynchronously."""
 
     def attach(self, prepared: PreparedCapture, capturer: Any) -> None:
         # Done before the runner allocates its pinned host mirror (which copies this dtype) and

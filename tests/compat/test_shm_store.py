@@ -1,0 +1,114 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The 0.20.x shared-memory routing store, without vLLM: sizes, round trip, crash leftovers, refusals."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from multiprocessing import resource_tracker, shared_memory
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from vllm_ascend_routing.compat import _shm_store as store
+
+
+def spec(num_experts: int = 64, slots: int = 4096, layers: int = 48, top_k: int = 8) -> store.SegmentSpec:
+    return store.SegmentSpec.for_engine(f"test{uuid.uuid4().hex[:8]}", 0, (slots, layers, top_k), num_experts)
+
+
+def ours() -> set[str]:
+    return {p.name for p in store.SHM_DIR.glob(f"{store.PREFIX}_*")}
+
+
+@pytest.mark.parametrize("num_experts", [8, 128, 256])
+def test_footprint_is_a_quarter_of_upstream_int32(num_experts: int) -> None:
+    s = spec(num_experts)
+    ratio = s.nbytes / s.upstream_nbytes
+    print(f"shm footprint for {num_experts} experts: {s.nbytes} B vs vLLM int32 {s.upstream_nbytes} B = {ratio:.2f}")
+    assert s.dtype == np.uint8 and ratio <= 0.25
+
+
+def test_wide_expert_counts_use_int16_and_refuse_beyond() -> None:
+    assert spec(257).dtype == np.int16 and spec(257).nbytes / spec(257).upstream_nbytes == 0.5
+    with pytest.raises(ValueError, match="40000 experts"):
+        spec(40000)
+
+
+def test_round_trip_widens_to_int32_and_skips_padding_slots() -> None:
+    s = spec(num_experts=200, slots=16, layers=3, top_k=2)
+    writer = store.SegmentWriter(s)
+    try:
+        reader = store.SegmentReader(s)
+        rows = np.array([[[1, 2], [0, 0], [199, 3]], [[4, 5], [0, 0], [6, 7]], [[9, 9], [9, 9], [9, 9]]], np.int16)
+        writer.write(np.array([5, 2, -1]), rows)  # slot -1: padding, must not land in the last slot
+        got = reader.read(np.array([5, 2, 15]))
+        assert got.dtype == np.int32
+        assert got[0].tolist() == rows[0].tolist() and got[1].tolist() == rows[1].tolist()
+        assert (got[2] == 0).all()
+        reader.close()
+    finally:
+        writer.close()
+    assert s.name not in ours()
+    assert not (store.state_dir() / f"{s.name}.owner").exists()
+
+
+def test_second_live_owner_is_refused() -> None:
+    s = spec(slots=4, layers=1, top_k=1)
+    writer = store.SegmentWriter(s)
+    try:
+        with pytest.raises(store.ShmCollisionError, match="live process"):
+            store.SegmentWriter(s)
+    finally:
+        writer.close()
+
+
+def test_segment_of_dead_owner_is_removed_at_next_start() -> None:
+    """A crashed engine's segment (owner dead, nothing unlinked it) disappears when the next one starts."""
+    s = spec(slots=4, layers=1, top_k=1)
+    code = (
+        "import os, sys\n"
+        "from multiprocessing import resource_tracker, shared_memory\n"
+        "from vllm_ascend_routing.compat import _shm_store as store\n"
+        f"(store.state_dir() / '{s.name}.owner').write_text(str(os.getpid()))\n"
+        f"shm = shared_memory.SharedMemory(name='{s.name}', create=True, size=4)\n"
+        "resource_tracker.unregister(shm._name, 'shared_memory')  # as if the tracker died with it\n"
+        "os._exit(0)  # no cleanup: a crash\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert s.name in ours(), "the crashed process should have left its segment"
+    other = spec(slots=4, layers=1, top_k=1)
+    writer = store.SegmentWriter(other)  # any next start cleans up
+    try:
+        assert s.name not in ours()
+        assert not (store.state_dir() / f"{s.name}.owner").exists()
+    finally:
+        writer.close()
+
+
+def test_orphan_segment_without_owner_file_is_removed() -> None:
+    name = spec().name
+    shm = shared_memory.SharedMemory(name=name, create=True, size=4)
+    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    shm.close()
+    assert name in store.remove_stale()
+    assert name not in ours()
+
+
+def test_insufficient_shm_gives_clear_startup_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = os.statvfs
+
+    def small(path: Any) -> Any:
+        st = real(path)
+        return SimpleNamespace(f_bavail=1, f_frsize=st.f_frsize) if str(path) == str(store.SHM_DIR) else st
+
+    monkeypatch.setattr(os, "statvfs", small)
+    s = spec(num_experts=64, slots=1 << 20, layers=48, top_k=8)
+    with pytest.raises(store.ShmSpaceError, match=r"needs 384\.0 MiB of /dev/shm .*Lower the KV cache size"):
+        store.SegmentWriter(s)
+    assert s.name not in ours()
+    assert not (store.state_dir() / f"{s.name}.owner").exists()

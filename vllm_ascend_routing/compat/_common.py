@@ -1,0 +1,72 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Pieces every generation adapter shares: config refusals and load-time binding."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_ascend_routing import backends
+from vllm_ascend_routing._logging import get_logger
+from vllm_ascend_routing.capture import LayerCapture, PreparedCapture, new_capture_buffer, new_error_counter
+from vllm_ascend_routing.compat.base import UnsupportedVllmError
+
+logger = get_logger(__name__)
+
+_PARALLELISM_REFUSED = {
+    "pipeline_parallel_size": "pipeline parallelism",
+    "data_parallel_size": "data parallelism",
+    "decode_context_parallel_size": "decode context parallelism",
+    "prefill_context_parallel_size": "prefill context parallelism",
+}
+
+
+def refuse_unsupported_config(vllm_config: Any, generation: str) -> None:
+    """Raise for parallel layouts and KV transfer, whose routing rows this plugin cannot place exactly."""
+    parallel = vllm_config.parallel_config
+    for attr, what in _PARALLELISM_REFUSED.items():
+        size = getattr(parallel, attr, 1) or 1
+        if size > 1:
+            raise UnsupportedVllmError(
+                f"vllm-ascend-routing: {what} ({attr}={size}) is not supported with routed-experts capture on "
+                f"vLLM's {generation} API; set {attr}=1 or unset VLLM_ASCEND_ROUTING."
+            )
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        raise UnsupportedVllmError(
+            "vllm-ascend-routing: KV-transfer connectors (P/D disaggregation, KV offload) load KV blocks whose "
+            "routing was never captured here; remove --kv-transfer-config or unset VLLM_ASCEND_ROUTING."
+        )
+
+
+def bind_target_model(
+    model: torch.nn.Module,
+    num_tokens: int,
+    shape: tuple[int, int, int],
+    device: torch.device,
+) -> PreparedCapture:
+    """Allocate the static ``[num_tokens, num_layers, top_k]`` buffer and bind every MoE layer to it.
+
+    Args:
+        shape: ``(num_hidden_layers, top_k, num_experts)`` as the generation's output defines them.
+    """
+    num_layers, top_k, num_experts = shape
+    buffer = new_capture_buffer(num_tokens, num_layers, top_k, num_experts, device)
+    errors = new_error_counter(device)
+
+    def make_capture(layer_id: int) -> LayerCapture:
+        if not 0 <= layer_id < num_layers:
+            raise backends.UnboundLayerError(
+                f"MoE layer id {layer_id} is outside the {num_layers} hidden layers of the output."
+            )
+        return LayerCapture(buffer, layer_id, num_experts, errors)
+
+    count = backends.bind_model(model, make_capture)
+    logger.info(
+        "routed-experts capture bound to %d MoE layers at load: buffer %s %s, %d experts",
+        count,
+        tuple(buffer.shape),
+        str(buffer.dtype).removeprefix("torch."),
+        num_experts,
+    )
+    return PreparedCapture(buffer, errors, num_experts, count)

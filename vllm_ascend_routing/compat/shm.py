@@ -1,0 +1,205 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Generation ``shm``: vLLM 0.20.0-0.20.2 (vLLM PRs #28284 + #33013), process-wide singletons.
+
+vLLM's runner calls ``RoutedExpertsCapturer.create()`` / ``init_buffer(...)`` / ``clear_buffer()`` (every
+step) / ``save_captured_experts(indices=slot_mapping)`` (after sampling), and the scheduler calls
+``RoutedExpertsReader.create()`` / ``attach_buffer(...)`` / ``get_routed_experts(indices)`` when a request
+stops. This adapter substitutes both classes, by name, in the two modules that use them, with
+implementations of the same interface that:
+  * record through the load-time binding (``_common.bind_target_model``): target-model layers only,
+    every backend (the CPU MoE included), exact under ``torch.compile``;
+  * keep rows in a narrow shared-memory store (``_shm_store``) and widen to int32 only when returned, so
+    the user-visible contract of 0.20.x is unchanged: int32 ``[num_tokens - 1, num_hidden_layers, top_k]``;
+  * move rows off an accelerator with a non-blocking copy started right after the forward, finished by
+    the step's own sampled-token synchronisation (CPU: no copy at all).
+
+SCAFFOLDING: remove when the lowest supported vLLM is >= 0.22.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_ascend_routing._logging import get_logger
+from vllm_ascend_routing.capture import PreparedCapture
+from vllm_ascend_routing.compat._common import bind_target_model, refuse_unsupported_config
+from vllm_ascend_routing.compat._shm_store import SegmentReader, SegmentSpec, SegmentWriter
+from vllm_ascend_routing.compat.base import Generation
+
+logger = get_logger(__name__)
+
+# Where vLLM 0.20.x imported the two classes (module, name): they are replaced there.
+_SUBSTITUTIONS = (
+    ("vllm.v1.worker.gpu_model_runner", "RoutedExpertsCapturer"),
+    ("vllm.v1.core.sched.scheduler", "RoutedExpertsReader"),
+)
+
+
+def _routing_shape(vllm_config: Any) -> tuple[int, int, int]:
+    """``(num_hidden_layers, top_k, num_experts)`` as 0.20.x sizes its buffers."""
+    model_config = vllm_config.model_config
+    hf_config = model_config.hf_text_config
+    return int(hf_config.num_hidden_layers), int(hf_config.num_experts_per_tok), int(model_config.get_num_experts())
+
+
+def _spec(vllm_config: Any, max_num_kv_tokens: int) -> SegmentSpec:
+    num_layers, top_k, num_experts = _routing_shape(vllm_config)
+    return SegmentSpec.for_engine(
+        str(vllm_config.instance_id),
+        int(vllm_config.parallel_config.data_parallel_rank),
+        (int(max_num_kv_tokens), num_layers, top_k),
+        num_experts,
+    )
+
+
+class ShmRoutedExpertsCapturer:
+    """Worker side; stands in for 0.20.x ``RoutedExpertsCapturer`` (same call sites)."""
+
+    _instance: ShmRoutedExpertsCapturer | None = None
+
+    def __init__(self) -> None:
+        self.device_buffer: torch.Tensor | None = None
+        self._writer: SegmentWriter | None = None
+        self._host: torch.Tensor | None = None  # pinned staging on accelerators; None on the CPU
+        self._copied: Any = None  # device event recorded after the staging copy
+
+    @classmethod
+    def create(cls) -> ShmRoutedExpertsCapturer:
+        if cls._instance is not None:
+            raise RuntimeError("Experts capturer already created.")
+        cls._instance = cls()
+        atexit.register(cls._instance.cleanup)
+        return cls._instance
+
+    @classmethod
+    def get_instance(cls) -> ShmRoutedExpertsCapturer | None:
+        return cls._instance
+
+    def init_buffer(self, max_num_batched_tokens: int, max_num_kv_tokens: int, vllm_config: Any) -> None:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        if get_tensor_model_parallel_rank() != 0:
+            return  # every TP rank sees the same routing; rank 0 publishes it
+        spec = _spec(vllm_config, max_num_kv_tokens)
+        self._writer = SegmentWriter(spec)
+        logger.info(
+            "routed-experts shared memory %s: %s %s, %.1f MiB (%.2fx vLLM's int32 layout)",
+            spec.name,
+            spec.shape,
+            spec.dtype,
+            spec.nbytes / 2**20,
+            spec.nbytes / spec.upstream_nbytes,
+        )
+
+    def attach_device_buffer(self, buffer: torch.Tensor) -> None:
+        self.device_buffer = buffer
+        if buffer.device.type != "cpu":
+            self._host = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=True)
+
+    def capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
+        raise RuntimeError("vllm-ascend-routing binds MoE layers itself; RoutedExpertsCapturer.capture is unused")
+
+    def clear_buffer(self) -> None:
+        if self.device_buffer is not None:
+            self.device_buffer.zero_()
+
+    def stage(self, num_tokens: int) -> None:
+        """Start the device-to-host copy of this step's rows (accelerators only; no synchronisation)."""
+        if self._host is None or self.device_buffer is None or self._writer is None:
+            return
+        self._host[:num_tokens].copy_(self.device_buffer[:num_tokens], non_blocking=True)
+        module = getattr(torch, self.device_buffer.device.type)
+        self._copied = module.Event()
+        self._copied.record()
+
+    def save_captured_experts(self, indices: np.ndarray) -> None:
+        if self._writer is None or self.device_buffer is None:
+            return
+        num_tokens = len(indices)
+        if self._host is None:
+            rows = self.device_buffer[:num_tokens].numpy()
+        else:
+            if self._copied is not None:
+                self._copied.synchronize()  # already complete: the step synchronised on sampled tokens
+            rows = self._host[:num_tokens].numpy()
+        self._writer.write(np.asarray(indices), rows)
+
+    def cleanup(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+class ShmRoutedExpertsReader:
+    """Scheduler side; stands in for 0.20.x ``RoutedExpertsReader`` (same call sites)."""
+
+    _instance: ShmRoutedExpertsReader | None = None
+
+    def __init__(self) -> None:
+        self._reader: SegmentReader | None = None
+
+    @classmethod
+    def create(cls) -> ShmRoutedExpertsReader:
+        if cls._instance is not None:
+            raise RuntimeError("Experts reader already created.")
+        cls._instance = cls()
+        atexit.register(cls._instance.cleanup)
+        return cls._instance
+
+    @classmethod
+    def get_instance(cls) -> ShmRoutedExpertsReader | None:
+        return cls._instance
+
+    def attach_buffer(self, max_num_kv_tokens: int, vllm_config: Any) -> None:
+        self._reader = SegmentReader(_spec(vllm_config, max_num_kv_tokens))
+
+    def get_routed_experts(self, indices: np.ndarray) -> np.ndarray:
+        """int32 ``[len(indices), num_hidden_layers, top_k]`` (0.20.x's contract)."""
+        if self._reader is None:
+            raise RuntimeError("Buffer not attached. Call attach_buffer() first.")
+        return self._reader.read(np.asarray(indices))
+
+    def cleanup(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+
+
+class ShmAPI:
+    generation = Generation.SHM
+
+    def install(self) -> None:
+        replacements = {
+            "RoutedExpertsCapturer": ShmRoutedExpertsCapturer,
+            "RoutedExpertsReader": ShmRoutedExpertsReader,
+        }
+        for module_name, name in _SUBSTITUTIONS:
+            module = importlib.import_module(module_name)
+            if not hasattr(module, name):
+                raise RuntimeError(f"vllm-ascend-routing: {module_name}.{name} not found; this vLLM is not 0.20.x")
+            setattr(module, name, replacements[name])
+
+    def check_config(self, vllm_config: Any) -> None:
+        refuse_unsupported_config(vllm_config, self.generation.value)
+
+    def prepare(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> PreparedCapture | None:
+        if not vllm_config.model_config.enable_return_routed_experts:
+            return None
+        self.check_config(vllm_config)
+        num_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
+        return bind_target_model(model, num_tokens, _routing_shape(vllm_config), device)
+
+    def attach(self, prepared: PreparedCapture, capturer: Any) -> None:
+        if not isinstance(capturer, ShmRoutedExpertsCapturer):
+            raise RuntimeError(f"vllm-ascend-routing: unexpected capturer {type(capturer).__name__}")
+        capturer.attach_device_buffer(prepared.buffer)
+
+    def after_forward(self, prepared: PreparedCapture, num_tokens: int) -> None:
+        capturer = ShmRoutedExpertsCapturer.get_instance()
+        if capturer is not None:
+            capturer.stage(num_tokens)
