@@ -2,8 +2,9 @@
 # (~/.cache/vllm_ascend_routing, override with VLLM_ASCEND_ROUTING_CACHE).
 PYTHON       ?= python3
 DEMO_RELEASE ?= 0.23.0
-# vLLM releases the end-to-end suite proves (one cpu_moe-backend release, one router-backend release).
-E2E_RELEASES ?= 0.23.0 0.30.0
+# vLLM releases the end-to-end suite proves: 0.20.2 (shm generation), 0.23.0 (runner-output, CPU MoE
+# bypassing the router, like Ascend) and 0.30.0 (runner-output, router capture hook).
+E2E_RELEASES ?= 0.20.2 0.23.0 0.30.0
 VENV          = $(shell $(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 

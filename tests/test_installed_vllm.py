@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The CPU compat fix against the installed vLLM (runs in the release venvs)."""
+"""Against the installed vLLM (release venvs): the CPU compat fix and generation detection."""
 
 from __future__ import annotations
 
@@ -38,7 +38,11 @@ def test_silu_entry_replaced_and_callable_outside_config_context() -> None:
         table[silu] = original
 
 
-def test_integration_detects_this_release() -> None:
+def test_features_detect_the_generation_of_this_release() -> None:
+    import vllm
+
     from vllm_ascend_routing.compat import Generation, get_api
 
-    assert get_api().generation is Generation.RUNNER_OUTPUT
+    minor = int(vllm.__version__.split(".")[1])
+    expected = Generation.SHM if minor == 20 else Generation.RUNNER_OUTPUT
+    assert get_api().generation is expected
