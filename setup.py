@@ -1,14 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Build logic only. Metadata lives in pyproject.toml.
+"""Build logic only; metadata lives in pyproject.toml.
 
-A native kernel is built only when ``VLLM_ASCEND_ROUTING_TARGET_DEVICE`` names one (read through
-``vllm_ascend_routing/envs.py``, loaded by path). Otherwise the package is pure Python.
+A native kernel is built only when ``VLLM_ASCEND_ROUTING_TARGET_DEVICE`` names one (``cuda`` or ``npu``;
+read through ``vllm_ascend_routing/envs.py``, loaded by path). Then CMake builds the ``_C`` module against
+the installed torch (install with ``--no-build-isolation``); a missing toolchain fails the build with the
+fix in the message. Unset (the default), the package is pure Python and the PyTorch reference serves.
 """
 
 import importlib.util
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 
@@ -21,11 +28,51 @@ def _envs():  # type: ignore[no-untyped-def]
     return module
 
 
-target = _envs().VLLM_ASCEND_ROUTING_TARGET_DEVICE
-if target not in ("", "empty"):
-    raise SystemExit(
-        f"VLLM_ASCEND_ROUTING_TARGET_DEVICE={target}: native kernels are not part of this version of "
-        "vllm-ascend-routing; unset it to install the pure-Python package (PyTorch reference kernel)."
-    )
+def _cuda_home() -> str:
+    """CUDA_HOME, else the toolkit that holds the nvcc on PATH (torch's CMake config needs the root)."""
+    if os.environ.get("CUDA_HOME"):
+        return os.environ["CUDA_HOME"]
+    for candidate in ("/usr/local/cuda", str(Path(shutil.which("nvcc") or "/").resolve().parent.parent)):
+        if (Path(candidate) / "include" / "cuda_runtime.h").exists():
+            return candidate
+    raise SystemExit("VLLM_ASCEND_ROUTING_TARGET_DEVICE=cuda: set CUDA_HOME to the CUDA toolkit")
 
-setup()
+
+class CMakeExtension(Extension):
+    def __init__(self, name: str) -> None:
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext: Extension) -> None:
+        target = _envs().VLLM_ASCEND_ROUTING_TARGET_DEVICE
+        if shutil.which("cmake") is None:
+            raise SystemExit("VLLM_ASCEND_ROUTING_TARGET_DEVICE is set but cmake is not installed")
+        if target == "cuda" and shutil.which("nvcc") is None and not os.environ.get("CUDACXX"):
+            raise SystemExit("VLLM_ASCEND_ROUTING_TARGET_DEVICE=cuda needs nvcc (set CUDACXX or add it to PATH)")
+        if target == "cuda" and not os.environ.get("CUDACXX"):
+            os.environ["CUDACXX"] = str(Path(_cuda_home()) / "bin" / "nvcc")
+        output_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        build_dir = Path(self.build_temp).resolve()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        configure = [
+            "cmake", str(ROOT), f"-DVLLM_ASCEND_ROUTING_TARGET_DEVICE={target}",
+            f"-DVLLM_ASCEND_ROUTING_OUTPUT_DIR={output_dir}", f"-DPython3_EXECUTABLE={sys.executable}",
+            "-DCMAKE_BUILD_TYPE=Release",
+        ]
+        if target == "cuda":
+            # Without a GPU to detect, build for the data-centre GPUs RL rollouts run on unless told otherwise
+            # (torch's own TORCH_CUDA_ARCH_LIST, e.g. "8.0 9.0 10.0").
+            arch_list = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0 9.0")
+            archs = ";".join(a.replace(".", "").replace("+PTX", "") for a in arch_list.replace(";", " ").split())
+            configure += [f"-DCUDA_TOOLKIT_ROOT_DIR={_cuda_home()}", f"-DCMAKE_CUDA_ARCHITECTURES={archs}"]
+        if os.environ.get("SOC_VERSION"):
+            configure.append(f"-DSOC_VERSION={os.environ['SOC_VERSION']}")
+        subprocess.run(configure, cwd=build_dir, check=True)
+        jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
+        subprocess.run(["cmake", "--build", ".", "-j", jobs], cwd=build_dir, check=True)
+
+
+target = _envs().VLLM_ASCEND_ROUTING_TARGET_DEVICE
+ext_modules = [CMakeExtension("vllm_ascend_routing._C")] if target in ("cuda", "npu") else []
+setup(ext_modules=ext_modules, cmdclass={"build_ext": CMakeBuild})

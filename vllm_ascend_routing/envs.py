@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     VLLM_ASCEND_ROUTING_CACHE: str = "~/.cache/vllm_ascend_routing"
     VLLM_ASCEND_ROUTING_MODELS: str = "<tmp>/vllm_ascend_routing_models"
     VLLM_ASCEND_ROUTING_TEST_REQUIRE: str = ""
+    VLLM_ASCEND_ROUTING_TEST_SEED: str = ""
 
 
 def _bool(name: str) -> Callable[[], bool]:
@@ -70,6 +71,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     or os.path.join(tempfile.gettempdir(), "vllm_ascend_routing_models"),
     # Comma-separated test resources (e.g. "vllm") whose absence fails the run instead of skipping.
     "VLLM_ASCEND_ROUTING_TEST_REQUIRE": lambda: os.getenv("VLLM_ASCEND_ROUTING_TEST_REQUIRE", ""),
+    # Seed of the random kernel test vectors (default: a fresh one per run, printed).
+    "VLLM_ASCEND_ROUTING_TEST_SEED": lambda: os.getenv("VLLM_ASCEND_ROUTING_TEST_SEED", ""),
 }
 
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""record_topk_ids (reference backend) against an independent NumPy oracle; compile and opcheck."""
+"""record_topk_ids through the dispatcher (reference on the CPU) against the NumPy oracle; compile, opcheck."""
 
 from __future__ import annotations
 
@@ -7,54 +7,23 @@ import numpy as np
 import pytest
 import torch
 
+from tests.ops.vectors import Case, case_ids, make_case
 from vllm_ascend_routing.ops import record_topk_ids
 
-POISON = 77
 
-
-def oracle(ids: np.ndarray, out: np.ndarray, layer: int, rows: np.ndarray | None, num_experts: int | None,
-           invalid: int, limit: int) -> tuple[np.ndarray, int]:
-    out = out.copy()
-    bad_count = 0
-    for i in range(ids.shape[0]):
-        row = i if rows is None else int(rows[i])  # negative: padding, skipped (ids still counted)
-        values = []
-        for v in ids[i]:
-            if num_experts is not None and not 0 <= v < min(num_experts, limit):
-                bad_count += 1
-                values.append(invalid)
-            else:
-                values.append(v)
-        if row >= 0:
-            out[row, layer] = np.array(values).astype(out.dtype)
-    return out, bad_count
-
-
-@pytest.mark.parametrize("num_tokens", [0, 1, 7, 300])
-@pytest.mark.parametrize("top_k", [1, 2, 8])
-@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("with_rows", [False, True])
-@pytest.mark.parametrize("out_dtype", [torch.int16, torch.uint8])
-def test_matches_oracle(num_tokens: int, top_k: int, id_dtype: torch.dtype, with_rows: bool,
-                        out_dtype: torch.dtype) -> None:
-    gen = torch.Generator().manual_seed(num_tokens * 131 + top_k)
-    num_experts = 200 if out_dtype == torch.uint8 else 300
-    num_rows, num_layers, layer = num_tokens + 5, 6, 3
-    # ids include out-of-range values on both sides
-    ids = torch.randint(-2, num_experts + 3, (num_tokens, top_k), generator=gen, dtype=id_dtype)
-    out = torch.full((num_rows, num_layers, top_k), POISON, dtype=out_dtype)
-    rows = None
-    if with_rows:
-        rows = torch.randperm(num_rows, generator=gen)[:num_tokens].to(torch.int64)
-        rows[torch.rand(num_tokens, generator=gen) < 0.2] = -1
+def run_op(case: Case) -> int:
     errors = torch.zeros(1, dtype=torch.int64)
-    expected, bad = oracle(ids.numpy(), out.numpy(), layer, None if rows is None else rows.numpy(), num_experts,
-                           -1 if out_dtype == torch.int16 else 255, 32767 if out_dtype == torch.int16 else 255)
-    record_topk_ids(ids, out, layer, rows, num_experts, errors)
-    np.testing.assert_array_equal(out.numpy(), expected)
-    assert int(errors) == bad
-    untouched = [i for i in range(num_layers) if i != layer]
-    assert (out[:, untouched] == POISON).all()
+    record_topk_ids(case.ids, case.out, case.layer_id, case.rows, case.num_experts, errors)
+    return int(errors)
+
+
+@pytest.mark.parametrize(("n", "k", "id_dtype", "with_rows", "out_dtype", "checked"), case_ids())
+def test_matches_oracle(n: int, k: int, id_dtype: torch.dtype, with_rows: bool, out_dtype: torch.dtype,
+                        checked: bool, run_seed: int) -> None:
+    case = make_case(n, k, id_dtype, with_rows, out_dtype, checked, run_seed + n * 7 + k)
+    expected, bad = case.expected()
+    assert run_op(case) == bad
+    np.testing.assert_array_equal(case.out.numpy(), expected)  # untouched rows/layers keep the poison
 
 
 def test_without_num_experts_values_are_cast() -> None:
@@ -99,6 +68,20 @@ def test_write_survives_torch_compile_fullgraph() -> None:
     x2 = torch.randn(5, 8)  # a second call with new data updates the buffer again
     compiled(x2)
     assert buffer[:5, 1].tolist() == torch.topk(x2, 2, dim=-1).indices.tolist()
+
+
+def test_fake_kernel_under_compile_with_rows_and_empty_batch() -> None:
+    buffer = torch.zeros(8, 2, 2, dtype=torch.uint8)
+    errors = torch.zeros(1, dtype=torch.int32)
+
+    @torch.compile(fullgraph=True)
+    def record(ids: torch.Tensor, rows: torch.Tensor) -> None:
+        record_topk_ids(ids, buffer, 0, rows, 4, errors)
+
+    record(torch.tensor([[1, 9], [2, 3]], dtype=torch.int32), torch.tensor([5, -1]))
+    record(torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, dtype=torch.int64))  # N == 0 is valid
+    assert buffer[5, 0].tolist() == [1, 255] and int(errors) == 1  # 9 >= 4 experts; row -1 skipped
+    assert int(buffer.sum()) == 256
 
 
 def test_opcheck() -> None:

@@ -6,9 +6,12 @@ from __future__ import annotations
 import torch
 
 from vllm_ascend_routing.ops._library import check_arguments, record_topk_ids_op
+from vllm_ascend_routing.ops._native import native_backend
 from vllm_ascend_routing.ops._reference import storage_limit
 
 __all__ = ["kernel_backend", "record_topk_ids", "storage_limit"]
+
+native_backend()  # register the native kernels, if built, before the op is first called
 
 
 def record_topk_ids(
@@ -38,5 +41,6 @@ def record_topk_ids(
 
 
 def kernel_backend() -> str:
-    """Which implementation serves ``record_topk_ids`` in this install (logged at start-up)."""
-    return "pytorch-reference"
+    """Which implementation serves ``record_topk_ids`` here: ``cuda``/``npu`` native, else the reference."""
+    native = native_backend()
+    return f"native-{native} (reference elsewhere)" if native else "pytorch-reference"

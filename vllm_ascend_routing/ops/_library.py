@@ -13,11 +13,15 @@ import torch
 
 from vllm_ascend_routing.ops._reference import record_topk_ids_reference
 
-
 # NOTE: ``errors`` is a required argument of the op: torch 2.11's autograd-inplace wrapper indexes
 # mutated arguments positionally and fails on an omitted optional one. The public wrapper supplies a
 # scratch counter when the caller passes none.
-@torch.library.custom_op("vllm_ascend_routing::record_topk_ids", mutates_args=("out", "errors"))
+# The op's one schema definition. Native backends (csrc/cuda, csrc/ascend) register kernels for it under
+# their dispatch keys (CUDA, PrivateUse1); the reference below is the CompositeExplicitAutograd default.
+SCHEMA = "(Tensor topk_ids, Tensor(a!) out, int layer_id, Tensor? rows, int? num_experts, Tensor(b!) errors) -> ()"
+
+
+@torch.library.custom_op("vllm_ascend_routing::record_topk_ids", mutates_args=("out", "errors"), schema=SCHEMA)
 def record_topk_ids_op(
     topk_ids: torch.Tensor,
     out: torch.Tensor,

@@ -1,0 +1,19 @@
+// SPDX-License-Identifier: Apache-2.0
+// The importable extension module `vllm_ascend_routing._C`. Importing it runs the static registrations of
+// the backend compiled into it (TORCH_LIBRARY_IMPL for CUDA or PrivateUse1); the op's schema is defined
+// once, in Python (vllm_ascend_routing/ops/_library.py), which is imported first. BACKEND names the build.
+#include <Python.h>
+
+#ifndef VLLM_ASCEND_ROUTING_BACKEND
+#error "VLLM_ASCEND_ROUTING_BACKEND must name the backend compiled into _C"
+#endif
+
+PyMODINIT_FUNC PyInit__C(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "record_topk_ids native kernels", -1, nullptr};
+  PyObject* m = PyModule_Create(&module);
+  if (m != nullptr && PyModule_AddStringConstant(m, "BACKEND", VLLM_ASCEND_ROUTING_BACKEND) != 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}
