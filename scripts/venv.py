@@ -36,7 +36,8 @@ TEST_TOOLS = ["pytest>=8", "pytest-timeout"]
 DEV_TOOLS = ["ruff", "mypy", "numpy", "transformers>=4.56", "tokenizers", "safetensors"]
 DEV_TORCH = "torch==2.13.0"
 # A CUDA build of torch (runs without a GPU) to compile the CUDA kernel's torch binding.
-CUDA_BUILD_TOOLS = ["torch==2.14.1", "numpy", "ninja", *TEST_TOOLS]
+# CMake from PyPI: the system's may predate nvcc 13's C++20 support (torch 2.14 headers need C++20).
+CUDA_BUILD_TOOLS = ["torch==2.14.1", "numpy", "ninja", "cmake>=3.30", *TEST_TOOLS]
 # Left out of every vLLM venv (see module docstring); triton is unused on the CPU.
 DROPPED = {"torchvision", "torchaudio", "torchcodec", "triton"}
 
