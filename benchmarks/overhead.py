@@ -11,8 +11,13 @@ Runs inside a per-release venv (``make bench RELEASE=0.23.0``). Workload: the mo
 Modes, run alternately (off, plugin, [vllm,] off, plugin, ...), each in a **fresh engine process**:
   off     no plugin, routed-experts return off;
   plugin  VLLM_ASCEND_ROUTING=1 + enable_return_routed_experts;
-  vllm    vLLM's own capture (no plugin), only where it works on the CPU build (0.28-0.30).
-Each engine first runs a short warm-up batch (compilation, caches); only the timed batch counts.
+  vllm    vLLM's own routed-experts path, no plugin. It records real ids on the CPU build only in
+          0.28-0.30; in 0.20-0.26 its capture is bypassed by the CPU MoE (zeros) but the rest of the path
+          (buffers, transport, scheduler, output) runs, so plugin/vllm isolates the plugin's own cost;
+          0.27 refuses to start it on the CPU, so it is left out there.
+Each engine first runs a short warm-up batch (compilation, caches), then the timed batch ``--repeats``
+times (median). The engine core runs in-process by default (``--multiprocess`` for vLLM's default layout):
+on a 2-core machine the extra processes make single runs swing by +-10%.
 Prints tokens/s per run, the median ratio of each mode to ``off``, routing bytes per token, host memory
 held by the capture buffers, and the time to assemble one 16k-token request's routing (61 layers, top-8,
 256 experts); writes everything as JSON.
@@ -37,8 +42,8 @@ ARCH = "qwen3_moe_bench"
 KV_CACHE_BYTES = 512 * 1024 * 1024
 
 
-def worker(mode: str, requests: int, tokens: int) -> dict[str, Any]:
-    """One engine, one mode: warm up, then time the workload."""
+def worker(mode: str, requests: int, tokens: int, repeats: int) -> dict[str, Any]:
+    """One engine, one mode: warm up, then time the workload ``repeats`` times (median)."""
     from vllm import LLM, SamplingParams
 
     from vllm_ascend_routing.testing import models, scenarios
@@ -51,9 +56,12 @@ def worker(mode: str, requests: int, tokens: int) -> dict[str, Any]:
     prompts = [{"prompt_token_ids": p} for p in models.mixed_prompts(requests, seed=3, min_len=16, max_len=256)]
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     llm.generate(prompts[:8], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    timings = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        timings.append(time.perf_counter() - start)
+    seconds = statistics.median(timings)
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     routed = [o.outputs[0].routed_experts for o in outputs]
     config = llm.llm_engine.vllm_config
@@ -62,6 +70,7 @@ def worker(mode: str, requests: int, tokens: int) -> dict[str, Any]:
         "max_num_batched_tokens": int(config.scheduler_config.max_num_batched_tokens),
         "kv_block_size": int(config.cache_config.block_size),
         "seconds": seconds,
+        "repeat_seconds": timings,
         "generated_tokens": generated,
         "tokens_per_s": generated / seconds,
         "routing_bytes_per_token": None if routed[0] is None else int(routed[0][0].nbytes),
@@ -71,10 +80,13 @@ def worker(mode: str, requests: int, tokens: int) -> dict[str, Any]:
 
 def run_mode(mode: str, args: argparse.Namespace, cache_root: str) -> dict[str, Any]:
     env = dict(os.environ, VLLM_CACHE_ROOT=cache_root)
+    if not args.multiprocess:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env.pop("VLLM_ASCEND_ROUTING", None)
     if mode == "plugin":
         env["VLLM_ASCEND_ROUTING"] = "1"
-    cmd = [sys.executable, __file__, "--worker", mode, "--requests", str(args.requests), "--tokens", str(args.tokens)]
+    cmd = [sys.executable, __file__, "--worker", mode, "--requests", str(args.requests), "--tokens", str(args.tokens),
+           "--repeats", str(args.repeats)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("OVERHEAD_RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -82,12 +94,11 @@ def run_mode(mode: str, args: argparse.Namespace, cache_root: str) -> dict[str, 
     return dict(json.loads(lines[-1].removeprefix("OVERHEAD_RESULT ")))
 
 
-def vllm_capture_works_on_cpu() -> bool:
-    """vLLM's own capture reaches the CPU MoE only in 0.28-0.30 (router path); elsewhere it is zeros/refused."""
+def vllm_path_starts_on_cpu() -> bool:
+    """vLLM's own routed-experts path starts on the CPU build except in 0.27 (refused for the CPU MoE)."""
     import vllm
 
-    major, minor = (int(x) for x in vllm.__version__.split(".")[:2])
-    return (major, minor) >= (0, 28) and (major, minor) <= (0, 30)
+    return not vllm.__version__.startswith("0.27.")
 
 
 def capture_memory(num_layers: int, top_k: int, num_experts: int, max_batched: int, kv_slots: int) -> dict[str, int]:
@@ -144,18 +155,23 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3, help="timed batches per engine (median)")
+    parser.add_argument("--multiprocess", action="store_true",
+                        help="engine core in its own process (default: in-process, less scheduler noise)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--worker", choices=["off", "plugin", "vllm"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print("OVERHEAD_RESULT " + json.dumps(worker(args.worker, args.requests, args.tokens)), flush=True)
+        print("OVERHEAD_RESULT " + json.dumps(worker(args.worker, args.requests, args.tokens, args.repeats)),
+              flush=True)
         return
 
     import vllm
 
-    modes = ["off", "plugin"] + (["vllm"] if vllm_capture_works_on_cpu() else [])
-    print(f"vLLM {vllm.__version__}: {args.pairs} rounds of {' / '.join(modes)}, fresh engine per run, "
-          f"{args.requests} requests x {args.tokens} tokens, {ARCH}")
+    modes = ["off", "plugin"] + (["vllm"] if vllm_path_starts_on_cpu() else [])
+    engine = "multi-process" if args.multiprocess else "in-process"
+    print(f"vLLM {vllm.__version__}: {args.pairs} rounds of {' / '.join(modes)}, fresh {engine} engine per run "
+          f"(median of {args.repeats} timed batches), {args.requests} requests x {args.tokens} tokens, {ARCH}")
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="overhead_cache_") as cache_root:
         for round_index in range(args.pairs):
@@ -182,7 +198,8 @@ def main() -> None:
     summary = {
         "vllm": vllm.__version__,
         "machine": f"{os.cpu_count()} CPUs",
-        "workload": {"model": ARCH, "requests": args.requests, "tokens": args.tokens, "engine": "fresh per run"},
+        "workload": {"model": ARCH, "requests": args.requests, "tokens": args.tokens, "repeats": args.repeats,
+                     "engine": f"fresh {engine} engine per run"},
         "runs": runs,
         "median_ratio_vs_off": ratios,
         "routing_bytes_per_token": plugin_run["routing_bytes_per_token"],

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_ascend_routing.ops import record_topk_ids, storage_limit
+from vllm_ascend_routing.ops import record_topk_ids_op, storage_limit
 
 # Narrowest signed storage that holds every id of any MoE in use; -1 marks an invalid id.
 CAPTURE_DTYPE = torch.int16
@@ -27,7 +27,9 @@ class LayerCapture:
     errors: torch.Tensor  # [1] int64, out-of-range ids seen (shared by a model's layers)
 
     def __call__(self, topk_ids: torch.Tensor) -> None:
-        record_topk_ids(topk_ids, self.buffer, self.layer_id, None, self.num_experts, self.errors)
+        # The op itself (no Python argument checks: buffer and layer were validated at bind time, and the
+        # fake kernel checks shapes when compiled). Runs once per MoE layer per step.
+        record_topk_ids_op(topk_ids, self.buffer, self.layer_id, None, self.num_experts, self.errors)
 
 
 @dataclass(frozen=True)

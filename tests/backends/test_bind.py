@@ -3,56 +3,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
+from tests.fakes import FakeModel
 from vllm_ascend_routing import backends
 from vllm_ascend_routing.capture import LayerCapture, new_capture_buffer, new_error_counter
-
-
-class FakeRouter:
-    def __init__(self) -> None:
-        self.capture_fn: Any = None
-
-    def set_capture_fn(self, fn: Any) -> None:
-        self.capture_fn = fn
-
-
-class FakeCPUFusedMoE:
-    def __init__(self) -> None:
-        self.calls = 0
-        self.forward_method = self.forward_torch
-
-    def forward_torch(self, layer: Any, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                      activation: str = "silu") -> torch.Tensor:
-        self.calls += 1
-        return x + 1
-
-
-class FakeQuantMethod:
-    def __init__(self, cpu: bool) -> None:
-        self.is_monolithic = cpu
-        if cpu:
-            self.cpu_fused_moe = FakeCPUFusedMoE()
-
-
-class FakeMoE(torch.nn.Module):
-    def __init__(self, layer_id: int, cpu: bool) -> None:
-        super().__init__()
-        self.layer_name = f"model.layers.{layer_id}.mlp.experts"
-        self.layer_id = layer_id
-        self.router = FakeRouter()
-        self.quant_method = FakeQuantMethod(cpu)
-
-
-class FakeModel(torch.nn.Module):
-    def __init__(self, cpu: bool, moe_layers: tuple[int, ...] = (0, 2)) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(
-            [FakeMoE(i, cpu) if i in moe_layers else torch.nn.Linear(2, 2) for i in range(3)]
-        )
 
 
 def bind(model: torch.nn.Module, num_experts: int = 8) -> torch.Tensor:

@@ -9,7 +9,7 @@ from vllm_ascend_routing.ops._library import check_arguments, record_topk_ids_op
 from vllm_ascend_routing.ops._native import native_backend
 from vllm_ascend_routing.ops._reference import storage_limit
 
-__all__ = ["kernel_backend", "record_topk_ids", "storage_limit"]
+__all__ = ["kernel_backend", "record_topk_ids", "record_topk_ids_op", "storage_limit"]
 
 native_backend()  # register the native kernels, if built, before the op is first called
 

@@ -29,18 +29,17 @@ def record_topk_ids_reference(
     """Write ``topk_ids`` `[N, K]` into ``out[rows, layer_id]`` (see ``ops.record_topk_ids``)."""
     if topk_ids.shape[0] == 0:
         return
-    ids = topk_ids
+    values = topk_ids
     if num_experts is not None:
         limit = min(num_experts, storage_limit(out.dtype))
-        bad = (ids < 0) | (ids >= limit)
-        ids = torch.where(bad, torch.full_like(ids, _INVALID[out.dtype]), ids)
+        bad = topk_ids.clamp(0, limit - 1).ne(topk_ids)
+        values = topk_ids.masked_fill(bad, _INVALID[out.dtype])
         if errors is not None:
-            errors.add_(bad.sum().to(errors.dtype))
-    values = ids.to(out.dtype)
+            errors.add_(bad.sum())
     if rows is None:
-        out[: values.shape[0], layer_id].copy_(values)
+        out[: values.shape[0], layer_id].copy_(values)  # copy_ narrows to out's dtype
         return
     # Negative rows are padding: skipped. (The boolean mask costs a host sync on accelerators; the
     # native kernels avoid it. The capture hot path passes rows=None.)
     keep = rows >= 0
-    out[rows[keep].long(), layer_id] = values[keep]
+    out[rows[keep].long(), layer_id] = values[keep].to(out.dtype)
