@@ -57,7 +57,28 @@ def _spec(vllm_config: Any, max_num_kv_tokens: int) -> SegmentSpec:
     )
 
 
-class ShmRoutedExpertsCapturer:
+class _ProcessSingleton:
+    """0.20.x's ``create()`` / ``get_instance()`` contract: one per process, cleaned up at exit."""
+
+    _instance: Any = None
+
+    @classmethod
+    def create(cls) -> Any:
+        if cls._instance is not None:
+            raise RuntimeError(f"{cls.__name__} already created.")
+        cls._instance = cls()
+        atexit.register(cls._instance.cleanup)
+        return cls._instance
+
+    @classmethod
+    def get_instance(cls) -> Any:
+        return cls._instance
+
+    def cleanup(self) -> None:
+        raise NotImplementedError
+
+
+class ShmRoutedExpertsCapturer(_ProcessSingleton):
     """Worker side; stands in for 0.20.x ``RoutedExpertsCapturer`` (same call sites)."""
 
     _instance: ShmRoutedExpertsCapturer | None = None
@@ -67,18 +88,6 @@ class ShmRoutedExpertsCapturer:
         self._writer: SegmentWriter | None = None
         self._host: torch.Tensor | None = None  # pinned staging on accelerators; None on the CPU
         self._copied: Any = None  # device event recorded after the staging copy
-
-    @classmethod
-    def create(cls) -> ShmRoutedExpertsCapturer:
-        if cls._instance is not None:
-            raise RuntimeError("Experts capturer already created.")
-        cls._instance = cls()
-        atexit.register(cls._instance.cleanup)
-        return cls._instance
-
-    @classmethod
-    def get_instance(cls) -> ShmRoutedExpertsCapturer | None:
-        return cls._instance
 
     def init_buffer(self, max_num_batched_tokens: int, max_num_kv_tokens: int, vllm_config: Any) -> None:
         from vllm.distributed import get_tensor_model_parallel_rank
@@ -135,25 +144,13 @@ class ShmRoutedExpertsCapturer:
             self._writer = None
 
 
-class ShmRoutedExpertsReader:
+class ShmRoutedExpertsReader(_ProcessSingleton):
     """Scheduler side; stands in for 0.20.x ``RoutedExpertsReader`` (same call sites)."""
 
     _instance: ShmRoutedExpertsReader | None = None
 
     def __init__(self) -> None:
         self._reader: SegmentReader | None = None
-
-    @classmethod
-    def create(cls) -> ShmRoutedExpertsReader:
-        if cls._instance is not None:
-            raise RuntimeError("Experts reader already created.")
-        cls._instance = cls()
-        atexit.register(cls._instance.cleanup)
-        return cls._instance
-
-    @classmethod
-    def get_instance(cls) -> ShmRoutedExpertsReader | None:
-        return cls._instance
 
     def attach_buffer(self, max_num_kv_tokens: int, vllm_config: Any) -> None:
         self._reader = SegmentReader(_spec(vllm_config, max_num_kv_tokens))

@@ -14,6 +14,7 @@
 
 #include "aclrtlaunch_record_topk_ids_int16.h"
 #include "aclrtlaunch_record_topk_ids_uint8.h"
+#include "record_topk_ids_checks.h"
 #include "record_topk_ids_tiling.h"
 #include "tiling/platform/platform_ascendc.h"
 #include "torch_npu/csrc/core/npu/NPUStream.h"
@@ -35,20 +36,7 @@ int64_t AivCores() {
 
 void record_topk_ids_npu(const at::Tensor& topk_ids, at::Tensor& out, int64_t layer_id,
                          const std::optional<at::Tensor>& rows, std::optional<int64_t> num_experts, at::Tensor& errors) {
-  TORCH_CHECK(topk_ids.dim() == 2, "record_topk_ids: topk_ids must be [N, K]");
-  TORCH_CHECK(topk_ids.scalar_type() == at::kInt || topk_ids.scalar_type() == at::kLong,
-              "record_topk_ids: topk_ids must be int32 or int64");
-  TORCH_CHECK(out.dim() == 3 && out.is_contiguous(), "record_topk_ids: out must be a contiguous [R, L, K]");
-  TORCH_CHECK(out.scalar_type() == at::kShort || out.scalar_type() == at::kByte,
-              "record_topk_ids: out must be int16 or uint8");
-  TORCH_CHECK(out.size(2) == topk_ids.size(1), "record_topk_ids: top_k mismatch");
-  TORCH_CHECK(0 <= layer_id && layer_id < out.size(1), "record_topk_ids: layer_id out of range");
-  TORCH_CHECK(errors.numel() == 1, "record_topk_ids: errors must have one element");
-  if (rows.has_value()) {
-    TORCH_CHECK(rows->dim() == 1 && rows->size(0) == topk_ids.size(0), "record_topk_ids: rows must be [N]");
-  } else {
-    TORCH_CHECK(topk_ids.size(0) <= out.size(0), "record_topk_ids: tokens do not fit out's rows");
-  }
+  CheckRecordArguments(topk_ids, out, layer_id, rows, errors);
   const int64_t num_tokens = topk_ids.size(0);
   if (num_tokens == 0) return;
 
