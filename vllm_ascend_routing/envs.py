@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     VLLM_ASCEND_ROUTING_MODELS: str = "<tmp>/vllm_ascend_routing_models"
     VLLM_ASCEND_ROUTING_TEST_REQUIRE: str = ""
     VLLM_ASCEND_ROUTING_TEST_SEED: str = ""
+    VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC: str = ""
 
 
 def _bool(name: str) -> Callable[[], bool]:
@@ -73,6 +74,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_ASCEND_ROUTING_TEST_REQUIRE": lambda: os.getenv("VLLM_ASCEND_ROUTING_TEST_REQUIRE", ""),
     # Seed of the random kernel test vectors (default: a fresh one per run, printed).
     "VLLM_ASCEND_ROUTING_TEST_SEED": lambda: os.getenv("VLLM_ASCEND_ROUTING_TEST_SEED", ""),
+    # "SRC:OVERLAY" from scripts/ascend_src.py: the real vllm-ascend source the tests/ascend suite runs on.
+    "VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC": lambda: os.getenv("VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC", ""),
 }
 
 

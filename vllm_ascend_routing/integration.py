@@ -1,30 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The only module that patches vLLM. Called once by ``register()`` when ``VLLM_ASCEND_ROUTING=1``.
+"""The only module that applies patches. Called once by ``register()`` when ``VLLM_ASCEND_ROUTING=1``.
 
-Patch manifest (every patch is idempotent; nothing is patched when the plugin is off):
-
-- ``load_model`` of the model-runner classes: V1 ``vllm.v1.worker.gpu_model_runner.GPUModelRunner``,
-  MRV2 ``vllm.v1.worker.gpu.model_runner.GPUModelRunner`` and the CPU runners that override it.
-  Why: bind MoE layers to a static buffer before vLLM first compiles the model. Releases 0.22-0.30.
-- ``init_routed_experts_capturer`` of the same classes. Why: vLLM's own init runs, our binding is
-  used. Releases 0.22-0.30.
-- ``_bind_routed_experts_capturer`` of the same classes. Why: hand vLLM's capturer the prepared buffer
-  (upstream's bind misses the CPU MoE, raises on 0.27). Releases 0.22-0.27 call it.
-- ``bind_routed_experts_capturer`` as imported by the runner modules. Why: redirect vLLM's module-level
-  binder to the runner's hook. Releases 0.28-0.30.
-- ``CPUFusedMOE`` instances' ``forward_method`` (per bound layer, at bind time, not the class). Why:
-  record top-k ids the CPU MoE computes without the router. Releases 0.22-0.27.
-- ``cpu_fused_moe._CPU_MOE_ACT_FN[SILU]``. Why: the CPU compat fix (``_cpu_compat``). Releases 0.20-0.27.
-All are removed with the generation that needs them (see each adapter's SCAFFOLDING line).
+What is patched, why, for which releases and when to remove it is listed in ``manifest.PATCHES``; the
+generation adapters (``compat``) and backends (``backends``) own the patches themselves.
 """
 
 from __future__ import annotations
 
 import importlib
+from types import ModuleType
 
-from vllm_ascend_routing import _cpu_compat, ops
+from vllm_ascend_routing import _cpu_compat, manifest, ops
 from vllm_ascend_routing._logging import get_logger
+from vllm_ascend_routing._post_import import when_imported
 from vllm_ascend_routing.compat import UnsupportedVllmError, get_api, vllm_version
+from vllm_ascend_routing.compat.base import CaptureAPI
 from vllm_ascend_routing.runner_mixin import apply_mixin
 
 logger = get_logger(__name__)
@@ -42,7 +32,13 @@ _RUNNERS = {
         "vllm.v1.worker.cpu_model_runner:CPUModelRunner",
         "vllm.v1.worker.cpu.model_runner:CPUModelRunner",
     ),
+    # vllm-ascend's runners override the hooked methods: patched when the worker imports them.
+    "npu": _GPU_RUNNERS,
 }
+_NPU_RUNNERS = (
+    "vllm_ascend.worker.model_runner_v1:NPUModelRunner",
+    "vllm_ascend.worker.v2.model_runner:NPUModelRunner",
+)
 
 
 def _load(path: str) -> type | None:
@@ -72,6 +68,10 @@ def install() -> None:
     for cls in runners:
         apply_mixin(cls)
     api.install()
+    if device == "npu":
+        for path in _NPU_RUNNERS:
+            module_name, _, attr = path.partition(":")
+            when_imported(module_name, lambda module, attr=attr: _patch_npu_runner(module, attr, api))
     fixed = device == "cpu" and _cpu_compat.apply()
     logger.info(
         "vllm-ascend-routing enabled: vLLM %s, API generation %s, platform %s, kernel backend %s%s",
@@ -81,3 +81,12 @@ def install() -> None:
         ops.kernel_backend(),
         ", CPU MoE compat fix applied" if fixed else "",
     )
+
+
+def _patch_npu_runner(module: ModuleType, attr: str, api: CaptureAPI) -> None:
+    """Runs right after the worker imports a vllm-ascend runner module: check, then patch."""
+    manifest.verify(api.generation, "npu")
+    cls = getattr(module, attr, None)
+    if isinstance(cls, type):
+        apply_mixin(cls)
+    api.install_ascend()

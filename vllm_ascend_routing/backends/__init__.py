@@ -2,18 +2,21 @@
 """Bind every MoE layer of a target model to a ``LayerCapture``, through the backend that routes it.
 
 Backends (one module each) answer one question: for this MoE layer, where can its logical top-k ids be
-intercepted? ``router``: vLLM's ``BaseRouter`` capture hook. ``cpu_moe``: vLLM's CPU fused MoE
-(releases up to 0.27), which computes routing itself and never calls the router.
+intercepted? ``ascend``: vllm-ascend's own ``select_experts`` (its MoE layers never call the router).
+``cpu_moe``: vLLM's CPU fused MoE (releases up to 0.27), which computes routing itself and never calls the
+router. ``router``: vLLM's ``BaseRouter`` capture hook.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
 from vllm_ascend_routing._logging import get_logger
-from vllm_ascend_routing.backends import cpu_moe, router
+from vllm_ascend_routing.backends import ascend, cpu_moe, router
 from vllm_ascend_routing.capture import LayerCapture
 
 logger = get_logger(__name__)
@@ -64,7 +67,9 @@ def bind_model(model: torch.nn.Module, make_capture: Callable[[int], LayerCaptur
     count = 0
     for name, module, layer_id in moe_layers(model):
         capture = make_capture(layer_id)
-        if cpu_moe.handles(module):
+        if ascend.handles(module):
+            ascend.bind(module, capture, name)
+        elif cpu_moe.handles(module):
             cpu_moe.bind(module, capture)
         elif router.handles(module):
             router.bind(module, capture)
@@ -79,6 +84,13 @@ def bind_model(model: torch.nn.Module, make_capture: Callable[[int], LayerCaptur
         raise UnboundLayerError("No MoE layer found in the model: nothing to capture.")
     logger.debug("bound %d MoE layers", count)
     return count
+
+
+def refusal(vllm_config: Any) -> str | None:
+    """Why a backend in use cannot capture this configuration exactly, or ``None``."""
+    if "vllm_ascend" in sys.modules:
+        return ascend.check_config(vllm_config)
+    return None
 
 
 def quant_method(module: torch.nn.Module) -> object:

@@ -35,6 +35,9 @@ class CaptureAPI(Protocol):
     def install(self) -> None:
         """Patch this generation's runner hooks into vLLM (idempotent)."""
 
+    def install_ascend(self) -> None:
+        """Patch this generation's call sites in vllm-ascend (idempotent; run when its worker imports them)."""
+
     def prepare(
         self, model: torch.nn.Module, vllm_config: Any, device: torch.device
     ) -> PreparedCapture | None:

