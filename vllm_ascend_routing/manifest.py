@@ -36,7 +36,7 @@ class Patch:
     params: tuple[str, ...] = ()  # leading parameter names the plugin calls or receives
     generations: tuple[Generation, ...] = _ALL
     platform: str = "any"  # "any", "cpu", "npu"
-    required: bool = True  # False: absent in some supported releases (e.g. Model Runner V2)
+    required: bool = True  # False: absent in some supported releases (e.g. Model Runner V2 before 0.31)
 
 
 def _runner_patches(cls_path: str, platform: str, releases: str, required: bool) -> list[Patch]:
@@ -150,7 +150,7 @@ def problem(patch: Patch) -> str | None:
     try:
         obj = resolve(patch.target)
     except LookupError as exc:
-        return None if not patch.required and "cannot be imported" in str(exc) else str(exc)
+        return None if not patch.required else str(exc)
     if not patch.params:
         return None
     try:

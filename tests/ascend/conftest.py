@@ -44,10 +44,10 @@ def restore_selectors() -> Iterator[None]:
     yield
     for name, selector in before.items():
         if selector is not None:
-            setattr(sys.modules[name], "select_experts", selector)
+            sys.modules[name].select_experts = selector
 
 
-class RoutingDone(Exception):
+class RoutingDone(Exception):  # noqa: N818 (a signal, not an error)
     """Raised by the spy right after ``select_experts`` returned: the rest of ``apply`` needs an NPU."""
 
 

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``torch_npu`` stubbed on the CPU, the way vllm-ascend's own unit tests run without an NPU.
+"""``torch_npu`` (and ``torchair``, ``npugraph_ex``) stubbed on the CPU, the way vllm-ascend's own unit
+tests run without an NPU.
 
 Every ``torch_npu`` module (and ``torch.npu``) is a ``MagicMock``: vllm-ascend imports, and references
 ``torch.npu.Event`` / ``torch_npu.npu_*`` at import time, work; nothing in these tests reaches an NPU
@@ -18,6 +19,8 @@ from unittest import mock
 import torch
 
 _ROOT = "torch_npu"
+# NPU-only packages vllm-ascend's worker imports (graph modes); stubbed alike.
+_STUBBED = (_ROOT, "torchair", "npugraph_ex")
 
 
 def _stub_module(name: str) -> mock.MagicMock:
@@ -33,7 +36,7 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname == _ROOT or fullname.startswith(_ROOT + "."):
+        if fullname.split(".")[0] in _STUBBED:
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 

@@ -55,7 +55,10 @@ METHODS = moe_method_classes()
 def probe_instance(cls: type) -> Any:
     """``cls`` without its NPU-only ``__init__``; unset attributes read as ``None`` (feature flags off)."""
     probe = type(f"Probe{cls.__name__}", (cls,), {"__getattr__": lambda self, name: None})
-    return object.__new__(probe)
+    instance = object.__new__(probe)
+    if isinstance(instance, torch.nn.Module):  # vLLM's MoE methods are CustomOps (modules)
+        torch.nn.Module.__init__(instance)
+    return instance
 
 
 class FakeAscendMoE(torch.nn.Module):

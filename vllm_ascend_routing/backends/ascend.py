@@ -80,7 +80,8 @@ def bind(module: torch.nn.Module, capture: LayerCapture, name: str) -> None:
             "quant method is not supported by vllm-ascend-routing."
         )
     state = _LayerState(capture, name)
-    inner = getattr(module.forward_impl, _WRAPPED, module.forward_impl)
+    current: Callable[..., Any] = getattr(module, "forward_impl")  # noqa: B009 (nn.Module attribute typing)
+    inner: Callable[..., Any] = getattr(current, _WRAPPED, current)
 
     def forward_impl(*args: Any, **kwargs: Any) -> Any:
         state.recorded = False
@@ -97,7 +98,7 @@ def bind(module: torch.nn.Module, capture: LayerCapture, name: str) -> None:
         return result
 
     setattr(forward_impl, _WRAPPED, inner)
-    module.forward_impl = forward_impl  # type: ignore[method-assign]
+    setattr(module, "forward_impl", forward_impl)  # noqa: B010 (instance attribute on an nn.Module)
 
 
 def recording_selector(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -203,8 +203,8 @@ class ShmAPI:
 
     def install_ascend(self) -> None:
         runner_module, fused_moe_module = (importlib.import_module(name) for name, _ in _ASCEND_SUBSTITUTIONS)
-        runner_module.RoutedExpertsCapturer = ShmRoutedExpertsCapturer
-        fused_moe_module.RoutedExpertsCapturer = _CaptureOff
+        setattr(runner_module, "RoutedExpertsCapturer", ShmRoutedExpertsCapturer)  # noqa: B010
+        setattr(fused_moe_module, "RoutedExpertsCapturer", _CaptureOff)  # noqa: B010
 
     def check_config(self, vllm_config: Any) -> None:
         refuse_unsupported_config(vllm_config, self.generation.value)
