@@ -6,8 +6,9 @@ DEMO_RELEASE ?= 0.23.0
 # bypassing the router, like Ascend) and 0.30.0 (runner-output, router capture hook).
 E2E_RELEASES ?= 0.20.2 0.23.0 0.30.0
 # vllm-ascend releases (PyPI) whose real source the Ascend suite runs on, each with the vLLM it targets:
-# 0.20.2rc1 (vLLM 0.20.2, shm generation) and 0.23.0 (vLLM 0.23.0, runner-output generation).
-ASCEND_RELEASES ?= 0.20.2rc1:0.20.2 0.23.0:0.23.0
+# 0.20.2rc1 (vLLM 0.20.2, shm generation), 0.23.0 and 0.23.0.post1 (vLLM 0.23.0, runner-output; post1 is
+# source-only on PyPI).
+ASCEND_RELEASES ?= 0.20.2rc1:0.20.2 0.23.0:0.23.0 0.23.0.post1:0.23.0
 VENV          = $(shell $(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 

@@ -152,3 +152,15 @@ def test_vllm_ascend_own_capture_is_off(patched_runner_module: Any) -> None:
     else:  # 0.22+: its binder sets a per-layer attribute; the plugin's hook replaces that binder
         bind = patched_runner_module.NPUModelRunner._bind_routed_experts_capturer
         assert getattr(bind, "_vllm_ascend_routing_hook", False)
+
+
+def test_install_on_the_npu_platform_patches_vllm_ascend_runners(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.platforms import current_platform
+
+    module = importlib.import_module(RUNNER_MODULE)
+    patched: list[tuple[Any, str]] = []
+    monkeypatch.setattr(integration, "_patch_npu_runner", lambda mod, *, attr, api: patched.append((mod, attr)))
+    monkeypatch.setattr(current_platform, "device_type", "npu")
+    integration.install()  # the runner module is imported already here, so its patch runs at once
+    assert (module, "NPUModelRunner") in patched
+    ShmRoutedExpertsCapturer._instance = None

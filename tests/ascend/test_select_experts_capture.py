@@ -162,3 +162,31 @@ def test_a_forward_without_select_experts_fails_loudly() -> None:
     with pytest.raises(ascend.RoutingNotRecordedError, match="without calling select_experts"):
         layer.forward_impl(torch.zeros(NUM_TOKENS, HIDDEN), torch.zeros(NUM_TOKENS, NUM_EXPERTS))
     assert (buffer == 0).all()
+
+
+def test_recording_adds_one_op_and_no_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counting, not timing: besides vllm-ascend's own routing ops, one record_topk_ids per layer."""
+    from tests.test_hot_path import SYNCING, OpLog
+
+    cls = next(cls for cls in METHODS if cls.__name__ == "AscendUnquantizedFusedMoEMethod")
+    module = importlib.import_module(cls.__module__)
+    no_forward_context(monkeypatch, module)
+    generator = torch.Generator().manual_seed(11)
+    hidden = torch.randn(NUM_TOKENS, HIDDEN, generator=generator)
+    logits = torch.randn(NUM_TOKENS, NUM_EXPERTS, generator=generator)
+
+    def routing_ops(bound: bool) -> list[str]:
+        layer = bound_layer(cls)[0] if bound else FakeAscendMoE(probe_instance(cls))
+        seen: list[torch.Tensor] = []
+        with monkeypatch.context() as patch:
+            spy_selector(patch, module, seen)
+            with OpLog() as log, pytest.raises(RoutingDone):
+                layer.forward_impl(hidden, logits)
+        return log.ops
+
+    unbound, bound = routing_ops(bound=False), routing_ops(bound=True)
+    added = list(bound)
+    for op in unbound:
+        added.remove(op)
+    assert added == ["vllm_ascend_routing::record_topk_ids"]
+    assert not {op.split("::")[1] for op in added} & SYNCING
