@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Command line: ``python -m vllm_ascend_routing demo``."""
+"""Command line: ``python -m vllm_ascend_routing demo`` / ``doctor``."""
 
 from __future__ import annotations
 
@@ -49,7 +49,14 @@ def main() -> None:
     run.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "mixtral", "qwen3_moe_dense"])
     run.add_argument("--prompts", type=int, default=8)
     run.add_argument("--mode", default="compiled", choices=["eager", "compiled"])
+    check = sub.add_parser("doctor", help="versions, generation, platform, kernel, settings; then a self-check")
+    check.add_argument("--prompts", type=int, default=4)
+    check.add_argument("--mode", default="compiled", choices=["eager", "compiled"])
     args = parser.parse_args()
+    if args.command == "doctor":
+        from vllm_ascend_routing import doctor
+
+        sys.exit(doctor.run(args.prompts, args.mode))
     sys.exit(demo(args.arch, args.prompts, args.mode))
 
 

@@ -1,0 +1,56 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``python -m vllm_ascend_routing doctor``: the report, and a clear FAIL where the plugin cannot run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_ascend_routing import doctor
+from vllm_ascend_routing.compat import UnsupportedVllmError
+
+
+def test_report_lists_every_setting_with_its_effective_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING_VLLM_API", "shm")
+    lines, _ = doctor.environment_report()
+    values = dict(lines)
+    assert values["VLLM_ASCEND_ROUTING_VLLM_API"] == "shm"
+    assert values["VLLM_ASCEND_ROUTING"] == "False (default)"
+    assert {"platform", "kernel backend", "API generation"} <= set(values)
+
+
+def test_refusal_ends_with_fail_and_no_self_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refused() -> None:
+        raise UnsupportedVllmError("vLLM 0.21.0 is refused: use 0.20.x or 0.22-0.30")
+
+    monkeypatch.setattr("vllm_ascend_routing.compat.vllm_version", lambda: "0.21.0")
+    monkeypatch.setattr("vllm_ascend_routing.compat.get_api", refused)
+    monkeypatch.setattr(doctor, "self_check", lambda *a: pytest.fail("no self-check after a refusal"))
+    printed: list[str] = []
+    assert doctor.run(print_fn=printed.append) == 1
+    assert printed[-1] == "FAIL: vLLM 0.21.0 is refused: use 0.20.x or 0.22-0.30"
+    assert any("0.21.0" in line and "vLLM" in line for line in printed[:3])
+
+
+def test_malformed_setting_is_a_finding(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING", "maybe")
+    lines, problem = doctor.environment_report()
+    assert "expected 0 or 1" in dict(lines)["VLLM_ASCEND_ROUTING"] and problem is not None
+
+
+@pytest.mark.vllm
+@pytest.mark.e2e
+def test_doctor_passes_on_this_release(tmp_path: Path) -> None:
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "vllm_ascend_routing", "doctor", "--prompts", "2", "--mode", "eager"],
+        capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path,
+    )
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0 and lines[-1] == "PASS", done.stdout[-2000:] + done.stderr[-3000:]
+    assert any(line.strip().startswith("API generation") for line in lines)
+    assert "rows exact" in lines[-2]

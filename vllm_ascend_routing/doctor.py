@@ -1,0 +1,76 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``python -m vllm_ascend_routing doctor``: what the plugin would do here, then a self-check.
+
+Prints the vLLM release, the API generation (or why it is refused), the platform, the kernel backend and
+every setting, then runs vLLM with the plugin on the embedded tiny MoE and compares every returned row
+with the transformers reference. Ends with ``PASS`` or ``FAIL: <reason>``; exit status 0 / 1.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from vllm_ascend_routing import envs
+
+
+def environment_report() -> tuple[list[tuple[str, str]], str | None]:
+    """``(label, value)`` lines, and the reason the plugin cannot run here (``None`` when it can)."""
+    from vllm_ascend_routing import ops
+    from vllm_ascend_routing.compat import UnsupportedVllmError, get_api, vllm_version
+
+    lines: list[tuple[str, str]] = []
+    problem: str | None = None
+    try:
+        lines.append(("vLLM", vllm_version()))
+        lines.append(("API generation", get_api().generation.value))
+    except UnsupportedVllmError as exc:
+        problem = str(exc)
+        lines.append(("API generation", f"refused: {exc}"))
+    lines.append(("platform", _platform()))
+    lines.append(("kernel backend", ops.kernel_backend()))
+    for name in envs.environment_variables:
+        try:
+            value = str(getattr(envs, name))
+        except ValueError as exc:  # a malformed setting is a finding, not a crash
+            value, problem = f"invalid: {exc}", problem or str(exc)
+        lines.append((name, value if name in os.environ else f"{value} (default)"))
+    return lines, problem
+
+
+def _platform() -> str:
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return "(vLLM not importable)"
+    return str(current_platform.device_type)
+
+
+def self_check(num_prompts: int, mode: str) -> tuple[bool, str]:
+    """Run the embedded tiny MoE through vLLM with the plugin; every row must equal the reference."""
+    os.environ["VLLM_ASCEND_ROUTING"] = "1"  # before the engine starts: the plugin loads with vLLM
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm_ascend_routing.testing import scenarios
+
+    result = scenarios.run_offline("qwen3_moe", mode, num_prompts)
+    parts = [(name, result[name]) for name in ("batch", "chunked_prefill", "prefix_repeat")]
+    summary = ", ".join(f"{name} {part['matched']}/{part['rows']} rows exact" for name, part in parts)
+    failed = [f"{name}: {'; '.join(part['problems']) or 'mismatch'}" for name, part in parts if not part["ok"]]
+    return not failed, summary if not failed else "; ".join(failed)
+
+
+def run(num_prompts: int = 4, mode: str = "compiled", print_fn: Callable[[str], Any] = print) -> int:
+    lines, problem = environment_report()
+    width = max(len(label) for label, _ in lines)
+    print_fn("vllm-ascend-routing doctor")
+    for label, value in lines:
+        print_fn(f"  {label:<{width}}  {value}")
+    if problem is not None:
+        print_fn(f"FAIL: {problem}")
+        return 1
+    print_fn(f"self-check: tiny Qwen3-MoE, {num_prompts} prompts, {mode}, against transformers ...")
+    ok, detail = self_check(num_prompts, mode)
+    print_fn(f"  {detail}")
+    print_fn("PASS" if ok else f"FAIL: {detail}")
+    return 0 if ok else 1
