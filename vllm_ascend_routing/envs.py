@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     VLLM_ASCEND_ROUTING: bool = False
     VLLM_ASCEND_ROUTING_VLLM_API: str = "auto"
     VLLM_ASCEND_ROUTING_FORCE_REFERENCE: bool = False
+    VLLM_ASCEND_ROUTING_VALIDATE: str = "off"
     VLLM_ASCEND_ROUTING_TARGET_DEVICE: str = ""
     VLLM_ASCEND_ROUTING_CACHE: str = "~/.cache/vllm_ascend_routing"
     VLLM_ASCEND_ROUTING_MODELS: str = "<tmp>/vllm_ascend_routing_models"
@@ -47,6 +48,14 @@ def _choice(name: str, default: str, choices: tuple[str, ...]) -> Callable[[], s
     return read
 
 
+def _validate_mode() -> str:
+    value = os.getenv("VLLM_ASCEND_ROUTING_VALIDATE", "0").strip().lower()
+    modes = {"": "off", "0": "off", "off": "off", "1": "log", "log": "log", "strict": "strict"}
+    if value not in modes:
+        raise ValueError(f"VLLM_ASCEND_ROUTING_VALIDATE={value!r}: expected 0, 1 or strict")
+    return modes[value]
+
+
 environment_variables: dict[str, Callable[[], Any]] = {
     # ---- runtime ----
     # Master switch: the plugin does nothing at all unless this is 1.
@@ -55,6 +64,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_ASCEND_ROUTING_VLLM_API": _choice(
         "VLLM_ASCEND_ROUTING_VLLM_API", "auto", ("auto", "shm", "runner-output", "aux-output")
     ),
+    # Check every returned routed-experts array: "1" logs violations, "strict" raises ("0": off).
+    "VLLM_ASCEND_ROUTING_VALIDATE": _validate_mode,
     # Use the PyTorch reference of record_topk_ids even where a native kernel is built.
     "VLLM_ASCEND_ROUTING_FORCE_REFERENCE": _bool("VLLM_ASCEND_ROUTING_FORCE_REFERENCE"),
     # ---- build (read by setup.py) ----

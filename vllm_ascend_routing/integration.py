@@ -11,7 +11,7 @@ import functools
 import importlib
 from types import ModuleType
 
-from vllm_ascend_routing import _cpu_compat, manifest, ops
+from vllm_ascend_routing import _cpu_compat, manifest, ops, validate
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing._post_import import when_imported
 from vllm_ascend_routing.compat import UnsupportedVllmError, get_api, vllm_version
@@ -69,6 +69,7 @@ def install() -> None:
     for cls in runners:
         apply_mixin(cls)
     api.install()
+    validate.install()
     if device == "npu":
         for path in _NPU_RUNNERS:
             module_name, _, attr = path.partition(":")

@@ -23,6 +23,7 @@ class Scenarios:
         env.pop("VLLM_ASCEND_ROUTING", None)
         if plugin:
             env["VLLM_ASCEND_ROUTING"] = "1"
+            env["VLLM_ASCEND_ROUTING_VALIDATE"] = "strict"  # every returned array is also contract-checked
         if in_process:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         env["VLLM_CACHE_ROOT"] = str(self.cache_root)

@@ -1,0 +1,190 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Validation mode (``VLLM_ASCEND_ROUTING_VALIDATE=1`` or ``strict``): every returned array is checked.
+
+Checks, per finished request, on the array the user receives: row count = tokens - 1 - prompt_start;
+in MoE layers every id in ``[0, num_experts)`` and no id twice in a row, and no MoE layer all zero
+across the request; dense layers all zero. A violation is logged with request id, layer and row;
+``strict`` raises ``RoutingValidationError`` instead.
+
+Runs in the front-end process, where vLLM assembles ``CompletionOutput.routed_experts``: the engine's
+``vllm_config`` is recorded when ``LLMEngine`` / ``AsyncLLM`` is created, the request's
+``routed_experts_prompt_start`` when its state is created. Costs one vectorised pass per finished request.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from vllm_ascend_routing import envs
+from vllm_ascend_routing._logging import get_logger
+
+logger = get_logger(__name__)
+
+_PROMPT_START = "_vllm_ascend_routing_prompt_start"
+_PATCHED = "_vllm_ascend_routing_validates"
+# Front-end symbols (vLLM 0.20-0.30), see manifest.
+_ENGINES = ("vllm.v1.engine.llm_engine:LLMEngine", "vllm.v1.engine.async_llm:AsyncLLM")
+_REQUEST_STATE = "vllm.v1.engine.output_processor:RequestState"
+
+
+class RoutingValidationError(RuntimeError):
+    """A returned routed-experts array broke the contract (``VLLM_ASCEND_ROUTING_VALIDATE=strict``)."""
+
+
+@dataclass(frozen=True)
+class Violation:
+    request_id: str
+    what: str
+    layer: int | None = None
+    row: int | None = None
+
+    def __str__(self) -> str:
+        where = "".join(f" {name} {value}" for name, value in (("layer", self.layer), ("row", self.row))
+                        if value is not None)
+        return f"request {self.request_id}{where}: {self.what}"
+
+
+@dataclass(frozen=True)
+class ModelRouting:
+    """What a correct array looks like for one model."""
+
+    num_experts: int
+    num_layers: int
+    moe_layers: frozenset[int] | None  # None: not derivable from the config, per-layer checks only
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> ModelRouting:
+        model_config = vllm_config.model_config
+        hf = model_config.hf_text_config
+        num_layers = int(hf.num_hidden_layers)
+        return cls(int(model_config.get_num_experts()), num_layers, moe_layer_ids(hf, num_layers))
+
+
+def moe_layer_ids(hf_config: Any, num_layers: int) -> frozenset[int] | None:
+    """Which layers are MoE, from the config fields of the common MoE families; ``None`` if unknown."""
+    if hasattr(hf_config, "decoder_sparse_step") or hasattr(hf_config, "mlp_only_layers"):  # Qwen2/3-MoE
+        step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+        dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+        return frozenset(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    if hasattr(hf_config, "first_k_dense_replace"):  # DeepSeek-V2/V3 family
+        first = int(hf_config.first_k_dense_replace)
+        freq = int(getattr(hf_config, "moe_layer_freq", 1) or 1)
+        return frozenset(i for i in range(num_layers) if i >= first and i % freq == 0)
+    if hasattr(hf_config, "num_local_experts"):  # Mixtral: every layer
+        return frozenset(range(num_layers))
+    return None
+
+
+def check(
+    routed: np.ndarray, *, request_id: str, expected_rows: int, model: ModelRouting, limit: int = 5
+) -> list[Violation]:
+    """Contract violations of one request's array (at most ``limit`` per kind)."""
+    found: list[Violation] = []
+    if routed.ndim != 3 or routed.shape[1] != model.num_layers:
+        return [Violation(request_id, f"shape {routed.shape}, expected (rows, {model.num_layers}, top_k)")]
+    if routed.shape[0] != expected_rows:
+        found.append(Violation(request_id, f"{routed.shape[0]} rows, expected {expected_rows}"))
+    ids = routed.astype(np.int64)
+    moe = sorted(model.moe_layers) if model.moe_layers is not None else range(model.num_layers)
+    dense = [layer for layer in range(model.num_layers) if model.moe_layers is not None and layer not in moe]
+    if dense:
+        rows, layers = np.nonzero((ids[:, dense] != 0).any(axis=2))
+        found += [Violation(request_id, "non-zero ids in a dense layer", dense[j], int(i))
+                  for i, j in zip(rows[:limit], layers[:limit], strict=True)]
+    moe_ids = ids[:, list(moe)]
+    rows, layers = np.nonzero(((moe_ids < 0) | (moe_ids >= model.num_experts)).any(axis=2))
+    found += [Violation(request_id, f"id outside [0, {model.num_experts})", moe[j], int(i))
+              for i, j in zip(rows[:limit], layers[:limit], strict=True)]
+    ordered = np.sort(moe_ids, axis=2)
+    repeated = (ordered[:, :, 1:] == ordered[:, :, :-1]).any(axis=2)
+    if model.moe_layers is None:  # MoE and dense layers cannot be told apart: all-zero rows are skipped
+        repeated &= (moe_ids != 0).any(axis=2)
+    rows, layers = np.nonzero(repeated)
+    found += [Violation(request_id, "the same expert twice in one row", moe[j], int(i))
+              for i, j in zip(rows[:limit], layers[:limit], strict=True)]
+    if model.moe_layers is not None and ids.shape[0] > 0:
+        zero = [moe[j] for j in np.nonzero((moe_ids == 0).all(axis=(0, 2)))[0]]
+        found += [Violation(request_id, "MoE layer all zero across the request", layer) for layer in zero[:limit]]
+    return found
+
+
+def report(violations: list[Violation], strict: bool) -> None:
+    if not violations:
+        return
+    for violation in violations:
+        logger.error("vllm-ascend-routing validation: %s", violation)
+    if strict:
+        raise RoutingValidationError("; ".join(map(str, violations)))
+
+
+# ---- front-end hooks ----
+
+_model: ModelRouting | None = None  # the engine created in this process (one model per front-end)
+
+
+def install() -> None:
+    """Patch vLLM's front-end so finished requests are checked (idempotent; only when enabled)."""
+    mode = envs.VLLM_ASCEND_ROUTING_VALIDATE
+    if mode == "off":
+        return
+    from vllm_ascend_routing.manifest import resolve
+
+    for path in _ENGINES:
+        try:
+            engine = resolve(path)
+        except LookupError:
+            continue
+        if not getattr(engine.__init__, _PATCHED, False):
+            engine.__init__ = _recording_config(engine.__init__)
+    state = resolve(_REQUEST_STATE)
+    if not getattr(state._new_completion_output, _PATCHED, False):
+        state.from_new_request = classmethod(_recording_prompt_start(state.from_new_request.__func__))
+        state._new_completion_output = _validating(state._new_completion_output, strict=mode == "strict")
+    logger.info("vllm-ascend-routing validation mode on (%s)", mode)
+
+
+def _mark(fn: Callable[..., Any]) -> Callable[..., Any]:
+    setattr(fn, _PATCHED, True)
+    return fn
+
+
+def _recording_config(init: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(init)
+    def engine_init(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        global _model
+        _model = ModelRouting.from_vllm_config(vllm_config)
+        init(self, vllm_config, *args, **kwargs)
+
+    return _mark(engine_init)
+
+
+def _recording_prompt_start(from_new_request: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(from_new_request)
+    def wrapper(cls: type, *args: Any, **kwargs: Any) -> Any:
+        state = from_new_request(cls, *args, **kwargs)
+        request = kwargs.get("request", args[1] if len(args) > 1 else None)
+        params = getattr(request, "sampling_params", None)
+        setattr(state, _PROMPT_START, int(getattr(params, "routed_experts_prompt_start", None) or 0))
+        return state
+
+    return _mark(wrapper)
+
+
+def _validating(new_completion_output: Callable[..., Any], strict: bool) -> Callable[..., Any]:
+    @functools.wraps(new_completion_output)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        output = new_completion_output(self, *args, **kwargs)
+        routed = getattr(output, "routed_experts", None)
+        if routed is not None and _model is not None:
+            num_tokens = int(self.prompt_len) + len(self.detokenizer.output_token_ids)
+            expected = num_tokens - 1 - int(getattr(self, _PROMPT_START, 0))
+            report(check(np.asarray(routed), request_id=str(self.request_id), expected_rows=expected,
+                         model=_model), strict)
+        return output
+
+    return _mark(wrapper)
