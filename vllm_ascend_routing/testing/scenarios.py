@@ -16,12 +16,6 @@ import argparse
 import base64
 import io
 import json
-import os
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -29,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from vllm_ascend_routing.testing import models, offline
+from vllm_ascend_routing.testing.server import Server
 
 MAX_BATCHED_TOKENS = 128
 LONG_PROMPT = 300  # > MAX_BATCHED_TOKENS: prefilled in three chunks
@@ -103,46 +98,21 @@ def expert_load(completions: list[offline.Completion], model: models.TinyMoE) ->
     return table
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _post(url: str, body: dict[str, Any]) -> Any:
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as response:
         return json.loads(response.read())
 
 
-def run_serve(arch: str, num_prompts: int, startup_timeout: float = 300.0) -> dict[str, Any]:
+def run_serve(arch: str, num_prompts: int) -> dict[str, Any]:
     model = models.build_tiny_moe(arch, model_dir() / arch)
-    port = _free_port()
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model.path),
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enable-return-routed-experts",
-        "--kv-cache-memory-bytes", str(offline.KV_CACHE_BYTES), "--max-model-len", "1024",
-        "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), "--enforce-eager", "--seed", "0",
-    ]
-    log_fd, log_path = tempfile.mkstemp(prefix="vllm_serve_", suffix=".log")
-    server = subprocess.Popen(cmd, stdout=log_fd, stderr=subprocess.STDOUT)
-    os.close(log_fd)
-    try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"server exited with {server.returncode}; log: {log_path}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"server not healthy after {startup_timeout}s; log: {log_path}") from None
-                time.sleep(1)
+    args = ["--kv-cache-memory-bytes", str(offline.KV_CACHE_BYTES), "--max-model-len", "1024",
+            "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), "--enforce-eager"]
+    with Server(model.path, args) as server:
         reference = offline.reference_for(model)
         completions = []
         for prompt in models.mixed_prompts(num_prompts, seed=2):
-            reply = _post(f"http://127.0.0.1:{port}/v1/completions", {
+            reply = _post(f"{server.url}/v1/completions", {
                 "model": str(model.path), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True,
             })
@@ -153,13 +123,6 @@ def run_serve(arch: str, num_prompts: int, startup_timeout: float = 300.0) -> di
         result = _verdict(offline.check(reference, model, completions))
         result["arrays"] = _describe([c.routed_experts for c in completions])
         return {"arch": arch, "serve": result}
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
 
 
 def main() -> None:
