@@ -39,3 +39,30 @@ def test_dense_layer_must_be_zero() -> None:
 def test_shape_and_none() -> None:
     assert not compare(reference()[:2], reference(), (0, 2)).ok
     assert not compare(None, reference(), (0, 2)).ok
+
+
+def logits_for(ref: np.ndarray, num_experts: int = 8) -> np.ndarray:
+    """Router logits consistent with ``ref``: chosen experts well above the rest."""
+    logits = np.zeros((ref.shape[0], ref.shape[1], num_experts), dtype=np.float32)
+    for t in range(ref.shape[0]):
+        for layer in (0, 2):
+            logits[t, layer, ref[t, layer]] = [2.0, 1.0]
+    return logits
+
+
+def test_float32_near_tie_is_counted_not_hidden() -> None:
+    ref, got = reference(), reference().astype(np.uint8)
+    logits = logits_for(ref)
+    logits[1, 2, 5] = 1.0 - 5e-7  # expert 5 ties with chosen expert 6 (logit 1.0) within float32 noise
+    got[1, 2] = [1, 5]
+    result = compare(got, ref, (0, 2), logits=logits)
+    assert result.ok and result.ties == 1 and result.matched == 6
+
+
+def test_a_real_difference_is_not_a_tie() -> None:
+    ref, got = reference(), reference().astype(np.uint8)
+    logits = logits_for(ref)  # expert 5 far below the boundary
+    got[1, 2] = [1, 5]
+    result = compare(got, ref, (0, 2), logits=logits)
+    assert not result.ok and result.ties == 0
+    assert not compare(np.zeros((3, 3, 2), np.uint8), ref, (0, 2), logits=logits).ok  # zeros stay zeros

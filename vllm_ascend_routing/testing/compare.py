@@ -1,5 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Exact comparison of vLLM's returned routed experts with the reference, per (token, MoE layer) row."""
+"""Exact comparison of vLLM's returned routed experts with the reference, per (token, MoE layer) row.
+
+One principled allowance: a float32 near-tie. Where the reference's router logits of two experts at the
+top-k boundary differ by less than ``TIE_EPS`` (a few float32 ulps), vLLM's batched kernels and the
+reference's single-sequence forward may order them differently; such a row is counted in ``ties`` (and
+reported), never silently. Any other difference (a zero row, another request's row, a shifted token, a
+physical id) changes experts whose logits are far from the boundary and fails.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +20,8 @@ class Match:
     """Row counts of one comparison; ``ok`` only when every row is identical and shapes agree."""
 
     rows: int = 0
-    matched: int = 0
+    matched: int = 0  # identical rows, plus near-tie rows (counted again in ``ties``)
+    ties: int = 0
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -27,7 +35,11 @@ class Match:
     def add(self, other: Match) -> None:
         self.rows += other.rows
         self.matched += other.matched
+        self.ties += other.ties
         self.problems += other.problems
+
+
+TIE_EPS = 1e-5  # router-logit difference below which two experts are a float32 near-tie
 
 
 def compare(
@@ -35,10 +47,13 @@ def compare(
     expected: np.ndarray,
     moe_layers: tuple[int, ...],
     label: str = "",
+    logits: np.ndarray | None = None,
 ) -> Match:
     """Compare ``got`` `[T, L, K]` (vLLM, any id order) with ``expected`` (reference, sorted).
 
-    MoE-layer rows must hold the same id set; dense-layer rows must be all zero.
+    MoE-layer rows must hold the same id set; dense-layer rows must be all zero. With the reference's
+    router ``logits`` `[T, L, E]`, a differing row whose differing experts all sit within ``TIE_EPS`` of
+    the reference's k-th logit is a near-tie (``ties``).
     """
     result = Match()
     if got is None:
@@ -52,6 +67,11 @@ def compare(
         result.problems.append(f"{label}: dense layers {dense} hold non-zero ids")
     got_sorted = np.sort(got[:, list(moe_layers)].astype(np.int64), axis=-1)
     same = np.all(got_sorted == expected[:, list(moe_layers)], axis=-1)  # [T, num_moe_layers]
+    if logits is not None:
+        for token, j in np.argwhere(~same):
+            if _near_tie(got_sorted[token, j], expected[token, moe_layers[j]], logits[token, moe_layers[j]]):
+                same[token, j] = True
+                result.ties += 1
     result.rows = int(same.size)
     result.matched = int(same.sum())
     if result.matched != result.rows:
@@ -62,3 +82,11 @@ def compare(
             f"expected {expected[token, moe_layers[layer]].tolist()}"
         )
     return result
+
+
+def _near_tie(got: np.ndarray, expected: np.ndarray, logits: np.ndarray) -> bool:
+    boundary = float(np.min(logits[expected]))  # the reference's k-th largest logit
+    differing = np.setxor1d(got, expected)
+    if np.any((differing < 0) | (differing >= logits.shape[0])):
+        return False
+    return bool(np.all(np.abs(logits[differing] - boundary) <= TIE_EPS))

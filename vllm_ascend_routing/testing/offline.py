@@ -64,8 +64,9 @@ def check(
     total = Match()
     for i, c in enumerate(completions):
         tokens = c.prompt_ids + c.output_ids[:-1]  # the last sampled token is never forwarded
-        expected = reference.routed_experts(tokens)[prompt_start:]
-        total.add(compare(c.routed_experts, expected, model.moe_layers, label=f"request {i}"))
+        expected, logits = reference.routed_experts_and_logits(tokens)
+        total.add(compare(c.routed_experts, expected[prompt_start:], model.moe_layers, label=f"request {i}",
+                          logits=logits[prompt_start:]))
     return total
 
 

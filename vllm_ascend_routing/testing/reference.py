@@ -42,11 +42,18 @@ class RouterReference:
 
     def routed_experts(self, token_ids: list[int]) -> np.ndarray:
         """`[len(token_ids), num_hidden_layers, top_k]` int64, each row's ids sorted; dense layers 0."""
+        return self.routed_experts_and_logits(token_ids)[0]
+
+    def routed_experts_and_logits(self, token_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The routed experts, and the router logits `[len(token_ids), num_hidden_layers, num_experts]`
+        (float32, zero in dense layers) that decide near-ties."""
         self._logits.clear()
         with self._torch.no_grad():
             self.model(input_ids=self._torch.tensor([token_ids]))
         out = np.zeros((len(token_ids), *self.shape), dtype=np.int64)
+        logits_out = np.zeros((len(token_ids), self.shape[0], self.num_experts), dtype=np.float32)
         for layer, logits in self._logits.items():
             top = self._torch.topk(logits.float(), self.shape[1], dim=-1).indices
             out[:, layer] = np.sort(top.numpy(), axis=-1)
-        return out
+            logits_out[:, layer] = logits.float().numpy()
+        return out, logits_out

@@ -38,24 +38,27 @@ def model_dir() -> Path:
 
 
 def _verdict(result: Any) -> dict[str, Any]:
-    return {"rows": result.rows, "matched": result.matched, "ok": result.ok, "problems": result.problems[:5]}
+    return {"rows": result.rows, "matched": result.matched, "near_ties": result.ties, "ok": result.ok,
+            "problems": result.problems[:5]}
 
 
 def _describe(arrays: list[np.ndarray | None]) -> list[Any]:
     return [None if a is None else {"shape": list(a.shape), "dtype": str(a.dtype)} for a in arrays]
 
 
-def run_offline(arch: str, mode: str, num_prompts: int) -> dict[str, Any]:
+def run_offline(arch: str, mode: str, num_prompts: int, tensor_parallel: int = 1) -> dict[str, Any]:
     from vllm_ascend_routing.runner_mixin import _HOOK_MARK
 
     model = models.build_tiny_moe(arch, model_dir() / arch)
     llm = offline.make_llm(
         model, enforce_eager=(mode == "eager"), max_num_batched_tokens=MAX_BATCHED_TOKENS,
         enable_prefix_caching=True,
+        **({"tensor_parallel_size": tensor_parallel, "distributed_executor_backend": "mp"}
+           if tensor_parallel > 1 else {}),
     )
     reference = offline.reference_for(model)
     prompts = models.mixed_prompts(num_prompts, seed=1)
-    out: dict[str, Any] = {"arch": arch, "mode": mode}
+    out: dict[str, Any] = {"arch": arch, "mode": mode, "tensor_parallel": tensor_parallel}
 
     batch = offline.generate(llm, prompts, MAX_TOKENS)
     out["batch"] = _verdict(offline.check(reference, model, batch))
@@ -131,9 +134,10 @@ def main() -> None:
     parser.add_argument("--arch", default="qwen3_moe", choices=models.ARCHITECTURES)
     parser.add_argument("--mode", default="eager", choices=["eager", "compiled"])
     parser.add_argument("--prompts", type=int, default=10)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (offline)")
     args = parser.parse_args()
     if args.scenario == "offline":
-        result = run_offline(args.arch, args.mode, args.prompts)
+        result = run_offline(args.arch, args.mode, args.prompts, args.tp)
     else:
         result = run_serve(args.arch, args.prompts)
     print("SCENARIO_RESULT " + json.dumps(result), flush=True)

@@ -122,6 +122,7 @@ def run(
     return {
         "requests": requests, "concurrency": concurrency, "completed": len(done), "aborted": aborted,
         "failed": len(failed), "failures": failed[:3], "rows": match.rows, "matched": match.matched,
+        "near_ties": match.ties,
         "mismatched_rows": match.rows - match.matched,
         "ok": match.ok and not failed and len(done) > 0 and growth <= max_rss_growth_mib,
         "problems": match.problems[:5], "seconds": round(elapsed, 1),
