@@ -66,3 +66,15 @@ def test_a_real_difference_is_not_a_tie() -> None:
     result = compare(got, ref, (0, 2), logits=logits)
     assert not result.ok and result.ties == 0
     assert not compare(np.zeros((3, 3, 2), np.uint8), ref, (0, 2), logits=logits).ok  # zeros stay zeros
+
+
+def test_later_layers_of_a_tied_token_follow_the_tie_only() -> None:
+    ref, got = reference(), reference().astype(np.uint8)
+    logits = logits_for(ref)
+    logits[1, 0, 3] = 1.0 - 5e-7  # token 1, layer 0: expert 3 ties with chosen expert 2
+    got[1, 0] = [0, 3]
+    got[1, 2] = [1, 7]  # token 1, layer 2 diverges after the flip: accepted as its consequence
+    result = compare(got, ref, (0, 2), logits=logits)
+    assert result.ok and result.ties == 2
+    got[2, 2] = [0, 7]  # another token's later layer: not covered
+    assert not compare(got, ref, (0, 2), logits=logits).ok

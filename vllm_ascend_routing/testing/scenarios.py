@@ -16,6 +16,7 @@ import argparse
 import base64
 import io
 import json
+import os
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,9 @@ def _describe(arrays: list[np.ndarray | None]) -> list[Any]:
 
 
 def run_offline(arch: str, mode: str, num_prompts: int, tensor_parallel: int = 1) -> dict[str, Any]:
+    if tensor_parallel > 1:  # vLLM's CPU workers need a NUMA node each, or explicit cores: one per rank
+        cores = sorted(os.sched_getaffinity(0))[:tensor_parallel]
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, cores)))
     from vllm_ascend_routing.runner_mixin import _HOOK_MARK
 
     model = models.build_tiny_moe(arch, model_dir() / arch)
