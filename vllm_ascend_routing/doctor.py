@@ -3,7 +3,8 @@
 
 Prints the vLLM release, the API generation (or why it is refused), the platform, the kernel backend and
 every setting, then runs vLLM with the plugin on the embedded tiny MoE and compares every returned row
-with the transformers reference. Ends with ``PASS`` or ``FAIL: <reason>``; exit status 0 / 1.
+with the transformers reference. Ends with ``vllm-ascend-routing doctor: PASS`` or ``... FAIL: <reason>``;
+exit status 0 / 1.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_ascend_routing import envs
+
+VERDICT = "vllm-ascend-routing doctor: "  # prefix of the last line (vLLM workers may log after it)
 
 
 def environment_report() -> tuple[list[tuple[str, str]], str | None]:
@@ -60,17 +63,21 @@ def self_check(num_prompts: int, mode: str) -> tuple[bool, str]:
     return not failed, summary if not failed else "; ".join(failed)
 
 
-def run(num_prompts: int = 4, mode: str = "compiled", print_fn: Callable[[str], Any] = print) -> int:
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+def run(num_prompts: int = 4, mode: str = "compiled", print_fn: Callable[[str], Any] = _print) -> int:
     lines, problem = environment_report()
     width = max(len(label) for label, _ in lines)
     print_fn("vllm-ascend-routing doctor")
     for label, value in lines:
         print_fn(f"  {label:<{width}}  {value}")
     if problem is not None:
-        print_fn(f"FAIL: {problem}")
+        print_fn(f"{VERDICT}FAIL: {problem}")
         return 1
     print_fn(f"self-check: tiny Qwen3-MoE, {num_prompts} prompts, {mode}, against transformers ...")
     ok, detail = self_check(num_prompts, mode)
     print_fn(f"  {detail}")
-    print_fn("PASS" if ok else f"FAIL: {detail}")
+    print_fn(f"{VERDICT}PASS" if ok else f"{VERDICT}FAIL: {detail}")
     return 0 if ok else 1
