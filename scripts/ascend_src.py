@@ -31,12 +31,12 @@ _OVERLAY_STAMP = "1"
 
 
 def cache_root() -> Path:
-    # envs.py is read by path: this script runs before the package is installed anywhere.
-    spec = importlib.util.spec_from_file_location("_envs", ROOT / "vllm_ascend_routing" / "envs.py")
+    """The cache ``scripts/venv.py`` uses (loaded by path: its name would shadow the stdlib ``venv``)."""
+    spec = importlib.util.spec_from_file_location("_venv_script", ROOT / "scripts" / "venv.py")
     assert spec is not None and spec.loader is not None
-    envs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(envs)
-    return Path(envs.VLLM_ASCEND_ROUTING_CACHE)
+    venv_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(venv_script)
+    return Path(venv_script.cache_root())
 
 
 def _quiet(cmd: list[str]) -> None:
