@@ -8,16 +8,21 @@ Runs inside a per-release venv (``make bench RELEASE=0.23.0``). Workload: the mo
 ``qwen3_moe_bench`` (8 layers, 64 experts, top-8, hidden 512, float32), 64 requests of mixed prompt length
 (16-256 tokens) generating 128 tokens each (greedy, EOS ignored), default compilation (torch.compile on).
 
-Modes, run alternately (off, plugin, [vllm,] off, plugin, ...), each in a **fresh engine process**:
-  off     no plugin, routed-experts return off;
+One warmed engine per mode, each in its own process, all started first; then the timed batch runs in
+them alternately (off, plugin, [vllm,] off, plugin, ...; ``--pairs`` rounds), one engine at a time, so slow
+drift of the machine hits every mode alike. Modes:
+  off     routed-experts return off, no plugin. Where vLLM alone cannot run the CPU MoE (0.20-0.27 on a
+          CPU without AVX-512: README "CPU compat fix") the plugin is loaded with the flag off, which
+          applies only that fix: no capture, no buffers;
   plugin  VLLM_ASCEND_ROUTING=1 + enable_return_routed_experts;
   vllm    vLLM's own routed-experts path, no plugin. It records real ids on the CPU build only in
           0.28-0.30; in 0.20-0.26 its capture is bypassed by the CPU MoE (zeros) but the rest of the path
           (buffers, transport, scheduler, output) runs, so plugin/vllm isolates the plugin's own cost;
-          0.27 refuses to start it on the CPU, so it is left out there.
-Each engine first runs a short warm-up batch (compilation, caches), then the timed batch ``--repeats``
-times (median). The engine core runs in-process by default (``--multiprocess`` for vLLM's default layout):
-on a 2-core machine the extra processes make single runs swing by +-10%.
+          0.27 refuses to start it on the CPU, and 0.20-0.27 without AVX-512 crash in the CPU MoE, so it
+          is left out there.
+Each engine first runs a short warm-up batch (compilation, caches). The engine core runs in-process by
+default (``--multiprocess`` for vLLM's default layout): on a 2-core machine the extra processes make single
+runs swing by +-10%.
 Prints tokens/s per run, the median ratio of each mode to ``off``, routing bytes per token, host memory
 held by the capture buffers, and the time to assemble one 16k-token request's routing (61 layers, top-8,
 256 experts); writes everything as JSON.
@@ -42,8 +47,8 @@ ARCH = "qwen3_moe_bench"
 KV_CACHE_BYTES = 512 * 1024 * 1024
 
 
-def worker(mode: str, requests: int, tokens: int, repeats: int) -> dict[str, Any]:
-    """One engine, one mode: warm up, then time the workload ``repeats`` times (median)."""
+def worker(mode: str, requests: int, tokens: int) -> None:
+    """One engine, one mode: warm up, print READY, then time one batch per ``run`` line read from stdin."""
     from vllm import LLM, SamplingParams
 
     from vllm_ascend_routing.testing import models, scenarios
@@ -56,42 +61,80 @@ def worker(mode: str, requests: int, tokens: int, repeats: int) -> dict[str, Any
     prompts = [{"prompt_token_ids": p} for p in models.mixed_prompts(requests, seed=3, min_len=16, max_len=256)]
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     llm.generate(prompts[:8], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    timings = []
-    for _ in range(repeats):
+    config = llm.llm_engine.vllm_config
+    print("OVERHEAD_READY", flush=True)
+    for command in sys.stdin:
+        if command.strip() != "run":
+            break
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        timings.append(time.perf_counter() - start)
-    seconds = statistics.median(timings)
-    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    routed = [o.outputs[0].routed_experts for o in outputs]
-    config = llm.llm_engine.vllm_config
-    return {
-        "mode": mode,
-        "max_num_batched_tokens": int(config.scheduler_config.max_num_batched_tokens),
-        "kv_block_size": int(config.cache_config.block_size),
-        "seconds": seconds,
-        "repeat_seconds": timings,
-        "generated_tokens": generated,
-        "tokens_per_s": generated / seconds,
-        "routing_bytes_per_token": None if routed[0] is None else int(routed[0][0].nbytes),
-        "routing_dtype": None if routed[0] is None else str(routed[0].dtype),
-    }
+        seconds = time.perf_counter() - start
+        generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+        routed = [o.outputs[0].routed_experts for o in outputs]
+        result = {
+            "mode": mode,
+            "max_num_batched_tokens": int(config.scheduler_config.max_num_batched_tokens),
+            "kv_block_size": int(config.cache_config.block_size),
+            "seconds": seconds,
+            "generated_tokens": generated,
+            "tokens_per_s": generated / seconds,
+            "routing_bytes_per_token": None if routed[0] is None else int(routed[0][0].nbytes),
+            "routing_dtype": None if routed[0] is None else str(routed[0].dtype),
+        }
+        print("OVERHEAD_RESULT " + json.dumps(result), flush=True)
 
 
-def run_mode(mode: str, args: argparse.Namespace, cache_root: str) -> dict[str, Any]:
-    env = dict(os.environ, VLLM_CACHE_ROOT=cache_root)
-    if not args.multiprocess:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    env.pop("VLLM_ASCEND_ROUTING", None)
-    if mode == "plugin":
-        env["VLLM_ASCEND_ROUTING"] = "1"
-    cmd = [sys.executable, __file__, "--worker", mode, "--requests", str(args.requests), "--tokens", str(args.tokens),
-           "--repeats", str(args.repeats)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("OVERHEAD_RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"{mode} run failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
-    return dict(json.loads(lines[-1].removeprefix("OVERHEAD_RESULT ")))
+class Engine:
+    """A warmed worker process for one mode; ``run()`` times one batch in it."""
+
+    def __init__(self, mode: str, args: argparse.Namespace, cache_root: str) -> None:
+        env = dict(os.environ, VLLM_CACHE_ROOT=cache_root)
+        if not args.multiprocess:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        env.pop("VLLM_ASCEND_ROUTING", None)
+        if mode == "plugin" or (mode == "off" and not vllm_alone_runs()):
+            env["VLLM_ASCEND_ROUTING"] = "1"
+        self.mode = mode
+        # stderr (vLLM's logging) goes to a file, shown if the worker fails; closed in close().
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
+        cmd = [sys.executable, __file__, "--worker", mode, "--requests", str(args.requests), "--tokens",
+               str(args.tokens)]
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True)
+        self._expect("OVERHEAD_READY")
+
+    def _expect(self, prefix: str) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line.removeprefix(prefix).strip()
+        self.log.seek(0)
+        raise SystemExit(f"{self.mode} engine failed ({self.proc.wait()}):\n{self.log.read()[-4000:]}")
+
+    def run(self) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return dict(json.loads(self._expect("OVERHEAD_RESULT ")))
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+        self.log.close()
+
+
+def avx512() -> bool:
+    with open("/proc/cpuinfo") as cpuinfo:
+        return any(line.startswith("flags") and " avx512f" in line for line in cpuinfo)
+
+
+def vllm_alone_runs() -> bool:
+    """vLLM 0.20-0.27's CPU MoE crashes without AVX-512 unless the plugin's compat fix is applied."""
+    import vllm
+
+    minor = int(vllm.__version__.split(".")[1])
+    return minor >= 28 or avx512()
 
 
 def vllm_path_starts_on_cpu() -> bool:
@@ -155,31 +198,37 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3, help="timed batches per engine (median)")
     parser.add_argument("--multiprocess", action="store_true",
                         help="engine core in its own process (default: in-process, less scheduler noise)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--worker", choices=["off", "plugin", "vllm"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print("OVERHEAD_RESULT " + json.dumps(worker(args.worker, args.requests, args.tokens, args.repeats)),
-              flush=True)
+        worker(args.worker, args.requests, args.tokens)
         return
 
     import vllm
 
-    modes = ["off", "plugin"] + (["vllm"] if vllm_path_starts_on_cpu() else [])
+    modes = ["off", "plugin"] + (["vllm"] if vllm_path_starts_on_cpu() and vllm_alone_runs() else [])
     engine = "multi-process" if args.multiprocess else "in-process"
-    print(f"vLLM {vllm.__version__}: {args.pairs} rounds of {' / '.join(modes)}, fresh {engine} engine per run "
-          f"(median of {args.repeats} timed batches), {args.requests} requests x {args.tokens} tokens, {ARCH}")
+    off_baseline = ("vLLM alone" if vllm_alone_runs()
+                    else "plugin loaded with the flag off (CPU MoE compat fix only: no AVX-512 here)")
+    print(f"off = {off_baseline}")
+    print(f"vLLM {vllm.__version__}: one warmed {engine} engine per mode, {args.pairs} rounds of "
+          f"{' / '.join(modes)}, {args.requests} requests x {args.tokens} tokens, {ARCH}", flush=True)
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="overhead_cache_") as cache_root:
-        for round_index in range(args.pairs):
-            for mode in modes:
-                result = run_mode(mode, args, cache_root)
-                runs.append(result)
-                print(f"  round {round_index + 1} {mode:6s} {result['tokens_per_s']:9.1f} tokens/s "
-                      f"({result['generated_tokens']} tokens in {result['seconds']:.2f} s)", flush=True)
+        engines = {mode: Engine(mode, args, cache_root) for mode in modes}  # started one after another
+        try:
+            for round_index in range(args.pairs):
+                for mode in modes:
+                    result = engines[mode].run()
+                    runs.append(result)
+                    print(f"  round {round_index + 1} {mode:6s} {result['tokens_per_s']:9.1f} tokens/s "
+                          f"({result['generated_tokens']} tokens in {result['seconds']:.2f} s)", flush=True)
+        finally:
+            for started in engines.values():
+                started.close()
     by_mode = {m: [r["tokens_per_s"] for r in runs if r["mode"] == m] for m in modes}
     ratios = {
         m: statistics.median(b / a for a, b in zip(by_mode["off"], by_mode[m], strict=True))
@@ -197,9 +246,10 @@ def main() -> None:
     assemble = assemble_16k()
     summary = {
         "vllm": vllm.__version__,
-        "machine": f"{os.cpu_count()} CPUs",
-        "workload": {"model": ARCH, "requests": args.requests, "tokens": args.tokens, "repeats": args.repeats,
-                     "engine": f"fresh {engine} engine per run"},
+        "machine": f"{os.cpu_count()} CPUs, {'AVX-512' if avx512() else 'AVX2, no AVX-512'}",
+        "off_baseline": off_baseline,
+        "workload": {"model": ARCH, "requests": args.requests, "tokens": args.tokens,
+                     "engine": f"one warmed {engine} engine per mode, batches alternated"},
         "runs": runs,
         "median_ratio_vs_off": ratios,
         "routing_bytes_per_token": plugin_run["routing_bytes_per_token"],

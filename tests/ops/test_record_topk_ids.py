@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""record_topk_ids through the dispatcher (reference on the CPU) against the NumPy oracle; compile, opcheck."""
+"""record_topk_ids against the NumPy oracle: through the dispatcher (the host kernel on the CPU) and the
+PyTorch reference called directly (what every device without a native kernel runs); compile, opcheck."""
 
 from __future__ import annotations
 
@@ -8,21 +9,36 @@ import pytest
 import torch
 
 from tests.ops.vectors import Case, case_ids, make_case
-from vllm_ascend_routing.ops import record_topk_ids
+from vllm_ascend_routing.ops import _library, record_topk_ids
+from vllm_ascend_routing.ops._reference import record_topk_ids_reference
+
+KERNELS = {"dispatcher": record_topk_ids, "reference": record_topk_ids_reference}
 
 
-def run_op(case: Case) -> int:
+def run_op(case: Case, kernel: str = "dispatcher") -> int:
     errors = torch.zeros(1, dtype=torch.int64)
-    record_topk_ids(case.ids, case.out, case.layer_id, case.rows, case.num_experts, errors)
+    KERNELS[kernel](case.ids, case.out, case.layer_id, case.rows, case.num_experts, errors)
     return int(errors)
 
 
+def test_cpu_tensors_dispatch_to_the_host_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _library.HOST_KERNEL
+    seen: list[str] = []
+    from vllm_ascend_routing.ops import _host
+
+    original = _host.np.where
+    monkeypatch.setattr(_host.np, "where", lambda *a: seen.append("host") or original(*a))
+    record_topk_ids(torch.tensor([[70, 1]]), torch.zeros(1, 1, 2, dtype=torch.int16), 0, None, 64)
+    assert seen == ["host"]
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize(("n", "k", "id_dtype", "with_rows", "out_dtype", "checked"), case_ids())
-def test_matches_oracle(n: int, k: int, id_dtype: torch.dtype, with_rows: bool, out_dtype: torch.dtype,
-                        checked: bool, run_seed: int) -> None:
+def test_matches_oracle(kernel: str, n: int, k: int, id_dtype: torch.dtype, with_rows: bool,
+                        out_dtype: torch.dtype, checked: bool, run_seed: int) -> None:
     case = make_case(n, k, id_dtype, with_rows, out_dtype, checked, run_seed + n * 7 + k)
     expected, bad = case.expected()
-    assert run_op(case) == bad
+    assert run_op(case, kernel) == bad
     np.testing.assert_array_equal(case.out.numpy(), expected)  # untouched rows/layers keep the poison
 
 

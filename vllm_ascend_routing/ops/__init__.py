@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ascend_routing.ops._library import check_arguments, record_topk_ids_op
+from vllm_ascend_routing.ops._library import HOST_KERNEL, check_arguments, record_topk_ids_op
 from vllm_ascend_routing.ops._native import native_backend
 from vllm_ascend_routing.ops._reference import storage_limit
 
@@ -41,6 +41,9 @@ def record_topk_ids(
 
 
 def kernel_backend() -> str:
-    """Which implementation serves ``record_topk_ids`` here: ``cuda``/``npu`` native, else the reference."""
+    """Which implementations serve ``record_topk_ids``: ``cuda``/``npu`` native, the host kernel on the CPU,
+    the PyTorch reference elsewhere."""
     native = native_backend()
-    return f"native-{native} (reference elsewhere)" if native else "pytorch-reference"
+    served = [f"native-{native}"] if native else []
+    served.append("host-numpy on cpu" if HOST_KERNEL else "pytorch-reference on cpu")
+    return ", ".join(served) + ", pytorch-reference elsewhere"

