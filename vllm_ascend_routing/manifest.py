@@ -23,6 +23,14 @@ _RUNNER_HOOKS = (
     ("_bind_routed_experts_capturer", ("self", "capturer"), "hand vLLM's capturer the prepared buffer"),
 )
 _ALL = (Generation.SHM, Generation.RUNNER_OUTPUT)
+_AUX = (Generation.AUX_OUTPUT,)
+# Hooks through which the aux-output generation drives vLLM's connector from a runner without its own.
+_AUX_RUNNER_HOOKS = (
+    ("load_model", ("self",), "bind MoE layers to the static buffer before vLLM first compiles the model"),
+    ("initialize_kv_cache", ("self", "kv_cache_config"), "create vLLM's AuxOutput worker connector"),
+    ("execute_model", ("self", "scheduler_output"), "connector.begin_step before the batch is updated"),
+    ("sample_tokens", ("self",), "prepare_output / process_output around sampling; set the output field"),
+)
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,14 @@ def _runner_patches(cls_path: str, platform: str, releases: str, required: bool)
     return [
         Patch(f"{cls_path}.{name}", why, releases, "never (the mixin's hook points)", params, _ALL, platform, required)
         for name, params, why in _RUNNER_HOOKS
+    ]
+
+
+def _aux_runner_patches(cls_path: str, platform: str, releases: str, required: bool) -> list[Patch]:
+    return [
+        Patch(f"{cls_path}.{name}", why, releases, "the runner drives vLLM's AuxOutput connector itself", params,
+              _AUX, platform, required)
+        for name, params, why in _AUX_RUNNER_HOOKS
     ]
 
 
@@ -115,6 +131,25 @@ PATCHES: tuple[Patch, ...] = (
         "vLLM 0.20-0.30",
         "never while validation mode exists",
         ("self", "vllm_config"),
+    ),
+    # ---- vLLM 0.31+ (aux-output) ----
+    *_aux_runner_patches("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "any", "vLLM 0.31-0.32 (V1 runner)", True),
+    Patch(
+        "vllm.distributed.aux_output_connector.worker:bind_routed_experts_capturer",
+        "the connector's capturer is handed the buffer bound at load (vLLM would bind after compiling)",
+        "vLLM 0.31-0.32",
+        "vLLM binds before its first compile on every platform",
+        ("model", "capturer"),
+        _AUX,
+    ),
+    Patch(
+        "vllm.config.vllm:VllmConfig._verify_aux_output_compatibility",
+        "CPU only: accept the V1 runner the plugin drives (vLLM exempts out-of-tree platforms the same way)",
+        "vLLM 0.31-0.32",
+        "vLLM's CPU build runs Model Runner V2",
+        ("self",),
+        _AUX,
+        platform="cpu",
     ),
     # ---- vllm-ascend ----
     *_runner_patches("vllm_ascend.worker.model_runner_v1:NPUModelRunner", "npu", "vllm-ascend 0.20.2rc1-0.25", True),

@@ -62,7 +62,7 @@ def test_detection(monkeypatch: pytest.MonkeyPatch, version: str, capturer: list
 
 def test_0_21_is_refused_naming_supported_releases(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_vllm(monkeypatch, "0.21.0", ["bind_routing_capture_to_model", "RoutedExpertsCapturer"], [])
-    with pytest.raises(UnsupportedVllmError, match=r"0\.21\.0.*reverted.*0\.20\.0-0\.20\.2 and 0\.22\.0-0\.30\.0"):
+    with pytest.raises(UnsupportedVllmError, match=r"0\.21\.0.*reverted.*0\.20\.0-0\.20\.2 and 0\.22\.0-0\.32\.0"):
         _detect.detect_generation()
 
 
@@ -85,14 +85,15 @@ def test_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _detect.detect_generation() is Generation.SHM
 
 
-def test_unimplemented_generation_refused_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_aux_output_generation_gets_its_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm_ascend_routing import compat
+    from vllm_ascend_routing.compat.aux_output import AuxOutputAPI
 
     fake_vllm(monkeypatch, "0.32.0", ["RoutedExpertsCapturer"], [], aux=True)
     compat.get_api.cache_clear()
     try:
-        expected = r"'aux-output' routed-experts API.*0\.20\.0-0\.20\.2 and 0\.22\.0"
-        with pytest.raises(UnsupportedVllmError, match=expected):
-            compat.get_api()
+        api = compat.get_api()
+        assert isinstance(api, AuxOutputAPI)
+        assert api.generation is Generation.AUX_OUTPUT
     finally:
         compat.get_api.cache_clear()

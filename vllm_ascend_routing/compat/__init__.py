@@ -28,6 +28,10 @@ def get_api() -> CaptureAPI:
         from vllm_ascend_routing.compat.runner_output import RunnerOutputAPI
 
         return RunnerOutputAPI()
+    if generation is Generation.AUX_OUTPUT:
+        from vllm_ascend_routing.compat.aux_output import AuxOutputAPI
+
+        return AuxOutputAPI()
     raise UnsupportedVllmError(
         f"vLLM {vllm_version()} uses the '{generation.value}' routed-experts API, which this version of "
         f"vllm-ascend-routing does not implement yet. Supported releases: {SUPPORTED_RELEASES}."

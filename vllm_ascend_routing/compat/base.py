@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -11,7 +12,7 @@ if TYPE_CHECKING:
 
     from vllm_ascend_routing.capture import PreparedCapture
 
-SUPPORTED_RELEASES = "0.20.0-0.20.2 and 0.22.0-0.30.0"
+SUPPORTED_RELEASES = "0.20.0-0.20.2 and 0.22.0-0.32.0"
 
 
 class Generation(str, enum.Enum):
@@ -56,3 +57,25 @@ class CaptureAPI(Protocol):
 
     def after_forward(self, prepared: PreparedCapture, num_tokens: int) -> None:
         """Called once per step after the forward is enqueued; must not synchronise the device."""
+
+    def kv_cache_ready(self, runner: Any, prepared: PreparedCapture, kv_cache_config: Any, profiling: bool) -> None:
+        """After the runner's ``initialize_kv_cache`` (where the KV layout first exists)."""
+
+    def step_started(self, runner: Any, prepared: PreparedCapture, scheduler_output: Any) -> None:
+        """At the top of ``execute_model``, before the runner updates its batch."""
+
+    def sample(self, runner: Any, prepared: PreparedCapture, sample_tokens: Callable[[], Any]) -> Any:
+        """Runs the runner's ``sample_tokens`` (``sample_tokens()``) and returns its output."""
+
+
+class StepHooksNotUsed:
+    """Default step hooks for generations whose vLLM runner moves the rows itself."""
+
+    def kv_cache_ready(self, runner: Any, prepared: PreparedCapture, kv_cache_config: Any, profiling: bool) -> None:
+        return None
+
+    def step_started(self, runner: Any, prepared: PreparedCapture, scheduler_output: Any) -> None:
+        return None
+
+    def sample(self, runner: Any, prepared: PreparedCapture, sample_tokens: Callable[[], Any]) -> Any:
+        return sample_tokens()

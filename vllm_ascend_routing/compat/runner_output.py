@@ -26,7 +26,7 @@ import torch
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import PreparedCapture
 from vllm_ascend_routing.compat._common import bind_target_model, refuse_unsupported_config
-from vllm_ascend_routing.compat.base import Generation
+from vllm_ascend_routing.compat.base import Generation, StepHooksNotUsed
 from vllm_ascend_routing.runner_mixin import binding_runner
 
 logger = get_logger(__name__)
@@ -51,7 +51,7 @@ def _bind_through_runner(model: torch.nn.Module, capturer: Any) -> None:
 setattr(_bind_through_runner, _PATCHED, True)
 
 
-class RunnerOutputAPI:
+class RunnerOutputAPI(StepHooksNotUsed):
     generation = Generation.RUNNER_OUTPUT
 
     def install(self) -> None:

@@ -29,7 +29,7 @@ from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import PreparedCapture
 from vllm_ascend_routing.compat._common import bind_target_model, refuse_unsupported_config
 from vllm_ascend_routing.compat._shm_store import SegmentReader, SegmentSpec, SegmentWriter
-from vllm_ascend_routing.compat.base import Generation
+from vllm_ascend_routing.compat.base import Generation, StepHooksNotUsed
 
 logger = get_logger(__name__)
 
@@ -187,7 +187,7 @@ class _CaptureOff:
         return None
 
 
-class ShmAPI:
+class ShmAPI(StepHooksNotUsed):
     generation = Generation.SHM
 
     def install(self) -> None:

@@ -1,0 +1,175 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The aux-output generation's driving of vLLM's AuxOutput connector from a V1-shaped runner (no vLLM
+needed): hook order, the batch fields the connector reads, sampled counts, and what is left alone.
+The real connector (vLLM 0.31/0.32) is exercised end to end by the e2e suite."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from vllm_ascend_routing import runner_mixin
+from vllm_ascend_routing.compat import aux_output
+from vllm_ascend_routing.compat.aux_output import AuxOutputAPI
+from vllm_ascend_routing.compat.base import UnsupportedVllmError
+
+
+class FakePending:
+    def __init__(self, batch: Any, log: list[Any]) -> None:
+        self.request_ids = list(batch.req_ids)
+        self.batch = batch
+        self.log = log
+
+    def enqueue_cpu_copy(self, num_sampled: np.ndarray, num_rejected: np.ndarray) -> None:
+        self.log.append(("copy", num_sampled.tolist(), num_rejected.tolist()))
+
+    def process_output(self) -> dict[str, Any]:
+        self.log.append(("process",))
+        return {r: ("rows", r) for r in self.request_ids}
+
+
+class FakeConnector:
+    def __init__(self, *, vllm_config: Any, model: Any, kv_cache_config: Any) -> None:
+        self.log: list[Any] = [("init", kv_cache_config)]
+        self.batches: list[Any] = []
+
+    def begin_step(self, metadata: Any) -> None:
+        self.log.append(("begin", metadata))
+
+    def prepare_output(self, batch: Any) -> FakePending:
+        self.log.append(("prepare", list(batch.req_ids)))
+        self.batches.append(batch)
+        return FakePending(batch, self.log)
+
+
+class V1Runner:
+    """The parts of vLLM 0.31's V1 runner the driver touches."""
+
+    def __init__(self, **config: Any) -> None:
+        self.vllm_config = SimpleNamespace(speculative_config=None,
+                                           scheduler_config=SimpleNamespace(async_scheduling=False), **config)
+        self.model = object()
+        self.input_batch = SimpleNamespace(req_ids=[], num_computed_tokens_cpu=np.zeros(8, dtype=np.int32))
+        self.events: list[str] = []
+        self.next_sampled: dict[str, list[int]] = {}
+
+    def load_model(self) -> None:
+        self.events.append("load")
+
+    def initialize_kv_cache(self, kv_cache_config: Any, is_profiling: bool = False) -> None:
+        self.events.append(f"kv profiling={is_profiling}")
+
+    def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> None:
+        # _update_states: the batch is the scheduled requests, computed tokens as before this step
+        self.input_batch.req_ids = list(scheduler_output.order)
+        for i, computed in enumerate(scheduler_output.computed):
+            self.input_batch.num_computed_tokens_cpu[i] = computed
+        self.events.append("forward")
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        self.events.append("sample")
+        # vLLM's output may list requests in its own order
+        ids = list(reversed(self.input_batch.req_ids))
+        return SimpleNamespace(req_ids=ids, sampled_token_ids=[self.next_sampled[r] for r in ids],
+                               aux_output_connector_output=None)
+
+
+@pytest.fixture
+def runner(monkeypatch: pytest.MonkeyPatch) -> V1Runner:
+    api = AuxOutputAPI()
+    monkeypatch.setattr(runner_mixin, "get_api", lambda: api)
+    monkeypatch.setattr(aux_output.importlib, "import_module",
+                        lambda name: SimpleNamespace(AuxOutputWorkerConnector=FakeConnector))
+    cls = type("PatchedV1Runner", (V1Runner,), {})
+    runner_mixin.apply_mixin(cls)
+    made = cls()
+    setattr(made, runner_mixin.PREPARED, (made.model, "prepared"))
+    return made
+
+
+def step(order: list[str], scheduled: dict[str, int], computed: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(order=order, num_scheduled_tokens=scheduled, computed=computed,
+                           total_num_scheduled_tokens=sum(scheduled.values()), aux_output_connector_metadata=f"m{order}")
+
+
+def test_drives_the_connector_like_model_runner_v2(runner: V1Runner) -> None:
+    runner.initialize_kv_cache("kv", is_profiling=True)
+    assert not hasattr(runner, aux_output._DRIVER) or getattr(runner, aux_output._DRIVER) is None
+    runner.initialize_kv_cache("kv")
+    connector = getattr(runner, aux_output._DRIVER).connector
+    # step: request a (decode, 40 computed) and b (prefill chunk of 100 after 16 prefix hits, not last)
+    runner.execute_model(step(["a", "b"], {"a": 1, "b": 100}, [40, 16]))
+    runner.next_sampled = {"a": [7], "b": []}
+    out = runner.sample_tokens(None)
+    batch = connector.batches[0]
+    assert batch.req_ids == ["a", "b"]
+    assert batch.query_start_loc_np.tolist() == [0, 1, 101]
+    assert batch.num_computed_tokens_np.tolist() == [40, 16]
+    assert [e[0] for e in connector.log] == ["init", "begin", "prepare", "copy", "process"]
+    assert connector.log[3] == ("copy", [1, 0], [0, 0])  # sampled counts in the connector's order
+    assert out.aux_output_connector_output == {"a": ("rows", "a"), "b": ("rows", "b")}
+    # the runner's arrays are reused next step: the connector got copies
+    runner.input_batch.num_computed_tokens_cpu[:] = 99
+    assert batch.num_computed_tokens_np.tolist() == [40, 16]
+
+
+def test_zero_token_step_still_begins_and_prepares_nothing(runner: V1Runner) -> None:
+    runner.initialize_kv_cache("kv")
+    connector = getattr(runner, aux_output._DRIVER).connector
+    runner.execute_model(step([], {}, []))
+    runner.next_sampled = {}
+    runner.sample_tokens(None)
+    assert [e[0] for e in connector.log] == ["init", "begin"]
+
+
+def test_model_runner_v2_keeps_its_own_connector(runner: V1Runner) -> None:
+    runner.aux_output_connector = "vLLM's"  # type: ignore[attr-defined]
+    runner.initialize_kv_cache("kv")
+    assert getattr(runner, aux_output._DRIVER, None) is None
+
+
+@pytest.mark.parametrize("setting", ["speculative", "async"])
+def test_unverified_layouts_are_refused_at_start_up(runner: V1Runner, setting: str) -> None:
+    if setting == "speculative":
+        runner.vllm_config.speculative_config = object()
+    else:
+        runner.vllm_config.scheduler_config.async_scheduling = True
+    with pytest.raises(UnsupportedVllmError, match=setting):
+        runner.initialize_kv_cache("kv")
+
+
+def test_config_check_exempts_only_the_v1_runner_on_cpu() -> None:
+    class CpuPlatform:  # like vLLM's: the answers are the class's own
+        def is_cpu(self) -> bool:
+            return True
+
+        def is_out_of_tree(self) -> bool:
+            return False
+
+    platform = CpuPlatform()
+    seen: list[bool] = []
+
+    def upstream(config: Any) -> None:
+        seen.append(platform.is_out_of_tree())
+
+    check = aux_output._accept_v1_runner_on_cpu(upstream)
+    import sys
+
+    fake_platforms = SimpleNamespace(current_platform=platform)
+    saved = sys.modules.get("vllm.platforms")
+    sys.modules["vllm.platforms"] = fake_platforms  # type: ignore[assignment]
+    try:
+        on = SimpleNamespace(aux_output_config=SimpleNamespace(enabled=True), use_v2_model_runner=False)
+        check(on)
+        check(SimpleNamespace(aux_output_config=SimpleNamespace(enabled=True), use_v2_model_runner=True))
+        check(SimpleNamespace(aux_output_config=SimpleNamespace(enabled=False), use_v2_model_runner=False))
+    finally:
+        if saved is None:
+            del sys.modules["vllm.platforms"]
+        else:
+            sys.modules["vllm.platforms"] = saved
+    assert seen == [True, False, False]
+    assert platform.is_out_of_tree() is False  # restored

@@ -1,0 +1,202 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Generation ``aux-output``: vLLM 0.31+ (vLLM PR #45635, the AuxOutput connector).
+
+vLLM's worker-side ``AuxOutputWorkerConnector`` owns the data plane (a capturer whose ``device_buffer`` it
+snapshots each step, per-block R3 objects keyed by KV block hash, prefix-hit materialisation); the
+scheduler-side connector turns its per-step ``ModelRunnerOutput.aux_output_connector_output`` into the
+user's chunks (uint8/uint16 ``[num_tokens - 1 - prompt_start, num_hidden_layers, top_k]``). Upstream wires
+it into Model Runner V2 only. This adapter:
+  * binds the target model's MoE layers at load (before vLLM compiles) to the plugin's static buffer, as
+    every generation does, and makes vLLM's binder (``worker.bind_routed_experts_capturer``) hand that
+    buffer to the connector's capturer instead of binding routers itself;
+  * on Model Runner V2 leaves the connector's driving to vLLM;
+  * on runners without connector code (vLLM's V1 runner, which the CPU runner and vllm-ascend's NPU
+    runner build on) drives it the way Model Runner V2 does: ``begin_step`` before the batch is updated,
+    ``prepare_output`` after the forward, ``enqueue_cpu_copy`` / ``process_output`` once the step's
+    sampled counts are known, then sets ``aux_output_connector_output``;
+  * on the CPU lets vLLM's config check accept that V1 runner (it accepts any runner on out-of-tree
+    platforms such as Ascend, which "validate AuxOutput support themselves").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_ascend_routing._logging import get_logger
+from vllm_ascend_routing.capture import PreparedCapture
+from vllm_ascend_routing.compat._common import bind_target_model, refuse_unsupported_config
+from vllm_ascend_routing.compat.base import Generation, UnsupportedVllmError
+from vllm_ascend_routing.runner_mixin import PREPARED, binding_runner
+
+logger = get_logger(__name__)
+
+_WORKER = "vllm.distributed.aux_output_connector.worker"
+_BINDER = "bind_routed_experts_capturer"
+_PATCHED = "_vllm_ascend_routing_patched"
+_DRIVER = "_vllm_ascend_routing_aux_driver"  # runner attribute: the connector this plugin drives
+
+
+def _attach_prepared_buffer(model: torch.nn.Module, capturer: Any) -> None:
+    """Stands in for vLLM's binder inside the connector: the capturer gets the buffer bound at load."""
+    runner = binding_runner()
+    _, prepared = getattr(runner, PREPARED, (None, None)) if runner is not None else (None, None)
+    if prepared is None or runner.model is not model:
+        raise RuntimeError(
+            "vllm-ascend-routing: vLLM's AuxOutput connector was created outside a patched model runner's "
+            "initialize_kv_cache(); this runner class is not supported."
+        )
+    AuxOutputAPI().attach(prepared, capturer)
+
+
+setattr(_attach_prepared_buffer, _PATCHED, True)
+
+
+@contextlib.contextmanager
+def _out_of_tree(platform: Any) -> Iterator[None]:
+    platform.is_out_of_tree = lambda: True
+    try:
+        yield
+    finally:
+        del platform.is_out_of_tree
+
+
+def _accept_v1_runner_on_cpu(verify: Callable[[Any], None]) -> Callable[[Any], None]:
+    """vLLM's check refuses the connector on in-tree platforms unless Model Runner V2 runs (which needs
+    Triton: never on the CPU build). With the plugin driving it from the V1 runner, the CPU is treated
+    like the out-of-tree platforms the check exempts; every other condition is still checked."""
+
+    def verify_aux_output_compatibility(self: Any) -> None:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu() and self.aux_output_config.enabled and not self.use_v2_model_runner:
+            with _out_of_tree(current_platform):
+                return verify(self)
+        return verify(self)
+
+    setattr(verify_aux_output_compatibility, _PATCHED, True)
+    return verify_aux_output_compatibility
+
+
+@dataclass
+class _Driver:
+    """The connector this plugin drives for one runner, and the step it is in."""
+
+    connector: Any
+    scheduler_output: Any = None
+
+
+class AuxOutputAPI:
+    generation = Generation.AUX_OUTPUT
+
+    def install(self) -> None:
+        worker = importlib.import_module(_WORKER)
+        if not getattr(getattr(worker, _BINDER), _PATCHED, False):
+            setattr(worker, _BINDER, _attach_prepared_buffer)
+        from vllm.config import VllmConfig
+
+        verify = VllmConfig._verify_aux_output_compatibility
+        if not getattr(verify, _PATCHED, False):
+            VllmConfig._verify_aux_output_compatibility = _accept_v1_runner_on_cpu(verify)  # type: ignore[method-assign]
+
+    def install_ascend(self) -> None:
+        """Nothing beyond the runner hooks: Ascend is out-of-tree, so vLLM's check already lets its runner
+        serve the connector, which the hooks then drive."""
+
+    def check_config(self, vllm_config: Any) -> None:
+        refuse_unsupported_config(vllm_config, self.generation.value)
+
+    def routing_shape(self, vllm_config: Any) -> tuple[int, int, int]:
+        """``(num_hidden_layers, top_k, num_experts)`` exactly as the connector's capturer sizes them."""
+        model_config = vllm_config.model_config
+        return (int(model_config.get_total_num_hidden_layers()), int(model_config.get_num_experts_per_tok()),
+                int(model_config.get_num_experts()))
+
+    def prepare(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> PreparedCapture | None:
+        if not vllm_config.aux_output_config.enable_return_routed_experts:
+            return None
+        self.check_config(vllm_config)
+        num_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
+        return bind_target_model(model, num_tokens, self.routing_shape(vllm_config), device)
+
+    def attach(self, prepared: PreparedCapture, capturer: Any) -> None:
+        upstream = capturer.device_buffer
+        if tuple(upstream.shape) != tuple(prepared.buffer.shape) or upstream.device != prepared.buffer.device:
+            raise RuntimeError(
+                f"vllm-ascend-routing: vLLM's capturer buffer {tuple(upstream.shape)} on {upstream.device} "
+                f"does not match the prepared {tuple(prepared.buffer.shape)} on {prepared.buffer.device}."
+            )
+        capturer.device_buffer = prepared.buffer  # snapshot_routing_data narrows it to uint8/uint16
+
+    def after_forward(self, prepared: PreparedCapture, num_tokens: int) -> None:
+        """Nothing: the connector snapshots the buffer when the step's output is prepared."""
+
+    # ---- driving the connector from a runner that has no connector code (V1: CPU, Ascend) ----
+
+    def kv_cache_ready(self, runner: Any, prepared: PreparedCapture, kv_cache_config: Any, profiling: bool) -> None:
+        if profiling or hasattr(runner, "aux_output_connector") or getattr(runner, _DRIVER, None) is not None:
+            return  # Model Runner V2 drives vLLM's own connector; a nested super() call was already served
+        config = runner.vllm_config
+        if getattr(config, "speculative_config", None) is not None:
+            raise UnsupportedVllmError(
+                "vllm-ascend-routing: speculative decoding with routed experts on this runner (no AuxOutput "
+                "support of its own) is not supported; disable speculative decoding or unset VLLM_ASCEND_ROUTING."
+            )
+        if getattr(config.scheduler_config, "async_scheduling", False):
+            raise UnsupportedVllmError(
+                "vllm-ascend-routing: async scheduling with routed experts on this runner is not supported; "
+                "pass --no-async-scheduling or unset VLLM_ASCEND_ROUTING."
+            )
+        worker = importlib.import_module(_WORKER)
+        from vllm_ascend_routing.runner_mixin import as_binding_runner
+
+        with as_binding_runner(runner):
+            connector = worker.AuxOutputWorkerConnector(
+                vllm_config=config, model=runner.model, kv_cache_config=kv_cache_config
+            )
+        setattr(runner, _DRIVER, _Driver(connector))
+        logger.info("routed experts: driving vLLM's AuxOutput connector from %s", type(runner).__name__)
+
+    def step_started(self, runner: Any, prepared: PreparedCapture, scheduler_output: Any) -> None:
+        driver: _Driver | None = getattr(runner, _DRIVER, None)
+        if driver is None:
+            return
+        # Before the runner updates its batch and before its zero-token early return: finished requests
+        # and new block hashes reach the connector every step.
+        driver.connector.begin_step(scheduler_output.aux_output_connector_metadata)
+        driver.scheduler_output = scheduler_output
+
+    def sample(self, runner: Any, prepared: PreparedCapture, sample_tokens: Callable[[], Any]) -> Any:
+        driver: _Driver | None = getattr(runner, _DRIVER, None)
+        scheduler_output = None if driver is None else driver.scheduler_output
+        if driver is None or scheduler_output is None or not scheduler_output.total_num_scheduled_tokens:
+            return sample_tokens()
+        driver.scheduler_output = None
+        pending = driver.connector.prepare_output(_step_batch(runner, scheduler_output))
+        output = sample_tokens()
+        if pending is None:  # not the first TP rank: that rank's output is the one returned
+            return output
+        index = {request_id: i for i, request_id in enumerate(output.req_ids)}
+        sampled = np.array([len(output.sampled_token_ids[index[r]]) for r in pending.request_ids], dtype=np.int64)
+        pending.enqueue_cpu_copy(sampled, np.zeros_like(sampled))  # no drafts: nothing rejected
+        output.aux_output_connector_output = pending.process_output()
+        return output
+
+
+def _step_batch(runner: Any, scheduler_output: Any) -> SimpleNamespace:
+    """The three batch fields the connector reads, as Model Runner V2 defines them, copied (the runner
+    reuses its arrays next step): request ids in token order, the step's query start offsets, and each
+    request's computed tokens before this step."""
+    request_ids = list(runner.input_batch.req_ids)
+    scheduled = np.array([scheduler_output.num_scheduled_tokens[r] for r in request_ids], dtype=np.int32)
+    query_start_loc = np.zeros(len(request_ids) + 1, dtype=np.int32)
+    np.cumsum(scheduled, out=query_start_loc[1:])
+    computed = np.array(runner.input_batch.num_computed_tokens_cpu[: len(request_ids)], dtype=np.int32)
+    return SimpleNamespace(req_ids=request_ids, query_start_loc_np=query_start_loc, num_computed_tokens_np=computed)
