@@ -20,7 +20,7 @@ drift of the machine hits every mode alike. Modes:
           (buffers, transport, scheduler, output) runs, so plugin/vllm isolates the plugin's own cost;
           0.27 refuses to start it on the CPU, and 0.20-0.27 without AVX-512 crash in the CPU MoE, so it
           is left out there.
-Each engine first runs a short warm-up batch (compilation, caches). The engine core runs in-process by
+Each engine first runs a warm-up (every prompt, 16 tokens: compilation, caches). The engine core runs in-process by
 default (``--multiprocess`` for vLLM's default layout): on a 2-core machine the extra processes make single
 runs swing by +-10%.
 Prints tokens/s per run, the median ratio of each mode to ``off``, routing bytes per token, host memory
@@ -60,7 +60,9 @@ def worker(mode: str, requests: int, tokens: int) -> None:
     )
     prompts = [{"prompt_token_ids": p} for p in models.mixed_prompts(requests, seed=3, min_len=16, max_len=256)]
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    llm.generate(prompts[:8], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    # Warm-up: the whole prompt set, so every prefill and decode batch shape the timed batch meets has
+    # been compiled and every cache touched once (a smaller warm-up left the first timed batch ~35% slow).
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     config = llm.llm_engine.vllm_config
     print("OVERHEAD_READY", flush=True)
     for command in sys.stdin:
@@ -252,12 +254,14 @@ def main() -> None:
                      "engine": f"one warmed {engine} engine per mode, batches alternated"},
         "runs": runs,
         "median_ratio_vs_off": ratios,
+        "round_ratios_vs_off": {m: [b / a for a, b in zip(by_mode["off"], by_mode[m], strict=True)] for m in ratios},
         "routing_bytes_per_token": plugin_run["routing_bytes_per_token"],
         "capture_host_memory_bytes": memory,
         "assemble_16k_request": assemble,
     }
     for mode, ratio in ratios.items():
-        print(f"median throughput ratio {mode}/off: {ratio:.4f}")
+        per_round = ", ".join(f"{b / a:.3f}" for a, b in zip(by_mode["off"], by_mode[mode], strict=True))
+        print(f"median throughput ratio {mode}/off: {ratio:.4f} (rounds: {per_round})")
     print(f"routing bytes per token: {summary['routing_bytes_per_token']} ({plugin_run['routing_dtype']})")
     print("capture host memory (bytes): " + ", ".join(f"{k}={v}" for k, v in memory.items()))
     print("assemble one 16k-token request (61 layers, top-8, 256 experts): "

@@ -59,6 +59,23 @@ def test_reference_kernel_has_no_syncing_op_on_the_capture_path() -> None:
     assert not names & SYNCING, names & SYNCING
 
 
+def test_host_kernel_dispatches_no_aten_op() -> None:
+    """The CPU kernel works on NumPy views: no ATen compute op (the reference dispatches ~8 a call); the only
+    dispatch is the view ``Tensor.numpy()`` takes of each tensor it touches."""
+    from vllm_ascend_routing.ops._host import record_topk_ids_host
+
+    buffer = torch.zeros(128, 4, 8, dtype=torch.int16)
+    errors = torch.zeros(1, dtype=torch.int64)
+    in_range = torch.randint(0, 64, (100, 8), dtype=torch.int64)
+    out_of_range = torch.randint(-1, 70, (100, 8), dtype=torch.int32)
+    with OpLog() as log:
+        record_topk_ids_host(in_range, buffer, 2, None, 64, errors)
+        record_topk_ids_host(out_of_range, buffer, 3, None, 64, errors)
+    assert set(log.ops) == {"aten::detach"} and len(log.ops) == 5  # ids+out, ids+out+errors
+    assert torch.equal(buffer[:100, 2].long(), in_range)
+    assert int(errors) == int(((out_of_range < 0) | (out_of_range >= 64)).sum())
+
+
 def test_step_hooks_add_no_work_on_the_cpu() -> None:
     from vllm_ascend_routing.compat import _shm_store as store
     from vllm_ascend_routing.compat.runner_output import RunnerOutputAPI

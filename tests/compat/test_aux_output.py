@@ -92,7 +92,8 @@ def runner(monkeypatch: pytest.MonkeyPatch) -> V1Runner:
 
 def step(order: list[str], scheduled: dict[str, int], computed: list[int]) -> SimpleNamespace:
     return SimpleNamespace(order=order, num_scheduled_tokens=scheduled, computed=computed,
-                           total_num_scheduled_tokens=sum(scheduled.values()), aux_output_connector_metadata=f"m{order}")
+                           total_num_scheduled_tokens=sum(scheduled.values()),
+                           aux_output_connector_metadata=f"m{order}")
 
 
 def test_drives_the_connector_like_model_runner_v2(runner: V1Runner) -> None:

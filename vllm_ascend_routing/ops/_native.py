@@ -25,7 +25,7 @@ def native_backend() -> str | None:
     try:
         module = importlib.import_module("vllm_ascend_routing._C")
     except ImportError as exc:
-        logger.info("record_topk_ids: no native kernel (%s); using the PyTorch reference", exc)
+        logger.info("record_topk_ids: no native kernel (%s); host kernel on the CPU, PyTorch reference elsewhere", exc)
         return None
     backend = str(module.BACKEND)
     logger.info("record_topk_ids: native %s kernel loaded", backend)
