@@ -3,8 +3,9 @@
 PYTHON       ?= python3
 DEMO_RELEASE ?= 0.23.0
 # vLLM releases the end-to-end suite proves: 0.20.2 (shm generation), 0.23.0 (runner-output, CPU MoE
-# bypassing the router, like Ascend) and 0.30.0 (runner-output, router capture hook).
-E2E_RELEASES ?= 0.20.2 0.23.0 0.30.0
+# bypassing the router, like Ascend), 0.30.0 (runner-output, router capture hook) and 0.32.0 (aux-output:
+# vLLM's AuxOutput connector driven from the CPU's V1 runner). One release per generation.
+E2E_RELEASES ?= 0.20.2 0.23.0 0.30.0 0.32.0
 # vllm-ascend releases (PyPI) whose real source the Ascend suite runs on, each with the vLLM it targets:
 # 0.20.2rc1 (vLLM 0.20.2, shm generation), 0.23.0 and 0.23.0.post1 (vLLM 0.23.0, runner-output; post1 is
 # source-only on PyPI).

@@ -44,5 +44,10 @@ def test_features_detect_the_generation_of_this_release() -> None:
     from vllm_ascend_routing.compat import Generation, get_api
 
     minor = int(vllm.__version__.split(".")[1])
-    expected = Generation.SHM if minor == 20 else Generation.RUNNER_OUTPUT
+    if minor == 20:
+        expected = Generation.SHM
+    elif minor <= 30:
+        expected = Generation.RUNNER_OUTPUT
+    else:
+        expected = Generation.AUX_OUTPUT
     assert get_api().generation is expected
