@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Throughput cost of routed-experts capture, measured in one run (``make bench``).
 
-    python benchmarks/overhead.py [--pairs 3] [--requests 64] [--tokens 128] [--out FILE]
+    python benchmarks/overhead.py [--pairs 5] [--requests 64] [--tokens 128] [--out FILE]
 
 Runs inside a per-release venv (``make bench RELEASE=0.23.0``). Workload: the model factory's
 ``qwen3_moe_bench`` (8 layers, 64 experts, top-8, hidden 512, float32), 64 requests of mixed prompt length
@@ -197,7 +197,7 @@ def assemble_16k(num_layers: int = 61, top_k: int = 8, num_experts: int = 256, t
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--multiprocess", action="store_true",

@@ -209,6 +209,33 @@ def test_markdown_table_from_the_json() -> None:
     ]
 
 
+def test_readme_block_is_replaced_between_the_markers_and_nothing_else_changes() -> None:
+    document = {
+        "updated_at": "2030-01-02T03:04:05Z",
+        "plugin": {"version": "0.1.0", "commit": "0123456789abcdef", "dirty": False},
+        "rows": [_row("0.25.0", "fail", detail="batch 3/462 rows exact", seconds=80.6)],
+    }
+    table = matrix.render_readme_table(document)
+    assert table.splitlines()[2] == "| 0.25.0 | runner-output | doctor | **fail** | batch 3/462 rows exact | 81 |"
+    assert "last run 2030-01-02 (plugin commit 0123456789ab)" in table
+    readme = f"# title\nbefore\n{matrix.README_BEGIN}\nold table\n{matrix.README_END}\nafter\n"
+    updated = matrix.replace_readme_block(readme, table)
+    assert updated == f"# title\nbefore\n{matrix.README_BEGIN}\n{table}\n{matrix.README_END}\nafter\n"
+    assert matrix.replace_readme_block(updated, table) == updated  # idempotent
+    with pytest.raises(ValueError, match="matrix:begin"):
+        matrix.replace_readme_block("# no markers\n", table)
+
+
+def test_readme_table_is_the_one_generated_from_the_committed_matrix_file() -> None:
+    # README's compatibility table must never drift from docs/compatibility.json (edit the JSON's source:
+    # run `make matrix`, or `python3 scripts/matrix.py --render` after editing rows).
+    readme = matrix.README_PATH.read_text()
+    document = matrix.load_document(matrix.JSON_PATH)
+    assert document["rows"], "docs/compatibility.json holds no rows"
+    assert matrix.replace_readme_block(readme, matrix.render_readme_table(document)) == readme
+    assert matrix.MARKDOWN_PATH.read_text() == matrix.render_markdown(document)
+
+
 def test_check_release_build_failure_is_a_row_and_the_environment_is_removed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
