@@ -82,7 +82,7 @@ class Check(NamedTuple):
 
 
 DOCTOR = ("-m", "vllm_ascend_routing", "doctor")
-# The aux-output adapter (0.31+) is being written: when it has its own check, change it here, only here.
+# 0.31+: the same end-to-end doctor (the plugin drives vLLM's AuxOutput connector from the CPU's V1 runner).
 AUX_OUTPUT_CHECK = Check("doctor", DOCTOR)
 CHECKS: dict[str, Check] = {
     SHM: Check("doctor", DOCTOR),

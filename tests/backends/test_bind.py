@@ -96,3 +96,13 @@ def test_sgl_kernel_without_forward_method_is_refused() -> None:
 def test_too_many_experts_for_storage_is_refused() -> None:
     with pytest.raises(ValueError, match="40000 experts"):
         new_capture_buffer(1, 1, 1, 40000, "cpu")
+
+
+@pytest.mark.parametrize(("cpu", "backend"), [(False, "router"), (True, "cpu_moe")])
+def test_bind_model_reports_the_backend_of_each_layer(cpu: bool, backend: str) -> None:
+    # The count per backend goes into the start-up log line: which interception serves a model is a fact
+    # users and the compatibility notes need, not a guess.
+    buffer = new_capture_buffer(4, 3, 2, 8, "cpu")
+    errors = new_error_counter("cpu")
+    bound = backends.bind_model(FakeModel(cpu=cpu), lambda layer_id: LayerCapture(buffer, layer_id, 8, errors))
+    assert bound == {backend: 2}  # layers 0 and 2; layer 1 is dense

@@ -58,32 +58,34 @@ def _layer_id(name: str, module: torch.nn.Module) -> int:
         ) from exc
 
 
-def bind_model(model: torch.nn.Module, make_capture: Callable[[int], LayerCapture]) -> int:
-    """Bind each MoE layer of the target ``model``; returns how many were bound.
+def bind_model(model: torch.nn.Module, make_capture: Callable[[int], LayerCapture]) -> dict[str, int]:
+    """Bind each MoE layer of the target ``model``; returns how many layers each backend bound.
 
     Raises:
         UnboundLayerError: for a layer no backend can intercept, or a model with no MoE layer.
     """
-    count = 0
+    bound: dict[str, int] = {}
     for name, module, layer_id in moe_layers(model):
         capture = make_capture(layer_id)
         if ascend.handles(module):
             ascend.bind(module, capture, name)
+            backend = "ascend"
         elif cpu_moe.handles(module):
             cpu_moe.bind(module, capture)
+            backend = "cpu_moe"
         elif router.handles(module):
             router.bind(module, capture)
+            backend = "router"
         else:
             raise UnboundLayerError(
                 f"MoE layer {name!r}: no capture backend for router {type(module.router).__name__} "
                 f"/ quant method {type(quant_method(module)).__name__}; refusing instead of "
                 "returning zeros."
             )
-        count += 1
-    if count == 0:
+        bound[backend] = bound.get(backend, 0) + 1
+    if not bound:
         raise UnboundLayerError("No MoE layer found in the model: nothing to capture.")
-    logger.debug("bound %d MoE layers", count)
-    return count
+    return bound
 
 
 def refusal(vllm_config: Any) -> str | None:

@@ -67,10 +67,12 @@ def bind_target_model(
             )
         return LayerCapture(buffer, layer_id, num_experts, errors)
 
-    count = backends.bind_model(model, make_capture)
+    bound = backends.bind_model(model, make_capture)
+    count = sum(bound.values())
     logger.info(
-        "routed-experts capture bound to %d MoE layers at load: buffer %s %s, %d experts",
+        "routed-experts capture bound to %d MoE layers at load (backend %s): buffer %s %s, %d experts",
         count,
+        ", ".join(f"{backend} x{layers}" for backend, layers in sorted(bound.items())),
         tuple(buffer.shape),
         str(buffer.dtype).removeprefix("torch."),
         num_experts,
