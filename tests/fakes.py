@@ -27,27 +27,51 @@ class FakeCPUFusedMoE:
         return x + 1
 
 
+class FakeMonolithicCPUExperts:
+    """vLLM 0.28-0.29's ``CPUUnquantizedExperts``: ``apply`` routes with its own ``_select_experts``."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def _select_experts(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        weights, ids = torch.topk(router_logits, k=2, dim=-1)
+        return weights, ids.to(torch.int32)
+
+    def apply(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        _, topk_ids = self._select_experts(hidden_states, router_logits)
+        return hidden_states + topk_ids.sum(dim=-1, keepdim=True)
+
+
+class FakeMoEKernel:
+    def __init__(self, experts: FakeMonolithicCPUExperts) -> None:
+        self.fused_experts = experts
+
+
 class FakeQuantMethod:
-    def __init__(self, cpu: bool) -> None:
-        self.is_monolithic = cpu
+    def __init__(self, cpu: bool, cpu_experts: bool = False) -> None:
+        self.is_monolithic = cpu or cpu_experts
         if cpu:
             self.cpu_fused_moe = FakeCPUFusedMoE()
+        if cpu_experts:
+            self.moe_kernel = FakeMoEKernel(FakeMonolithicCPUExperts())
 
 
 class FakeMoE(torch.nn.Module):
-    def __init__(self, layer_id: int, cpu: bool) -> None:
+    def __init__(self, layer_id: int, cpu: bool, cpu_experts: bool = False) -> None:
         super().__init__()
         self.layer_name = f"model.layers.{layer_id}.mlp.experts"
         self.layer_id = layer_id
         self.router = FakeRouter()
-        self.quant_method = FakeQuantMethod(cpu)
+        self.quant_method = FakeQuantMethod(cpu, cpu_experts)
 
 
 class FakeModel(torch.nn.Module):
     """``num_layers`` decoder layers; those in ``moe_layers`` are MoE, the others dense."""
 
-    def __init__(self, cpu: bool, moe_layers: tuple[int, ...] = (0, 2), num_layers: int = 3) -> None:
+    def __init__(self, cpu: bool, moe_layers: tuple[int, ...] = (0, 2), num_layers: int = 3,
+                 cpu_experts: bool = False) -> None:
         super().__init__()
         self.layers = torch.nn.ModuleList(
-            [FakeMoE(i, cpu) if i in moe_layers else torch.nn.Linear(2, 2) for i in range(num_layers)]
+            [FakeMoE(i, cpu, cpu_experts) if i in moe_layers else torch.nn.Linear(2, 2) for i in range(num_layers)]
         )

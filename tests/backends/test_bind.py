@@ -98,11 +98,36 @@ def test_too_many_experts_for_storage_is_refused() -> None:
         new_capture_buffer(1, 1, 1, 40000, "cpu")
 
 
-@pytest.mark.parametrize(("cpu", "backend"), [(False, "router"), (True, "cpu_moe")])
-def test_bind_model_reports_the_backend_of_each_layer(cpu: bool, backend: str) -> None:
+@pytest.mark.parametrize(("model", "backend"), [
+    (FakeModel(cpu=False), "router"), (FakeModel(cpu=True), "cpu_moe"),
+    (FakeModel(cpu=False, cpu_experts=True), "cpu_experts"),
+])
+def test_bind_model_reports_the_backend_of_each_layer(model: FakeModel, backend: str) -> None:
     # The count per backend goes into the start-up log line: which interception serves a model is a fact
     # users and the compatibility notes need, not a guess.
     buffer = new_capture_buffer(4, 3, 2, 8, "cpu")
     errors = new_error_counter("cpu")
-    bound = backends.bind_model(FakeModel(cpu=cpu), lambda layer_id: LayerCapture(buffer, layer_id, 8, errors))
+    bound = backends.bind_model(model, lambda layer_id: LayerCapture(buffer, layer_id, 8, errors))
     assert bound == {backend: 2}  # layers 0 and 2; layer 1 is dense
+
+
+def test_cpu_experts_backend_records_what_the_kernel_routes_with() -> None:
+    model = FakeModel(cpu=False, cpu_experts=True)
+    buffer = bind(model)
+    experts = model.layers[2].quant_method.moe_kernel.fused_experts
+    logits = torch.tensor([[0.1, 0.9, 0.5, 0.0], [0.7, 0.2, 0.1, 0.8], [0.3, 0.2, 0.6, 0.9]])
+    out = experts.apply(torch.zeros(3, 1), logits)
+    assert torch.equal(out, torch.tensor([[3.0], [3.0], [5.0]])) and experts.calls == 1  # forward unchanged
+    assert buffer[:3, 2].tolist() == [[1, 2], [3, 0], [3, 2]]
+    assert (buffer[:, 0] == 0).all()  # another layer's experts object: not touched by layer 2's forward
+    assert model.layers[2].router.capture_fn is None  # the router is bypassed, so not used
+    bind(model)  # rebinding replaces the wrapper instead of stacking
+    experts.apply(torch.zeros(1, 1), logits[:1])
+    assert experts.calls == 2
+
+
+def test_cpu_experts_shared_by_two_layers_is_refused() -> None:
+    model = FakeModel(cpu=False, cpu_experts=True)
+    model.layers[2].quant_method.moe_kernel = model.layers[0].quant_method.moe_kernel
+    with pytest.raises(RuntimeError, match="shared by two MoE layers"):
+        bind(model)

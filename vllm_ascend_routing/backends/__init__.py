@@ -4,7 +4,8 @@
 Backends (one module each) answer one question: for this MoE layer, where can its logical top-k ids be
 intercepted? ``ascend``: vllm-ascend's own ``select_experts`` (its MoE layers never call the router).
 ``cpu_moe``: vLLM's CPU fused MoE (releases up to 0.27), which computes routing itself and never calls the
-router. ``router``: vLLM's ``BaseRouter`` capture hook.
+router. ``cpu_experts``: vLLM's monolithic CPU experts (0.28, 0.29), likewise. ``router``: vLLM's
+``BaseRouter`` capture hook.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from vllm_ascend_routing._logging import get_logger
-from vllm_ascend_routing.backends import ascend, cpu_moe, router
+from vllm_ascend_routing.backends import ascend, cpu_experts, cpu_moe, router
 from vllm_ascend_routing.capture import LayerCapture
 
 logger = get_logger(__name__)
@@ -73,6 +74,9 @@ def bind_model(model: torch.nn.Module, make_capture: Callable[[int], LayerCaptur
         elif cpu_moe.handles(module):
             cpu_moe.bind(module, capture)
             backend = "cpu_moe"
+        elif cpu_experts.handles(module):
+            cpu_experts.bind(module, capture)
+            backend = "cpu_experts"
         elif router.handles(module):
             router.bind(module, capture)
             backend = "router"
