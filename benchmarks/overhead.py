@@ -16,9 +16,10 @@ drift of the machine hits every mode alike. Modes:
           applies only that fix: no capture, no buffers;
   plugin  VLLM_ASCEND_ROUTING=1 + enable_return_routed_experts;
   vllm    vLLM's own routed-experts path, no plugin. It records real ids on the CPU build only in
-          0.28-0.30; in 0.20-0.26 its capture is bypassed by the CPU MoE (zeros) but the rest of the path
-          (buffers, transport, scheduler, output) runs, so plugin/vllm isolates the plugin's own cost;
-          0.27 refuses to start it on the CPU, and 0.20-0.27 without AVX-512 crash in the CPU MoE, so it
+          0.30 (eager); in 0.20-0.26 its capture is bypassed by the CPU MoE (zeros) but the rest of the
+          path (buffers, transport, scheduler, output) runs, so plugin/vllm isolates the plugin's own cost;
+          0.27 refuses to start it on the CPU, 0.28-0.29 refuse their monolithic CPU experts (their
+          source), 0.31+ need Model Runner V2, and 0.20-0.27 without AVX-512 crash in the CPU MoE, so it
           is left out there.
 Each engine first runs a warm-up (every prompt, 16 tokens: compilation, caches). The engine core runs in-process by
 default (``--multiprocess`` for vLLM's default layout): on a 2-core machine the extra processes make single
@@ -161,10 +162,12 @@ def vllm_alone_runs() -> bool:
 
 
 def vllm_path_starts_on_cpu() -> bool:
-    """vLLM's own routed-experts path starts on the CPU build except in 0.27 (refused for the CPU MoE)."""
+    """Whether vLLM's own routed-experts path starts on the CPU build: not in 0.27 (refused for the CPU
+    MoE), 0.28-0.29 (monolithic CPU experts refused) or 0.31+ (needs Model Runner V2)."""
     import vllm
 
-    return not vllm.__version__.startswith("0.27.")
+    minor = int(vllm.__version__.split(".")[1])
+    return minor <= 26 or minor == 30
 
 
 def capture_memory(num_layers: int, top_k: int, num_experts: int, max_batched: int, kv_slots: int) -> dict[str, int]:
