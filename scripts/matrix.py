@@ -265,12 +265,14 @@ def _now() -> str:
 
 
 def git_commit() -> tuple[str, bool]:
-    """This checkout's commit and whether tracked files differ from it."""
+    """This checkout's commit and whether tracked files other than this script's outputs differ from it."""
     def git(*args: str) -> str:
         done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
         return done.stdout.strip() if done.returncode == 0 else ""
 
-    return git("rev-parse", "HEAD") or "unknown", bool(git("status", "--porcelain", "--untracked-files=no"))
+    outputs = [str(path.relative_to(ROOT)) for path in (JSON_PATH, MARKDOWN_PATH, README_PATH)]
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", *(f":!{path}" for path in outputs))
+    return git("rev-parse", "HEAD") or "unknown", bool(changed)
 
 
 def plugin_version() -> str:
@@ -512,8 +514,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table_header(), flush=True)
     fresh: list[Row] = []
     for release in releases:
+        # Each environment gets this checkout as it is now (scripts/venv.py reinstalls it): record that.
+        commit, dirty = git_commit()
         row = check_release(release, keep=args.keep, kept_releases=kept_releases, timeout_s=args.timeout,
-                            commit=commit)
+                            commit=commit + (" + local changes" if dirty else ""))
         fresh.append(row)
         print(table_line(row), flush=True)
         document = update_document(document, [row], run_info)
