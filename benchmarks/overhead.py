@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Throughput cost of routed-experts capture, measured in one run (``make bench``).
 
-    python benchmarks/overhead.py [--pairs 5] [--requests 64] [--tokens 128] [--out FILE]
+    python benchmarks/overhead.py [--pairs 5] [--requests 64] [--tokens 128] [--profile] [--out FILE]
 
 Runs inside a per-release venv (``make bench RELEASE=0.23.0``). Workload: the model factory's
 ``qwen3_moe_bench`` (8 layers, 64 experts, top-8, hidden 512, float32), 64 requests of mixed prompt length
@@ -28,6 +28,11 @@ Prints tokens/s per run, the median ratio of each mode to ``off`` (of wall-clock
 CPU-second of the engine's processes, which does not count waiting for a core), routing bytes per token, host
 memory held by the capture buffers, and the time to assemble one 16k-token request's routing (61 layers, top-8,
 256 experts); writes everything as JSON.
+
+``--profile`` (``make bench PROFILE=1``) then runs one more plugin batch under py-spy (200 Hz, every process
+of the engine) and prints the share of the model step's samples (and of all samples) spent in plugin code
+(``sampling.py`` says how a sample is attributed): the plugin's cost measured directly, below the
+wall-clock ratio's noise.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import sampling
 
 ARCH = "qwen3_moe_bench"
 KV_CACHE_BYTES = 512 * 1024 * 1024
@@ -135,6 +141,10 @@ class Engine:
         self.log.seek(0)
         raise SystemExit(f"{self.mode} engine failed ({self.proc.wait()}):\n{self.log.read()[-4000:]}")
 
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
     def run(self) -> dict[str, Any]:
         assert self.proc.stdin is not None
         self.proc.stdin.write("run\n")
@@ -219,6 +229,18 @@ def assemble_16k(num_layers: int = 61, top_k: int = 8, num_experts: int = 256, t
     return {"shm_read_widen_s": shm_s, "slot_buffer_read_and_concat_s": runner_output_s}
 
 
+def profile_plugin(engine: Engine, scratch: Path) -> dict[str, Any]:
+    """One more timed batch in the plugin engine, sampled by py-spy; the plugin's share of the samples."""
+    raw = scratch / "plugin.pyspy.txt"
+    with sampling.sampled(engine.pid, raw, rate=200):
+        result = engine.run()
+    share = sampling.plugin_share(raw.read_text().splitlines())
+    return {"samples": share.samples, "plugin_samples": share.plugin_samples, "plugin_share": share.share,
+            "step_samples": share.step_samples, "plugin_step_samples": share.plugin_step_samples,
+            "plugin_step_share": share.step_share, "top_functions": share.top(),
+            "tokens_per_s_while_sampled": result["tokens_per_s"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--pairs", type=int, default=5)
@@ -226,12 +248,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--multiprocess", action="store_true",
                         help="engine core in its own process (default: in-process, less scheduler noise)")
+    parser.add_argument("--profile", action="store_true",
+                        help="then sample one more plugin batch with py-spy: share of time in plugin code")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--worker", choices=["off", "plugin", "vllm"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.requests, args.tokens)
         return
+    if args.profile:
+        sampling.py_spy()  # fail before the engines start, not after the rounds
 
     import vllm
 
@@ -253,6 +279,7 @@ def main() -> None:
                     cpu_text = f", {result['tokens_per_cpu_s']:.1f} tokens/CPU-s"
                     print(f"  round {round_index + 1} {mode:6s} {result['tokens_per_s']:9.1f} tokens/s "
                           f"({result['generated_tokens']} tokens in {result['seconds']:.2f} s{cpu_text})", flush=True)
+            profile = profile_plugin(engines["plugin"], Path(cache_root)) if args.profile else None
         finally:
             for started in engines.values():
                 started.close()
@@ -290,6 +317,7 @@ def main() -> None:
         "routing_bytes_per_token": plugin_run["routing_bytes_per_token"],
         "capture_host_memory_bytes": memory,
         "assemble_16k_request": assemble,
+        "profile": profile,
     }
     for mode, ratio in ratios.items():
         per_round = ", ".join(f"{b / a:.3f}" for a, b in zip(by_mode["off"], by_mode[mode], strict=True))
@@ -301,6 +329,11 @@ def main() -> None:
     print("capture host memory (bytes): " + ", ".join(f"{k}={v}" for k, v in memory.items()))
     print("assemble one 16k-token request (61 layers, top-8, 256 experts): "
           + ", ".join(f"{k}={v * 1e3:.2f} ms" for k, v in assemble.items()))
+    if profile is not None:
+        print(f"profile (py-spy, one more plugin batch): plugin code {100 * profile['plugin_step_share']:.3f}% of "
+              f"the {profile['step_samples']} model-step samples, {100 * profile['plugin_share']:.3f}% of all "
+              f"{profile['samples']} engine samples; by function (of all): "
+              + ", ".join(f"{name} {100 * share:.3f}%" for name, share in profile["top_functions"]))
     out = args.out or Path(__file__).parent / "results" / f"overhead-vllm-{vllm.__version__}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2))
