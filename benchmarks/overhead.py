@@ -9,8 +9,9 @@ Runs inside a per-release venv (``make bench RELEASE=0.23.0``). Workload: the mo
 (16-256 tokens) generating 128 tokens each (greedy, EOS ignored), default compilation (torch.compile on).
 
 One warmed engine per mode, each in its own process, all started first; then the timed batch runs in
-them alternately (off, plugin, [vllm,] off, plugin, ...; ``--pairs`` rounds), one engine at a time, so slow
-drift of the machine hits every mode alike. Modes:
+them alternately, the order reversed every other round (off, plugin, [vllm,] [vllm,] plugin, off, ...;
+``--pairs`` rounds), one engine at a time, so slow drift of the machine and the order hit every mode
+alike. Modes:
   off     routed-experts return off, no plugin. Where vLLM alone cannot run the CPU MoE (0.20-0.27 on a
           CPU without AVX-512: README "CPU compat fix") the plugin is loaded with the flag off, which
           applies only that fix: no capture, no buffers;
@@ -267,13 +268,15 @@ def main() -> None:
                     else "plugin loaded with the flag off (CPU MoE compat fix only: no AVX-512 here)")
     print(f"off = {off_baseline}")
     print(f"vLLM {vllm.__version__}: one warmed {engine} engine per mode, {args.pairs} rounds of "
-          f"{' / '.join(modes)}, {args.requests} requests x {args.tokens} tokens, {ARCH}", flush=True)
+          f"{' / '.join(modes)} (order reversed every other round), {args.requests} requests x {args.tokens} tokens, {ARCH}", flush=True)
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="overhead_cache_") as cache_root:
         engines = {mode: Engine(mode, args, cache_root) for mode in modes}  # started one after another
         try:
             for round_index in range(args.pairs):
-                for mode in modes:
+                # Order reversed every other round (off, plugin, plugin, off, ...): neither mode always runs
+                # right after the other, so an order effect or linear drift cancels out in the medians.
+                for mode in modes if round_index % 2 == 0 else modes[::-1]:
                     result = engines[mode].run()
                     runs.append(result)
                     cpu_text = f", {result['tokens_per_cpu_s']:.1f} tokens/CPU-s"
