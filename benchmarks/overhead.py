@@ -268,7 +268,8 @@ def main() -> None:
                     else "plugin loaded with the flag off (CPU MoE compat fix only: no AVX-512 here)")
     print(f"off = {off_baseline}")
     print(f"vLLM {vllm.__version__}: one warmed {engine} engine per mode, {args.pairs} rounds of "
-          f"{' / '.join(modes)} (order reversed every other round), {args.requests} requests x {args.tokens} tokens, {ARCH}", flush=True)
+          f"{' / '.join(modes)} (order reversed every other round), "
+          f"{args.requests} requests x {args.tokens} tokens, {ARCH}", flush=True)
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="overhead_cache_") as cache_root:
         engines = {mode: Engine(mode, args, cache_root) for mode in modes}  # started one after another
