@@ -60,14 +60,16 @@ test-native:
 	@if command -v nvcc >/dev/null 2>&1; then $(MAKE) --no-print-directory build-cuda; \
 	else echo "test-native: nvcc not installed here, CUDA binding not compiled"; fi
 
-## make bench [RELEASE=0.23.0] [PROFILE=1]: throughput with capture off / plugin on (/ vLLM's own), median
-## ratio; PROFILE=1 also samples one plugin batch with py-spy (installed into the venv) for plugin code's share
+## make bench [RELEASE=0.23.0] [PROFILE=1] [CONTROL=1]: throughput with capture off / plugin on (/ vLLM's own),
+## median ratio; PROFILE=1 also samples one plugin batch with py-spy (installed into the venv) for plugin
+## code's share; CONTROL=1 adds a second off engine (A/A ratio: the run's noise floor)
 RELEASE ?= $(DEMO_RELEASE)
 PROFILE ?=
+CONTROL ?=
 bench:
 	@py=$(call VENV,$(RELEASE)) && \
-	if [ -n "$(PROFILE)" ]; then $$py -m pip install -q py-spy && $$py benchmarks/overhead.py --profile; \
-	else $$py benchmarks/overhead.py; fi
+	if [ -n "$(PROFILE)" ]; then $$py -m pip install -q py-spy; fi && \
+	$$py benchmarks/overhead.py $(if $(PROFILE),--profile) $(if $(CONTROL),--control)
 
 ## make bench-kernel: bytes/s of record_topk_ids next to a same-size memcpy, on every device present
 bench-kernel:

@@ -21,7 +21,10 @@ alike. Modes:
           path (buffers, transport, scheduler, output) runs, so plugin/vllm isolates the plugin's own cost;
           0.27 refuses to start it on the CPU, 0.28-0.29 refuse their monolithic CPU experts (their
           source), 0.31+ need Model Runner V2, and 0.20-0.27 without AVX-512 crash in the CPU MoE, so it
-          is left out there.
+          is left out there;
+  control (``--control``) a second engine exactly like ``off``: control/off is an A/A ratio, so it shows
+          how far two identical engines differ on this machine in this run (each engine keeps its own
+          speed for the whole run, so a run's rounds can all sit above or below 1 with no cause).
 Each engine first runs a warm-up (every prompt, 16 tokens: compilation, caches). The engine core runs in-process by
 default (``--multiprocess`` for vLLM's default layout): on a 2-core machine the extra processes make single
 runs swing by +-10%.
@@ -81,7 +84,7 @@ def worker(mode: str, requests: int, tokens: int) -> None:
 
     model = models.build_tiny_moe(ARCH, scenarios.model_dir() / ARCH)
     llm = LLM(
-        model=str(model.path), dtype="float32", enable_return_routed_experts=(mode != "off"),
+        model=str(model.path), dtype="float32", enable_return_routed_experts=(mode in ("plugin", "vllm")),
         kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=1024, seed=0,
     )
     prompts = [{"prompt_token_ids": p} for p in models.mixed_prompts(requests, seed=3, min_len=16, max_len=256)]
@@ -123,7 +126,7 @@ class Engine:
         if not args.multiprocess:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         env.pop("VLLM_ASCEND_ROUTING", None)
-        if mode == "plugin" or (mode == "off" and not vllm_alone_runs()):
+        if mode == "plugin" or (mode in ("off", "control") and not vllm_alone_runs()):
             env["VLLM_ASCEND_ROUTING"] = "1"
         self.mode = mode
         # stderr (vLLM's logging) goes to a file, shown if the worker fails; closed in close().
@@ -249,10 +252,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--multiprocess", action="store_true",
                         help="engine core in its own process (default: in-process, less scheduler noise)")
+    parser.add_argument("--control", action="store_true",
+                        help="add a second off engine (A/A control): its ratio to off is this run's noise floor")
     parser.add_argument("--profile", action="store_true",
                         help="then sample one more plugin batch with py-spy: share of time in plugin code")
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--worker", choices=["off", "plugin", "vllm"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["off", "control", "plugin", "vllm"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.requests, args.tokens)
@@ -262,7 +267,8 @@ def main() -> None:
 
     import vllm
 
-    modes = ["off", "plugin"] + (["vllm"] if vllm_path_starts_on_cpu() and vllm_alone_runs() else [])
+    modes = (["off", "plugin"] + (["vllm"] if vllm_path_starts_on_cpu() and vllm_alone_runs() else [])
+             + (["control"] if args.control else []))
     engine = "multi-process" if args.multiprocess else "in-process"
     off_baseline = ("vLLM alone" if vllm_alone_runs()
                     else "plugin loaded with the flag off (CPU MoE compat fix only: no AVX-512 here)")
