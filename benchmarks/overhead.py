@@ -287,7 +287,7 @@ def main() -> None:
                     result = engines[mode].run()
                     runs.append(result)
                     cpu_text = f", {result['tokens_per_cpu_s']:.1f} tokens/CPU-s"
-                    print(f"  round {round_index + 1} {mode:6s} {result['tokens_per_s']:9.1f} tokens/s "
+                    print(f"  round {round_index + 1} {mode:7s} {result['tokens_per_s']:9.1f} tokens/s "
                           f"({result['generated_tokens']} tokens in {result['seconds']:.2f} s{cpu_text})", flush=True)
             profile = profile_plugin(engines["plugin"], Path(cache_root)) if args.profile else None
         finally:
