@@ -332,6 +332,12 @@ def main() -> None:
     for mode, ratio in ratios.items():
         per_round = ", ".join(f"{b / a:.3f}" for a, b in zip(by_mode["off"], by_mode[mode], strict=True))
         print(f"median throughput ratio {mode}/off: {ratio:.4f} (rounds: {per_round})")
+    if "vllm" in by_mode:
+        # The plugin against vLLM's own capture, round by round (both engines ran in the same round).
+        versus = [b / a for a, b in zip(by_mode["vllm"], by_mode["plugin"], strict=True)]
+        summary["median_ratio_plugin_vs_vllm"] = statistics.median(versus)
+        print(f"median throughput ratio plugin/vllm: {statistics.median(versus):.4f} "
+              f"(rounds: {', '.join(f'{r:.3f}' for r in versus)})")
     for mode, ratio in cpu_ratios.items():
         per_round = ", ".join(f"{b / a:.3f}" for a, b in zip(cpu_by_mode["off"], cpu_by_mode[mode], strict=True))
         print(f"median tokens-per-CPU-second ratio {mode}/off: {ratio:.4f} (rounds: {per_round})")
