@@ -23,8 +23,8 @@ alike. Modes:
           source), 0.31+ need Model Runner V2, and 0.20-0.27 without AVX-512 crash in the CPU MoE, so it
           is left out there;
   control (``--control``) a second engine exactly like ``off``: control/off is an A/A ratio, so it shows
-          how far two identical engines differ on this machine in this run (each engine keeps its own
-          speed for the whole run, so a run's rounds can all sit above or below 1 with no cause).
+          how far two identical engines differ on this machine in this run (a run's rounds can all sit
+          above or below 1 together, with no difference between the engines).
 Each engine first runs a warm-up (every prompt, 16 tokens: compilation, caches). The engine core runs in-process by
 default (``--multiprocess`` for vLLM's default layout): on a 2-core machine the extra processes make single
 runs swing by +-10%.

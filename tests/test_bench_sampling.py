@@ -3,27 +3,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests import scripts
 
-
-def _load_sampling() -> ModuleType:
-    # benchmarks/ is no package: load the module by path (registered, so its dataclass resolves).
-    spec = importlib.util.spec_from_file_location("_bench_sampling", ROOT / "benchmarks" / "sampling.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-sampling = _load_sampling()
+sampling = scripts.load("benchmarks/sampling.py", "_bench_sampling")
 
 ENGINE = 'process 7:"python benchmarks/overhead.py --worker plugin"'
 WORKER = 'process 9:"VLLM::Worker"'

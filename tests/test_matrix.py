@@ -3,29 +3,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests import scripts
 
-
-def _load_matrix() -> ModuleType:
-    # scripts/ is no package: load the script by path (registered, so its TypedDict/NamedTuple resolve).
-    spec = importlib.util.spec_from_file_location("_matrix_script", ROOT / "scripts" / "matrix.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-matrix = _load_matrix()
+matrix = scripts.load("scripts/matrix.py", "_matrix_script")
 V = matrix.VERDICT
 DOCTOR_CHECK = matrix.CHECKS[matrix.RUNNER_OUTPUT]
 REFUSAL_CHECK = matrix.CHECKS[matrix.REVERTED]
@@ -72,7 +59,7 @@ def test_subset_arguments_split_validate_and_deduplicate() -> None:
 def test_releases_make_test_uses_come_from_the_makefile() -> None:
     text = "E2E_RELEASES ?= 0.20.2 0.23.0\nASCEND_RELEASES ?= 0.23.0.post1:0.24.0\nDEMO_RELEASE ?= 0.25.1\n"
     assert matrix.releases_make_test_uses(text) == {"0.20.2", "0.23.0", "0.24.0", "0.25.1"}
-    assert {"0.20.2", "0.23.0", "0.30.0"} <= matrix.releases_make_test_uses((ROOT / "Makefile").read_text())
+    assert {"0.20.2", "0.23.0", "0.30.0"} <= matrix.releases_make_test_uses((scripts.ROOT / "Makefile").read_text())
 
 
 def test_check_environment_switches_the_plugin_on_and_drops_forced_settings(tmp_path: Path) -> None:
