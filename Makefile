@@ -10,7 +10,8 @@ E2E_RELEASES ?= 0.20.2 0.23.0 0.30.0 0.32.0
 # 0.20.2rc1 (vLLM 0.20.2, shm generation), 0.23.0 and 0.23.0.post1 (vLLM 0.23.0, runner-output; post1 is
 # source-only on PyPI).
 ASCEND_RELEASES ?= 0.20.2rc1:0.20.2 0.23.0:0.23.0 0.23.0.post1:0.23.0
-VENV          = $(shell $(PYTHON) scripts/venv.py $(1) --print)
+# Expanded by the shell when a recipe runs (never by make while it parses): `make -n` builds nothing.
+VENV          = $$($(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
 .PHONY: test test-unit test-native test-ascend test-e2e lint stress soak demo venv clean-venvs build-cuda bench bench-kernel matrix

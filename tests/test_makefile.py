@@ -1,0 +1,39 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``make -n TARGET`` is a dry run: it prints the recipe and builds no environment, installs nothing."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGETS = re.findall(r"^([a-z][a-z0-9-]*):", (ROOT / "Makefile").read_text(), flags=re.MULTILINE)
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+
+
+def test_the_makefile_has_its_targets() -> None:
+    assert {"test", "lint", "test-unit", "test-e2e", "test-ascend", "demo", "bench", "matrix"} <= set(TARGETS)
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t != "clean-venvs"])
+def test_dry_run_runs_no_python(target: str, tmp_path: Path) -> None:
+    """``PYTHON`` is a stand-in that leaves a mark when run: a dry run must only print its commands."""
+    mark = tmp_path / "python-ran"
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\necho \"$@\" >> {mark}\nexit 1\n")
+    python.chmod(0o755)
+    env = {**os.environ, "VLLM_ASCEND_ROUTING_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run(
+        ["make", "-n", "--no-print-directory", target, f"PYTHON={python}"], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip()  # the recipe was printed
+    assert not mark.exists(), f"make -n {target} ran: {mark.read_text()}"
+    assert not (tmp_path / "cache").exists()
