@@ -5,11 +5,14 @@ vllm-ascend (the ``select_experts`` design: 0.20.2rc1 to 0.25.x) calls
 ``vllm_ascend.ops.fused_moe.experts_selector.select_experts`` from its layer's ``forward_impl`` (the
 multistream/flash-comm gate path) and from the ``apply`` of every MoE quant method (unquantized, W8A8,
 W4A8, W4A16, MXFP…); only the unquantized one records routing itself. Every caller imported the function
-by name, so at bind time the plugin replaces that name in the modules defining the layer's class and its
-quant method's classes (with their bases and the scheme a method wraps) by a recording wrapper, and
-wraps the layer's ``forward_impl`` (instance attribute) to mark the layer active while it runs. The
-wrapper records the ids ``select_experts`` returned: logical ids, because EPLB's ``log2phy`` mapping,
-zero experts and forced load balancing are all applied later.
+by name into its own module. Where a function is defined is not where its class says it is (0.23.x
+defines ``AscendFusedMoE`` in ``fused_moe_0_23_0`` and renames its ``__module__``), so the plugin finds
+the call sites by the functions themselves: the global namespace (``__globals__``) of every function on
+the layer's class, its MoE runner's, its quant method's and the scheme's, along their MROs. In each such
+vllm-ascend namespace it replaces ``select_experts`` by a recording wrapper, and it wraps the layer's
+``forward_impl`` (instance attribute) to mark the layer active while it runs. The wrapper records the ids
+``select_experts`` returned: logical ids, because EPLB's ``log2phy`` mapping, zero experts and forced load
+balancing are all applied later.
 
 Fail loudly, never zeros: a layer whose forward finishes without ``select_experts`` having run raises
 ``RoutingNotRecordedError`` (checked in Python, no device synchronisation), and configurations that split
@@ -19,7 +22,9 @@ a step's tokens across tensor-parallel ranks before routing are refused at start
 from __future__ import annotations
 
 import contextvars
+import inspect
 import sys
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -65,17 +70,17 @@ _active: contextvars.ContextVar[_LayerState | None] = contextvars.ContextVar("ac
 
 
 def handles(module: torch.nn.Module) -> bool:
-    """An MoE layer run by vllm-ascend: its class or its quant method's is defined in ``vllm_ascend``."""
-    return callable(getattr(module, "forward_impl", None)) and bool(_caller_modules(module))
+    """An MoE layer run by vllm-ascend: functions of its class, runner or quant method live in ``vllm_ascend``."""
+    return callable(getattr(module, "forward_impl", None)) and bool(call_site_namespaces(module))
 
 
 def bind(module: torch.nn.Module, capture: LayerCapture, name: str) -> None:
     """Record ``module``'s routing into ``capture``; rebinding replaces the capture, never stacks."""
-    wrapped = [mod for mod in _caller_modules(module) if _wrap_selector(mod)]
+    wrapped = [namespace for namespace in call_site_namespaces(module) if _wrap_selector(namespace)]
     if not wrapped:
         raise RoutingNotRecordedError(
             f"MoE layer {name!r} ({type(module).__name__}, quant method "
-            f"{type(_quant_method(module)).__name__}): none of its classes' modules calls "
+            f"{type(_quant_method(module)).__name__}): none of its classes' functions calls "
             f"{_PACKAGE}'s {_SELECTOR}, so its routing cannot be recorded; this vllm-ascend release or "
             "quant method is not supported by vllm-ascend-routing."
         )
@@ -115,14 +120,13 @@ def recording_selector(original: Callable[..., Any]) -> Callable[..., Any]:
     return select_experts
 
 
-def _wrap_selector(module_name: str) -> bool:
-    """Replace ``select_experts`` in ``module_name`` (idempotent); False if it has none."""
-    module = sys.modules.get(module_name)
-    selector = getattr(module, _SELECTOR, None)
+def _wrap_selector(namespace: dict[str, Any]) -> bool:
+    """Replace ``select_experts`` in a module's namespace (idempotent); False if it has none."""
+    selector = namespace.get(_SELECTOR)
     if not callable(selector):
         return False
     if not hasattr(selector, _WRAPPED):
-        setattr(module, _SELECTOR, recording_selector(selector))
+        namespace[_SELECTOR] = recording_selector(selector)
     return True
 
 
@@ -130,18 +134,40 @@ def _quant_method(module: torch.nn.Module) -> Any:
     return getattr(module, "quant_method", None) or getattr(module, "_quant_method", None)
 
 
-def _caller_modules(module: torch.nn.Module) -> list[str]:
-    """Modules (in ``vllm_ascend``) defining the layer's class, its quant method's class and the scheme
-    the method delegates to, with their bases: where ``select_experts`` is called from."""
-    names: list[str] = []
+def call_site_namespaces(module: torch.nn.Module) -> list[dict[str, Any]]:
+    """The global namespaces, in ``vllm_ascend``, of every function defined on the layer's class, its MoE
+    runner's, its quant method's and the scheme's (with their bases): where ``select_experts`` is looked
+    up when the layer routes. Keyed by the function, not by ``cls.__module__``, which a class may rename."""
+    namespaces: dict[str, dict[str, Any]] = {}
     for cls in _classes(module):
-        if cls.__module__.split(".")[0] == _PACKAGE and cls.__module__ not in names:
-            names.append(cls.__module__)
-    return names
+        for attribute in vars(cls).values():
+            function = _function(attribute)
+            if function is None:
+                continue
+            namespace = function.__globals__
+            module_name = str(namespace.get("__name__", ""))
+            if module_name.split(".")[0] == _PACKAGE:
+                namespaces.setdefault(module_name, namespace)
+    return list(namespaces.values())
+
+
+def _function(attribute: Any) -> types.FunctionType | None:
+    """The plain function behind a class attribute (method, static/class method, property getter)."""
+    if isinstance(attribute, (staticmethod, classmethod)):
+        attribute = attribute.__func__
+    elif isinstance(attribute, property):
+        attribute = attribute.fget
+    if not callable(attribute):
+        return None
+    attribute = inspect.unwrap(attribute)
+    return attribute if isinstance(attribute, types.FunctionType) else None
 
 
 def _classes(module: torch.nn.Module) -> Iterator[type]:
     yield from type(module).__mro__
+    moe_runner = getattr(module, "runner", None)  # vllm-ascend 0.23+: AscendMoERunner drives forward_impl
+    if moe_runner is not None:
+        yield from type(moe_runner).__mro__
     method, depth = _quant_method(module), 0
     while method is not None and depth < 3:  # AscendFusedMoEMethod -> scheme (one level today)
         yield from type(method).__mro__
