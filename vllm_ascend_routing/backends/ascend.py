@@ -84,6 +84,13 @@ def bind(module: torch.nn.Module, capture: LayerCapture, name: str) -> None:
             f"{_PACKAGE}'s {_SELECTOR}, so its routing cannot be recorded; this vllm-ascend release or "
             "quant method is not supported by vllm-ascend-routing."
         )
+    method = _quant_method(module)
+    if not routes_with_selector(method):
+        raise RoutingNotRecordedError(
+            f"MoE layer {name!r}: quant method {type(method).__name__} routes without {_PACKAGE}'s "
+            f"{_SELECTOR} (its apply, and the scheme it delegates to, never call it), so its routing cannot "
+            "be recorded; this quant method is not supported by vllm-ascend-routing."
+        )
     state = _LayerState(capture, name)
     current: Callable[..., Any] = getattr(module, "forward_impl")  # noqa: B009 (nn.Module attribute typing)
     inner: Callable[..., Any] = getattr(current, _WRAPPED, current)
@@ -161,6 +168,29 @@ def _function(attribute: Any) -> types.FunctionType | None:
         return None
     attribute = inspect.unwrap(attribute)
     return attribute if isinstance(attribute, types.FunctionType) else None
+
+
+def routes_with_selector(method: Any) -> bool:
+    """Whether the quant method's ``apply`` (or that of the scheme it delegates to) calls ``select_experts``.
+
+    Read from the bytecode of the ``apply`` the method really runs (inherited ones included), so a method
+    that routes another way is refused at bind time, not found out by the per-forward guard.
+    """
+    depth = 0
+    while method is not None and depth < 3:
+        apply = _function(getattr(type(method), "apply", None))
+        if apply is not None and _SELECTOR in _global_names(apply.__code__):
+            return True
+        method, depth = getattr(method, "quant_method", None) or getattr(method, "scheme", None), depth + 1
+    return False
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):  # nested functions and comprehensions
+            names |= _global_names(constant)
+    return names
 
 
 def _classes(module: torch.nn.Module) -> Iterator[type]:
