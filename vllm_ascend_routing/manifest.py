@@ -156,8 +156,10 @@ PATCHES: tuple[Patch, ...] = (
     *_runner_patches("vllm_ascend.worker.v2.model_runner:NPUModelRunner", "npu", "vllm-ascend MRV2", False),
     Patch(
         "vllm_ascend.ops.fused_moe.experts_selector:select_experts",
-        "as imported by each MoE layer / quant-method module: records the logical ids it returns (every "
-        "quant method and the flash-comm gate path call it; none goes through BaseRouter)",
+        "in the global namespace of every function that calls it (found through __globals__ of the "
+        "functions of the layer's class, its MoE runner's and its quant method's, MROs included, not by "
+        "__module__, which 0.23.x renames): records the logical ids it returns (every quant method and "
+        "the multistream gate path call it; none goes through BaseRouter)",
         "vllm-ascend 0.20.2rc1-0.25",
         "vllm-ascend routes every method through BaseRouter (its routers, 0.26+): use backend 'router'",
         ("hidden_states", "router_logits", "top_k"),

@@ -85,8 +85,11 @@ def vllm_config() -> Any:
 
 
 def main() -> None:
-    from tests.ascend import conftest  # noqa: F401 (vllm-ascend's source on sys.path, torch_npu stubbed)
-    from tests.ascend import moe_methods, real_moe
+    from tests.ascend import (
+        conftest,  # noqa: F401 (vllm-ascend's source on sys.path, torch_npu stubbed)
+        moe_methods,
+        real_moe,
+    )
 
     os.environ["VLLM_ASCEND_ROUTING"] = "1"
     from vllm.platforms import current_platform
@@ -107,9 +110,9 @@ def main() -> None:
     result["imported_before_register"] |= RUNNER_MODULE in sys.modules
     module = importlib.import_module(RUNNER_MODULE)
     runner_cls = module.NPUModelRunner
+    hooks = ("load_model", "execute_model", "init_routed_experts_capturer", "_bind_routed_experts_capturer")
     result["hooked"] = sorted(
-        name for name in ("load_model", "execute_model", "init_routed_experts_capturer", "_bind_routed_experts_capturer")
-        if getattr(getattr(runner_cls, name, None), "_vllm_ascend_routing_hook", False)
+        name for name in hooks if getattr(getattr(runner_cls, name, None), "_vllm_ascend_routing_hook", False)
     )
 
     config = vllm_config()
@@ -119,7 +122,8 @@ def main() -> None:
         "compilation_config": config.compilation_config, "device": torch.device("cpu"), "pin_memory": False,
         "use_async_scheduling": False, "speculative_config": None,
         "kv_cache_config": SimpleNamespace(
-            num_blocks=NUM_KV_BLOCKS, kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=BLOCK_SIZE))]
+            num_blocks=NUM_KV_BLOCKS,
+            kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=BLOCK_SIZE))],
         ),
     }.items():
         object.__setattr__(runner, name, value)
@@ -163,46 +167,55 @@ def main() -> None:
     result["blocks"] = {"start": [b.method for b in start], "slots": [b.method for b in slots_snapshot],
                         "after": [b.method for b in after]}
 
-    steps = []
-    for num_tokens, slots in STEPS:
-        slot_mapping = torch.tensor(slots + [-1] * (MAX_TOKENS - num_tokens))  # padded, like vllm-ascend's
-        runner.cpu_slot_mapping = slot_mapping.numpy()
-        scheduler_output = SimpleNamespace(total_num_scheduled_tokens=num_tokens)
-        scope = {"self": runner, "scheduler_output": scheduler_output, "slot_mapping": slot_mapping,
-                 "kv_cache_gid": 0, "model_runner_output": SimpleNamespace(routed_experts=None)}
-        expected = np.zeros((num_tokens, NUM_LAYERS, 2), dtype=np.int64)
-        generator = torch.Generator().manual_seed(num_tokens)
-
-        def forward(self: Any, output: Any, *args: Any, **kwargs: Any) -> None:
-            for block in start + slots_snapshot:
-                run_block(block, module, scope)
-            for layer_id, moe in layers.items():
-                hidden = torch.randn(num_tokens, real_moe.HIDDEN, generator=generator)
-                logits = torch.randn(num_tokens, real_moe.NUM_EXPERTS, generator=generator)
-                moe.forward(hidden, logits)
-                expected[:, layer_id] = real_moe.reference_top_k(logits, real_moe.TOP_K).numpy()
-
-        def hand_off(self: Any, *args: Any, **kwargs: Any) -> None:
-            for block in after:
-                run_block(block, module, scope)
-
-        RoutingCaptureRunnerMixin.execute_model(runner, forward, scheduler_output)
-        RoutingCaptureRunnerMixin.sample_tokens(runner, hand_off)
-        shipped = scope.get("routed_experts_lists") or scope["model_runner_output"].routed_experts
-        step: dict[str, Any] = {"expected": expected.tolist(), "slots": slots}
-        if shipped is not None:  # 0.22+: the rows vLLM's scheduler receives, by slot
-            step["shipped_rows"] = np.asarray(shipped.routing_data).astype(np.int64).tolist()
-            step["shipped_dtype"] = str(np.asarray(shipped.routing_data).dtype)
-            step["shipped_slots"] = np.asarray(shipped.slot_mapping).astype(np.int64).tolist()
-        else:  # 0.20.x: the rows the scheduler's reader finds in shared memory at those slots
-            from vllm_ascend_routing.compat.shm import ShmRoutedExpertsReader
-
-            reader = ShmRoutedExpertsReader.get_instance() or ShmRoutedExpertsReader.create()
-            reader.attach_buffer(NUM_KV_BLOCKS * BLOCK_SIZE, config)
-            step["stored_rows"] = reader.get_routed_experts(np.array(slots)).astype(np.int64).tolist()
-        steps.append(step)
+    steps = [run_step(runner, module, layers, start + slots_snapshot, after, config, *step) for step in STEPS]
     result["steps"] = steps
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_step(
+    runner: Any, module: Any, layers: dict[int, Any], before: list[Block], after: list[Block], config: Any,
+    num_tokens: int, slots: list[int],
+) -> dict[str, Any]:
+    """One step: the runner's statements before the forward, real MoE forwards, the hand-off."""
+    from tests.ascend import real_moe
+    from vllm_ascend_routing.runner_mixin import RoutingCaptureRunnerMixin
+
+    slot_mapping = torch.tensor(slots + [-1] * (MAX_TOKENS - num_tokens))  # padded, like vllm-ascend's
+    runner.cpu_slot_mapping = slot_mapping.numpy()
+    scheduler_output = SimpleNamespace(total_num_scheduled_tokens=num_tokens)
+    scope = {"self": runner, "scheduler_output": scheduler_output, "slot_mapping": slot_mapping,
+             "kv_cache_gid": 0, "model_runner_output": SimpleNamespace(routed_experts=None)}
+    expected = np.zeros((num_tokens, NUM_LAYERS, 2), dtype=np.int64)
+    generator = torch.Generator().manual_seed(num_tokens)
+
+    def forward(self: Any, output: Any, *args: Any, **kwargs: Any) -> None:
+        for block in before:
+            run_block(block, module, scope)
+        for layer_id, moe in layers.items():
+            hidden = torch.randn(num_tokens, real_moe.HIDDEN, generator=generator)
+            logits = torch.randn(num_tokens, real_moe.NUM_EXPERTS, generator=generator)
+            moe.forward(hidden, logits)
+            expected[:, layer_id] = real_moe.reference_top_k(logits, real_moe.TOP_K).numpy()
+
+    def hand_off(self: Any, *args: Any, **kwargs: Any) -> None:
+        for block in after:
+            run_block(block, module, scope)
+
+    RoutingCaptureRunnerMixin.execute_model(runner, forward, scheduler_output)
+    RoutingCaptureRunnerMixin.sample_tokens(runner, hand_off)
+    shipped = scope.get("routed_experts_lists") or scope["model_runner_output"].routed_experts
+    step: dict[str, Any] = {"expected": expected.tolist(), "slots": slots}
+    if shipped is not None:  # 0.22+: the rows vLLM's scheduler receives, by slot
+        step["shipped_rows"] = np.asarray(shipped.routing_data).astype(np.int64).tolist()
+        step["shipped_dtype"] = str(np.asarray(shipped.routing_data).dtype)
+        step["shipped_slots"] = np.asarray(shipped.slot_mapping).astype(np.int64).tolist()
+    else:  # 0.20.x: the rows the scheduler's reader finds in shared memory at those slots
+        from vllm_ascend_routing.compat.shm import ShmRoutedExpertsReader
+
+        reader = ShmRoutedExpertsReader.get_instance() or ShmRoutedExpertsReader.create()
+        reader.attach_buffer(NUM_KV_BLOCKS * BLOCK_SIZE, config)
+        step["stored_rows"] = reader.get_routed_experts(np.array(slots)).astype(np.int64).tolist()
+    return step
 
 
 if __name__ == "__main__":
