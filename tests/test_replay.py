@@ -1,0 +1,184 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The replay bridge: every generation's array on the token axis, MoE layers from configs, Megatron packing."""
+
+from __future__ import annotations
+
+import pkgutil
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import vllm_ascend_routing
+from vllm_ascend_routing import replay
+from vllm_ascend_routing.replay import INVALID, UnknownMoELayersError, align, check, moe_layers, to_megatron
+
+
+def vllm_rows(rows: int, num_layers: int, top_k: int, num_experts: int, dense: tuple[int, ...] = (), *,
+              dtype: type = np.uint8, seed: int = 0) -> np.ndarray:
+    """What vLLM returns: distinct ids per MoE row, zero dense rows, in the generation's dtype."""
+    rng = np.random.default_rng(seed)
+    ids = np.argsort(rng.random((rows, num_layers, num_experts)), axis=-1)[..., :top_k]
+    ids[:, list(dense)] = 0
+    return ids.astype(dtype)
+
+
+# ---- align ----
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
+@pytest.mark.parametrize("prompt_start", [0, 3])
+def test_align_0_22_rows_start_at_prompt_start(dtype: type, prompt_start: int) -> None:
+    prompt_len, output_len = 6, 4  # T = 10: rows for tokens prompt_start..8, token 9 never forwarded
+    routed = vllm_rows(10 - 1 - prompt_start, 3, 2, 8, dense=(1,), dtype=dtype)
+    routes, valid = align(routed, prompt_len, output_len, prompt_start)
+    assert routes.shape == (10, 3, 2) and routes.dtype == np.int64 and valid.dtype == bool
+    assert valid.tolist() == [t >= prompt_start for t in range(9)] + [False]
+    np.testing.assert_array_equal(routes[prompt_start:9], routed.astype(np.int64))
+    assert (routes[~valid] == INVALID).all()
+
+
+def test_align_0_20_int32_has_every_row_but_the_last() -> None:
+    routed = vllm_rows(9, 2, 2, 8, dtype=np.int32)
+    routes, valid = align(routed, 6, 4)
+    assert valid.tolist() == [True] * 9 + [False]
+    np.testing.assert_array_equal(routes[:9], routed)
+
+
+def test_align_refuses_other_row_counts_naming_the_expected_one() -> None:
+    with pytest.raises(ValueError, match=r"uint8/uint16 with T-1-prompt_start = 7 rows"):
+        align(vllm_rows(9, 2, 2, 8), 6, 4, prompt_start=2)  # 0.22+ array, prompt_start forgotten upstream
+    with pytest.raises(ValueError, match=r"int32 with T-1 = 9 rows"):
+        align(vllm_rows(10, 2, 2, 8, dtype=np.int32), 6, 4)  # a row for the last token: not vLLM's
+    with pytest.raises(ValueError, match=r"no prompt_start.*T-1 = 9 rows"):
+        align(vllm_rows(9, 2, 2, 8, dtype=np.int32), 6, 4, prompt_start=2)
+
+
+def test_align_refuses_converted_arrays() -> None:
+    """The dtype tells the generation, hence the row count: a widened array cannot be placed safely."""
+    with pytest.raises(ValueError, match=r"dtype int64.*T-1 = 9 rows.*T-1-prompt_start = 9 rows"):
+        align(vllm_rows(9, 2, 2, 8).astype(np.int64), 6, 4)
+    with pytest.raises(ValueError, match=r"shape \(9, 2\)"):
+        align(np.zeros((9, 2), np.uint8), 6, 4)
+    with pytest.raises(ValueError, match="prompt_start=10"):
+        align(vllm_rows(9, 2, 2, 8), 6, 4, prompt_start=10)
+
+
+# ---- moe_layers ----
+
+def test_moe_layers_of_each_family() -> None:
+    import transformers as tf
+
+    assert moe_layers(tf.Qwen3MoeConfig(num_hidden_layers=4, mlp_only_layers=[1])) == (0, 2, 3)
+    assert moe_layers(tf.Qwen2MoeConfig(num_hidden_layers=6, decoder_sparse_step=2)) == (1, 3, 5)
+    assert moe_layers(tf.DeepseekV3Config(num_hidden_layers=6, first_k_dense_replace=3)) == (3, 4, 5)
+    assert moe_layers(tf.DeepseekV2Config(num_hidden_layers=6, first_k_dense_replace=1, moe_layer_freq=2)) == (2, 4)
+    assert moe_layers(tf.Glm4MoeConfig(num_hidden_layers=4, first_k_dense_replace=1)) == (1, 2, 3)
+    assert moe_layers(tf.MixtralConfig(num_hidden_layers=3)) == (0, 1, 2)
+    assert moe_layers(tf.OlmoeConfig(num_hidden_layers=3)) == (0, 1, 2)
+    # A multimodal config is read through its text config; num_layers overrides the config's.
+    assert moe_layers(SimpleNamespace(text_config=tf.Qwen3MoeConfig(num_hidden_layers=2))) == (0, 1)
+    assert moe_layers(SimpleNamespace(first_k_dense_replace=1), num_layers=3) == (1, 2)
+
+
+def test_moe_layers_refuses_a_config_it_cannot_read() -> None:
+    import transformers as tf
+
+    with pytest.raises(UnknownMoELayersError, match=r"model_type 'llama'.*Qwen2/3-MoE.*DeepSeek.*Mixtral.*OLMoE"):
+        moe_layers(tf.LlamaConfig())
+    with pytest.raises(ValueError, match="no num_hidden_layers"):
+        moe_layers(SimpleNamespace(num_local_experts=8))
+
+
+# ---- check ----
+
+def test_check_rules_on_vllm_rows_and_on_aligned_routes() -> None:
+    routed = vllm_rows(9, 3, 2, 8, dense=(1,))
+    assert check(routed, 8, (0, 2)) == []
+    routes, valid = align(routed, 6, 4)
+    assert check(routes, 8, (0, 2), valid=valid) == []  # the INVALID last row is not a recorded row
+    assert [v.what for v in check(routes, 8, (0, 2))][:1] == ["non-zero ids in a dense layer"]
+    bad = routed.copy()
+    bad[4, 2] = [5, 5]
+    bad[6, 1, 0] = 3
+    found = [(v.what, v.layer, v.row) for v in check(bad, 8, (0, 2), expected_rows=8)]
+    assert found == [("9 rows, expected 8", None, None), ("non-zero ids in a dense layer", 1, 6),
+                     ("the same expert twice in one row", 2, 4)]
+    assert [(v.what, v.layer) for v in check(routed, 6, (0, 2))][0] == ("id outside [0, 6)", 0)
+    zeros = routed.copy()
+    zeros[:, 2] = 0  # a router the capture missed
+    assert ("MoE layer all zero across the request", 2, None) in [(v.what, v.layer, v.row)
+                                                                  for v in check(zeros, 8, (0, 2))]
+
+
+def test_check_more_than_256_experts() -> None:
+    routed = vllm_rows(5, 2, 8, 300, dtype=np.uint16)
+    assert routed.max() > 255 and check(routed, 300, (0, 1)) == []
+    assert [v.what for v in check(routed, 256, (0, 1))][0] == "id outside [0, 256)"
+
+
+# ---- to_megatron ----
+
+def test_to_megatron_packs_moe_layers_pads_with_distinct_ids() -> None:
+    num_experts, top_k = 8, 2
+    a = align(vllm_rows(9, 3, top_k, num_experts, dense=(1,), seed=1), 6, 4)  # T = 10
+    b = align(vllm_rows(4, 3, top_k, num_experts, dense=(1,), seed=2), 4, 3, prompt_start=2)  # T = 7
+    replay_data = to_megatron([a, b], (2, 0), num_experts, pad_to=4)  # order given is not the layer order
+    assert len(replay_data.indices) == 2  # dense layer 1 dropped
+    for j, layer in enumerate((0, 2)):
+        tensor = replay_data.indices[j]
+        assert tensor.dtype == torch.int64 and tensor.shape == (12 + 8, top_k)
+        np.testing.assert_array_equal(tensor[:10][a.valid].numpy(), a.routes[a.valid, layer])
+        np.testing.assert_array_equal(tensor[12:19][b.valid].numpy(), b.routes[b.valid, layer])
+    valid = replay_data.valid.numpy()
+    assert valid.tolist() == a.valid.tolist() + [False] * 2 + b.valid.tolist() + [False]
+    for tensor in replay_data.indices:  # every row, filler included, is top_k distinct experts
+        rows = np.sort(tensor.numpy(), axis=1)
+        assert ((rows[:, 1:] != rows[:, :-1]).all()) and rows.min() >= 0 and rows.max() < num_experts
+        assert len({tuple(r) for r in tensor[~replay_data.valid].tolist()}) > 1  # spread, not one expert pair
+
+
+def test_to_megatron_more_than_256_experts_and_int32_rows() -> None:
+    num_experts, top_k = 300, 8
+    wide = align(vllm_rows(20, 2, top_k, num_experts, dtype=np.uint16), 12, 9)
+    old = align(vllm_rows(20, 2, top_k, num_experts, dtype=np.int32, seed=3), 12, 9)
+    replay_data = to_megatron([wide, old], (0, 1), num_experts)
+    assert [t.shape for t in replay_data.indices] == [(42, top_k)] * 2
+    assert int(replay_data.indices[1].max()) > 255
+    np.testing.assert_array_equal(replay_data.indices[1][21:41].numpy(), old.routes[:20, 1])
+
+
+def test_to_megatron_refuses_broken_rows() -> None:
+    routed = vllm_rows(9, 3, 2, 8, dense=(1,))
+    with pytest.raises(ValueError, match="sample 0 .*layer 1 row 0: the same expert twice"):
+        to_megatron([align(routed, 6, 4)], (0, 1), 8)  # the dense layer taken for a MoE layer
+    with pytest.raises(ValueError, match="id outside"):
+        to_megatron([align(routed, 6, 4)], (0, 2), 4)
+    with pytest.raises(ValueError, match="top_k 2 > num_experts 1"):
+        to_megatron([align(routed, 6, 4)], (0, 2), 1)
+    with pytest.raises(ValueError, match="MoE layers"):
+        to_megatron([align(routed, 6, 4)], (0, 3), 8)
+    with pytest.raises(ValueError, match="sample 1"):
+        to_megatron([align(routed, 6, 4), align(vllm_rows(9, 3, 4, 8, dense=(1,)), 6, 4)], (0, 2), 8)
+
+
+# ---- the runtime plugin never imports the bridge ----
+
+def test_runtime_modules_do_not_import_the_bridge() -> None:
+    """Importing the plugin and every runtime module (all but ``replay`` and ``testing``) leaves it out."""
+    runtime = sorted(
+        module.name for module in pkgutil.walk_packages(vllm_ascend_routing.__path__, "vllm_ascend_routing.")
+        if module.name != replay.__name__ and not module.name.startswith("vllm_ascend_routing.testing")
+    )
+    assert "vllm_ascend_routing.validate" in runtime and "vllm_ascend_routing.integration" in runtime
+    code = (
+        "import importlib, sys\n"
+        f"for name in {runtime!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('vllm_ascend_routing.replay')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
