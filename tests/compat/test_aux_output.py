@@ -132,14 +132,43 @@ def test_model_runner_v2_keeps_its_own_connector(runner: V1Runner) -> None:
     assert getattr(runner, aux_output._DRIVER, None) is None
 
 
-@pytest.mark.parametrize("setting", ["speculative", "async"])
-def test_unverified_layouts_are_refused_at_start_up(runner: V1Runner, setting: str) -> None:
-    if setting == "speculative":
-        runner.vllm_config.speculative_config = object()
-    else:
-        runner.vllm_config.scheduler_config.async_scheduling = True
-    with pytest.raises(UnsupportedVllmError, match=setting):
+def test_async_scheduling_is_refused_at_start_up(runner: V1Runner) -> None:
+    runner.vllm_config.scheduler_config.async_scheduling = True
+    with pytest.raises(UnsupportedVllmError, match="async"):
         runner.initialize_kv_cache("kv")
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculative_steps_report_the_rejected_drafts(runner: V1Runner, k: int) -> None:
+    """Per request: drafts scheduled minus drafts accepted (sampled - 1), as Model Runner V2 counts them.
+    a: every draft accepted; b: none; c: partial (k=3: one of three); d: a prefill chunk (no drafts, no
+    sample); e: a finished prefill (no drafts, one sample)."""
+    runner.vllm_config.speculative_config = SimpleNamespace(num_speculative_tokens=k)
+    runner.initialize_kv_cache("kv")
+    connector = getattr(runner, aux_output._DRIVER).connector
+    order = ["a", "b", "c", "d", "e"]
+    scheduled = {"a": 1 + k, "b": 1 + k, "c": 1 + k, "d": 64, "e": 9}
+    out = step(order, scheduled, [40, 41, 42, 0, 30])
+    out.scheduled_spec_decode_tokens = {r: list(range(k)) for r in "abc"}
+    runner.execute_model(out)
+    accepted_c = min(1, k - 1)
+    runner.next_sampled = {"a": [1] * (k + 1), "b": [2], "c": [3] * (accepted_c + 1), "d": [], "e": [5]}
+    runner.sample_tokens(None)
+    copy = next(entry for entry in connector.log if entry[0] == "copy")
+    assert copy == ("copy", [k + 1, 1, accepted_c + 1, 0, 1], [0, k, k - accepted_c, 0, 0])
+    assert connector.batches[0].query_start_loc_np.tolist() == [0, 1 + k, 2 + 2 * k, 3 + 3 * k, 67 + 3 * k,
+                                                                 76 + 3 * k]
+
+
+def test_more_samples_than_drafts_is_an_error_not_a_guess(runner: V1Runner) -> None:
+    runner.vllm_config.speculative_config = SimpleNamespace(num_speculative_tokens=1)
+    runner.initialize_kv_cache("kv")
+    out = step(["a"], {"a": 2}, [10])
+    out.scheduled_spec_decode_tokens = {"a": [9]}
+    runner.execute_model(out)
+    runner.next_sampled = {"a": [1, 2, 3]}
+    with pytest.raises(RuntimeError, match="sampled 3 tokens with only 1 drafts"):
+        runner.sample_tokens(None)
 
 
 def test_config_check_exempts_only_the_v1_runner_on_cpu() -> None:

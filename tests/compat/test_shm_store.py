@@ -112,3 +112,37 @@ def test_insufficient_shm_gives_clear_startup_error(monkeypatch: pytest.MonkeyPa
         store.SegmentWriter(s)
     assert s.name not in ours()
     assert not (store.state_dir() / f"{s.name}.owner").exists()
+
+
+def test_speculative_steps_leave_only_accepted_rows_where_the_request_reads() -> None:
+    """0.20.x under speculative decoding: each step writes the rows of every scheduled token by KV slot,
+    rejected drafts included; a rejected draft's position is scheduled again with the corrected token, so
+    its slot is rewritten; at the end the scheduler reads the slots of prompt + output[:-1], none of which
+    still holds a rejected draft's row (the corrected token at a rejected position is sampled, never
+    forwarded in that step, and is the request's last token if it ends there)."""
+    rng = np.random.default_rng(0)
+    s = spec(num_experts=8, slots=64, layers=2, top_k=2)
+    writer, reader = store.SegmentWriter(s), None
+    try:
+        reader = store.SegmentReader(s)
+        truth: dict[int, np.ndarray] = {}  # position -> row of the token the request finally holds there
+
+        def forward(positions: list[int], accepted: set[int]) -> None:
+            rows = rng.integers(0, 8, size=(len(positions), 2, 2), dtype=np.int64)
+            for position, row in zip(positions, rows, strict=True):
+                if position in accepted:
+                    truth[position] = row
+            writer.write(np.array(positions), rows)  # slot = position (one block table, in order)
+
+        forward(list(range(10)), set(range(10)))  # prefill: 10 prompt tokens; token 10 sampled
+        # decode steps: [token fed] + k=3 drafts; accepted drafts keep their rows, rejected ones are stale
+        forward([10, 11, 12, 13], {10, 11})  # drafts 11, 12, 13: 11 accepted, 12 rejected -> 12 corrected
+        forward([12, 13, 14, 15], {12, 13, 14, 15})  # all accepted, bonus token 16 sampled
+        forward([16, 17, 18, 19], {16})  # every draft rejected -> 17 corrected, the request stops there
+        num_tokens = 18  # prompt 10 + output 8 (10..17); rows cover positions 0..16
+        read = reader.read(np.arange(num_tokens - 1))
+        assert np.array_equal(read, np.stack([truth[p] for p in range(num_tokens - 1)]).astype(np.int32))
+    finally:
+        if reader is not None:
+            reader.close()
+        writer.close()

@@ -77,6 +77,8 @@ def _accept_v1_runner_on_cpu(verify: Callable[[Any], None]) -> Callable[[Any], N
         from vllm.platforms import current_platform
 
         if current_platform.is_cpu() and self.aux_output_config.enabled and not self.use_v2_model_runner:
+            if getattr(self.model_config, "runner_type", None) == "draft":
+                return  # the draft model's copy of the target's config: the target's runner drives the connector
             with _out_of_tree(current_platform):
                 return verify(self)
         return verify(self)
@@ -144,11 +146,6 @@ class AuxOutputAPI:
         if profiling or hasattr(runner, "aux_output_connector") or getattr(runner, _DRIVER, None) is not None:
             return  # Model Runner V2 drives vLLM's own connector; a nested super() call was already served
         config = runner.vllm_config
-        if getattr(config, "speculative_config", None) is not None:
-            raise UnsupportedVllmError(
-                "vllm-ascend-routing: speculative decoding with routed experts on this runner (no AuxOutput "
-                "support of its own) is not supported; disable speculative decoding or unset VLLM_ASCEND_ROUTING."
-            )
         if getattr(config.scheduler_config, "async_scheduling", False):
             raise UnsupportedVllmError(
                 "vllm-ascend-routing: async scheduling with routed experts on this runner is not supported; "
@@ -185,9 +182,28 @@ class AuxOutputAPI:
             return output
         index = {request_id: i for i, request_id in enumerate(output.req_ids)}
         sampled = np.array([len(output.sampled_token_ids[index[r]]) for r in pending.request_ids], dtype=np.int64)
-        pending.enqueue_cpu_copy(sampled, np.zeros_like(sampled))  # no drafts: nothing rejected
+        drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+        pending.enqueue_cpu_copy(sampled, rejected_drafts(pending.request_ids, sampled, drafts))
         output.aux_output_connector_output = pending.process_output()
         return output
+
+
+def rejected_drafts(request_ids: list[str], sampled: np.ndarray, drafts: dict[str, list[int]]) -> np.ndarray:
+    """Per request, the draft tokens of this step the rejection sampler threw away, as Model Runner V2
+    counts them (``num_logits - num_sampled``): the connector drops that suffix of the step's rows, which
+    were captured before acceptance. A request that sampled ``n > 0`` tokens accepted ``n - 1`` drafts
+    (the last one is the bonus or corrected token); one that sampled none (a prefill chunk) had none."""
+    rejected = np.zeros(len(request_ids), dtype=np.int64)
+    for i, (request_id, num_sampled) in enumerate(zip(request_ids, sampled, strict=True)):
+        scheduled = len(drafts.get(request_id, ()))
+        if num_sampled > 0:
+            if num_sampled - 1 > scheduled:
+                raise RuntimeError(
+                    f"vllm-ascend-routing: request {request_id} sampled {num_sampled} tokens with only "
+                    f"{scheduled} drafts scheduled; routed experts cannot be placed."
+                )
+            rejected[i] = scheduled - (num_sampled - 1)
+    return rejected
 
 
 def _step_batch(runner: Any, scheduler_output: Any) -> SimpleNamespace:

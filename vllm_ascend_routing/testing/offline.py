@@ -40,11 +40,13 @@ def make_llm(model: TinyMoE, *, enforce_eager: bool = True, **kwargs: Any) -> An
     return LLM(**options)
 
 
-def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 8) -> list[Completion]:
-    """Greedy generation of exactly ``max_tokens`` tokens per prompt (EOS ignored), in prompt order."""
+def generate(llm: Any, prompts: list[list[int]], max_tokens: int | list[int] = 8) -> list[Completion]:
+    """Greedy generation of exactly ``max_tokens`` tokens per prompt (one value, or one per prompt; EOS
+    ignored), in prompt order."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    counts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in counts]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [
         Completion(

@@ -92,6 +92,93 @@ def run_offline(arch: str, mode: str, num_prompts: int, tensor_parallel: int = 1
     return out
 
 
+SPEC_MAX_TOKENS = [5, 9, 14, 23, 31, 40]  # uneven: requests stop inside accepted draft runs
+# Draft slots per sequence must fit max_num_batched_tokens (vLLM's check on some releases).
+SPEC_MAX_SEQS = 16
+
+
+def repetitive_prompts(count: int, seed: int, length: int = 48) -> list[list[int]]:
+    """Prompts made of a short n-gram repeated (with a varying tail): the n-gram proposer finds matches."""
+    import random
+
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(count):
+        gram = [rng.randrange(10, 500) for _ in range(3 + i % 4)]
+        prompt = (gram * (length // len(gram) + 1))[: length - 5 + 2 * i]
+        prompts.append(prompt + [rng.randrange(10, 500) for _ in range(i % 3)])
+    return prompts
+
+
+def speculative_config(model: models.TinyMoE, method: str, k: int) -> dict[str, Any] | None:
+    if method == "none":
+        return None
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    if method == "draft":  # a tiny MoE draft model: the target itself, whose layer ids alias the target's
+        return {"method": "draft_model", "model": str(model.path), "num_speculative_tokens": k}
+    raise ValueError(f"unknown speculative method {method!r}")
+
+
+def spec_decode_counts(llm: Any) -> dict[str, int]:
+    """vLLM's own counters: drafts proposed, draft tokens, accepted tokens."""
+    counts = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
+    names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
+    for metric in llm.get_metrics():
+        if metric.name in names:
+            counts[names[metric.name]] += int(getattr(metric, "value", 0))
+    return counts
+
+
+# vLLM's CPU stand-ins for the rejection sampler's Triton kernels out of step with the sampler (vLLM
+# 0.20.2: SYNTHETIC_MODE, 0.23.0: USE_FP64_GUMBEL), or its JIT warm-up unable to inspect them (0.30.0).
+UPSTREAM_CPU_SPEC_CRASHES = ("_kernel_impl() got an unexpected keyword argument", "Cannot inspect kernel parameters")
+
+
+def upstream_spec_crash(error: BaseException) -> str | None:
+    """The error, if it is vLLM's own CPU speculative-decoding crash (recognised by its message)."""
+    text = f"{type(error).__name__}: {error}"
+    return text[-300:] if any(sign in text for sign in UPSTREAM_CPU_SPEC_CRASHES) else None
+
+
+def run_speculative(arch: str, method: str, k: int) -> dict[str, Any]:
+    """A batch of repetitive prompts with uneven ``max_tokens``, a chunked prefill and its prefix-cache repeat,
+    under speculative decoding ``method`` (``none``: the baseline whose tokens the test compares). Where
+    vLLM's own CPU speculative path crashes, says so (``upstream_crash``) instead of a verdict."""
+    try:
+        return _run_speculative(arch, method, k)
+    except Exception as error:
+        crash = upstream_spec_crash(error)
+        if crash is None:
+            raise
+        return {"arch": arch, "method": method, "k": k, "upstream_crash": crash}
+
+
+def _run_speculative(arch: str, method: str, k: int) -> dict[str, Any]:
+    model = models.build_tiny_moe(arch, model_dir() / arch)
+    llm = offline.make_llm(
+        model, enforce_eager=True, max_num_batched_tokens=MAX_BATCHED_TOKENS, enable_prefix_caching=True,
+        speculative_config=speculative_config(model, method, k), disable_log_stats=False,
+        max_num_seqs=SPEC_MAX_SEQS,
+    )
+    reference = offline.reference_for(model)
+    prompts = repetitive_prompts(len(SPEC_MAX_TOKENS), seed=3)
+    out: dict[str, Any] = {"arch": arch, "method": method, "k": k}
+    batch = offline.generate(llm, prompts, SPEC_MAX_TOKENS)
+    out["batch"] = _verdict(offline.check(reference, model, batch))
+    out["batch"]["output_ids"] = [c.output_ids for c in batch]
+    long_prompt = repetitive_prompts(1, seed=11, length=LONG_PROMPT)
+    chunked, = offline.generate(llm, long_prompt, 17)
+    out["chunked_prefill"] = _verdict(offline.check(reference, model, [chunked]))
+    repeat, = offline.generate(llm, long_prompt, 17)
+    out["prefix_repeat"] = _verdict(offline.check(reference, model, [repeat]))
+    out["prefix_repeat"]["cached_tokens"] = repeat.num_cached_tokens
+    out["prefix_repeat"]["output_ids"] = repeat.output_ids
+    out["spec_decode"] = spec_decode_counts(llm)
+    return out
+
+
 def expert_load(completions: list[offline.Completion], model: models.TinyMoE) -> dict[str, list[int]]:
     """How many (token, slot) choices each expert received, per MoE layer."""
     table: dict[str, list[int]] = {}
@@ -111,16 +198,22 @@ def _post(url: str, body: dict[str, Any]) -> Any:
         return json.loads(response.read())
 
 
-def run_serve(arch: str, num_prompts: int) -> dict[str, Any]:
+def run_serve(arch: str, num_prompts: int, spec: str = "none", k: int = 3) -> dict[str, Any]:
     model = models.build_tiny_moe(arch, model_dir() / arch)
     args = ["--kv-cache-memory-bytes", str(offline.KV_CACHE_BYTES), "--max-model-len", "1024",
             "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), "--enforce-eager"]
+    config = speculative_config(model, spec, k)
+    if config is None:
+        prompts, max_tokens = models.mixed_prompts(num_prompts, seed=2), [MAX_TOKENS] * num_prompts
+    else:
+        args += ["--speculative-config", json.dumps(config), "--max-num-seqs", str(SPEC_MAX_SEQS)]
+        prompts, max_tokens = repetitive_prompts(len(SPEC_MAX_TOKENS), seed=5), SPEC_MAX_TOKENS
     with Server(model.path, args) as server:
         reference = offline.reference_for(model)
         completions = []
-        for prompt in models.mixed_prompts(num_prompts, seed=2):
+        for prompt, count in zip(prompts, max_tokens, strict=True):
             reply = _post(f"{server.url}/v1/completions", {
-                "model": str(model.path), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "model": str(model.path), "prompt": prompt, "max_tokens": count, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True,
             })
             choice = reply["choices"][0]
@@ -129,21 +222,32 @@ def run_serve(arch: str, num_prompts: int) -> dict[str, Any]:
             completions.append(offline.Completion(prompt, list(choice["token_ids"]), array))
         result = _verdict(offline.check(reference, model, completions))
         result["arrays"] = _describe([c.routed_experts for c in completions])
-        return {"arch": arch, "serve": result}
+        result["output_ids"] = [c.output_ids for c in completions]
+        metrics = server.metrics()
+        result["spec_decode"] = {
+            "drafts": int(metrics.get("vllm:spec_decode_num_drafts_total", 0)),
+            "draft_tokens": int(metrics.get("vllm:spec_decode_num_draft_tokens_total", 0)),
+            "accepted_tokens": int(metrics.get("vllm:spec_decode_num_accepted_tokens_total", 0)),
+        }
+        return {"arch": arch, "spec": spec, "serve": result}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("scenario", choices=["offline", "serve"])
+    parser.add_argument("scenario", choices=["offline", "serve", "speculative"])
     parser.add_argument("--arch", default="qwen3_moe", choices=models.ARCHITECTURES)
     parser.add_argument("--mode", default="eager", choices=["eager", "compiled"])
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (offline)")
+    parser.add_argument("--spec", default="none", choices=["none", "ngram", "draft"], help="speculative method")
+    parser.add_argument("--k", type=int, default=3, help="speculative tokens per step")
     args = parser.parse_args()
     if args.scenario == "offline":
         result = run_offline(args.arch, args.mode, args.prompts, args.tp)
+    elif args.scenario == "speculative":
+        result = run_speculative(args.arch, args.spec, args.k)
     else:
-        result = run_serve(args.arch, args.prompts)
+        result = run_serve(args.arch, args.prompts, args.spec, args.k)
     print("SCENARIO_RESULT " + json.dumps(result), flush=True)
 
 
