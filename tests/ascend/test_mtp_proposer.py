@@ -32,7 +32,7 @@ class Decoder(torch.nn.Module):
         super().__init__()
         self.model = torch.nn.Module()
         self.model.embed_tokens = torch.nn.Embedding(VOCAB, real_moe.HIDDEN)
-        self.model.layers = torch.nn.ModuleDict({key: layer for key, layer in moe.items()})
+        self.model.layers = torch.nn.ModuleDict(moe)
         self.lm_head = torch.nn.Linear(real_moe.HIDDEN, VOCAB)
 
 
@@ -98,7 +98,7 @@ def test_mtp_layers_stay_unbound_and_write_nothing(monkeypatch: pytest.MonkeyPat
 
     generator = torch.Generator().manual_seed(4)
     expected = {}
-    for key, moe in target_moe.items():
+    for moe in target_moe.values():
         logits = torch.randn(NUM_TOKENS, real_moe.NUM_EXPERTS, generator=generator)
         moe.forward(torch.randn(NUM_TOKENS, real_moe.HIDDEN, generator=generator), logits)
         expected[moe.layer_id] = real_moe.reference_top_k(logits, real_moe.TOP_K)
