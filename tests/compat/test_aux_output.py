@@ -192,10 +192,14 @@ def test_config_check_exempts_only_the_v1_runner_on_cpu() -> None:
     saved = sys.modules.get("vllm.platforms")
     sys.modules["vllm.platforms"] = fake_platforms  # type: ignore[assignment]
     try:
-        on = SimpleNamespace(aux_output_config=SimpleNamespace(enabled=True), use_v2_model_runner=False)
-        check(on)
-        check(SimpleNamespace(aux_output_config=SimpleNamespace(enabled=True), use_v2_model_runner=True))
-        check(SimpleNamespace(aux_output_config=SimpleNamespace(enabled=False), use_v2_model_runner=False))
+        def config(enabled: bool, v2: bool, runner_type: str = "generate") -> SimpleNamespace:
+            return SimpleNamespace(aux_output_config=SimpleNamespace(enabled=enabled), use_v2_model_runner=v2,
+                                   model_config=SimpleNamespace(runner_type=runner_type))
+
+        check(config(enabled=True, v2=False))
+        check(config(enabled=True, v2=True))
+        check(config(enabled=False, v2=False))
+        check(config(enabled=True, v2=False, runner_type="draft"))  # the drafter's copy: not checked at all
     finally:
         if saved is None:
             del sys.modules["vllm.platforms"]
