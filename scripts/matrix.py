@@ -215,7 +215,7 @@ def speculative_verdict(output: str, returncode: int | None) -> str:
         return f"fail: exit status {returncode}: {last[-160:]}"
     result = json.loads(lines[-1].removeprefix(SPEC_PREFIX))
     if result.get("upstream_crash"):
-        return f"{SPEC_CRASHES} ({result['upstream_crash'][-120:]})"
+        return f"{SPEC_CRASHES} ({_shorten(result['upstream_crash'])})"
     parts = [result[name] for name in ("batch", "chunked_prefill", "prefix_repeat")]
     counts = result["spec_decode"]
     rows = sum(part["rows"] for part in parts)
@@ -225,6 +225,14 @@ def speculative_verdict(output: str, returncode: int | None) -> str:
         return f"fail: no draft accepted ({counts})"
     return (f"pass ({counts['drafts']} drafts, {counts['accepted_tokens']}/{counts['draft_tokens']} draft tokens "
             f"accepted, {rows}/{rows} rows exact)")
+
+
+def _shorten(crash: str, limit: int = 120) -> str:
+    """The crash message from the failing call on (vLLM wraps a worker's error in its own sentence)."""
+    marker = "error '"
+    at = crash.rfind(marker)
+    message = (crash[at + len(marker):] if at >= 0 else crash).split("', please check")[0]
+    return message if len(message) <= limit else message[: limit - 1] + "…"
 
 
 def run_speculative(python: Path, timeout_s: float, log_path: Path) -> str:

@@ -286,7 +286,12 @@ def test_speculative_verdicts() -> None:
     passed = matrix.speculative_verdict(spec_output(), 0)
     assert passed == "pass (4 drafts, 7/9 draft tokens accepted, 20/20 rows exact)"
     crashed = matrix.speculative_verdict(spec_output(upstream_crash="TypeError: ... 'USE_FP64_GUMBEL'"), 0)
-    assert crashed.startswith(matrix.SPEC_CRASHES) and "USE_FP64_GUMBEL" in crashed
+    assert crashed == f"{matrix.SPEC_CRASHES} (TypeError: ... 'USE_FP64_GUMBEL')"
+    wrapped = ("RuntimeError: Worker failed with error '_kernel_impl() got an unexpected keyword argument "
+               "'SYNTHETIC_MODE'', please check the stack trace above for the root cause")
+    assert matrix.speculative_verdict(spec_output(upstream_crash=wrapped), 0) == (
+        f"{matrix.SPEC_CRASHES} (_kernel_impl() got an unexpected keyword argument 'SYNTHETIC_MODE')"
+    )
     wrong = spec_output(batch={"ok": False, "rows": 10, "problems": ["request 0 layer 1: zeros"]})
     assert matrix.speculative_verdict(wrong, 0) == "fail: request 0 layer 1: zeros"
     idle = spec_output(spec_decode={"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0})
