@@ -187,3 +187,37 @@ def test_a_draft_or_mtp_layer_neither_writes_nor_trips_the_guard(
     assert torch.equal(dispatched["topk_ids"].long(), real_moe.reference_top_k(draft_logits, real_moe.TOP_K))
     assert torch.equal(buffer, recorded)
     assert torch.equal(buffer[:, target.layer_id].long(), real_moe.reference_top_k(logits, real_moe.TOP_K))
+
+
+@pytest.mark.parametrize(
+    "cls", [c for c in METHODS if c.__name__ in {"AscendUnquantizedFusedMoEMethod", "AscendW8A8DynamicFusedMoEMethod"}],
+    ids=moe_methods.method_id,
+)
+def test_zero_experts_run_after_recording(monkeypatch: pytest.MonkeyPatch, cls: type) -> None:
+    """Zero experts (LongCat-style: the router scores E routed + Z zero experts) are applied after the
+    ids are recorded: the rows hold the router's choice, where a zero expert (an id >= E, past the
+    expert count the capture is sized by) is stored as the explicit invalid marker (-1), never as a
+    plausible id; what is dispatched has the zero experts mapped away by vllm-ascend."""
+    moe = build(monkeypatch, cls)
+    moe.layer.zero_expert_num, moe.layer.zero_expert_type = 1, "identity"
+    result_cls = getattr(importlib.import_module(real_moe.FUSED_MOE), "FusedExpertsResult", None)
+    if result_cls is not None:  # apply adds the zero experts' output to what fused_experts returned
+        summable = type("SummableResult", (result_cls,), {"__iadd__": _add_to_routed_out})
+        monkeypatch.setattr(moe.comm, "result", lambda hidden: summable(routed_out=hidden.clone()))
+    buffer = bound(moe)
+    hidden, logits = inputs(seed=9)
+    logits = torch.cat([logits, torch.full((NUM_TOKENS, 1), -9.0)], dim=1)
+    logits[::2, real_moe.NUM_EXPERTS] = 9.0  # every other token picks the zero expert first
+    moe.forward(hidden, logits)
+    chosen = real_moe.reference_top_k(logits, real_moe.TOP_K)
+    expected = chosen.masked_fill(chosen >= real_moe.NUM_EXPERTS, -1)
+    assert (expected == -1).any() and (expected >= 0).any()
+    assert torch.equal(buffer[:, moe.layer_id].long(), expected)
+    (dispatched,) = moe.comm.dispatched
+    assert not torch.equal(dispatched["topk_ids"].long(), chosen)  # zero_experts_compute really ran
+    assert int(dispatched["topk_ids"].max()) < real_moe.NUM_EXPERTS
+
+
+def _add_to_routed_out(result: Any, other: torch.Tensor) -> Any:
+    result.routed_out = result.routed_out + other
+    return result
