@@ -141,7 +141,9 @@ def build(
         "global_redundant_expert_num": 0, "dynamic_eplb": False, "multistream_overlap_gate": gate,
         "enable_shared_expert_dp": False, "quant_type": None, "enable_npugraph_ex_static_kernel": False,
         "swiglu_limit": 0.0, "n_shared_experts": 0, "zero_expert_num": 0, "zero_expert_type": None,
-        "vllm_config": SimpleNamespace(model_config=SimpleNamespace(enable_return_routed_experts=False)),
+        # routed experts on: vllm-ascend's own capture branch runs (and finds no capturer: the plugin's binder
+        # replaced the one that would set it)
+        "vllm_config": SimpleNamespace(model_config=SimpleNamespace(enable_return_routed_experts=True)),
     }
     for name, value in attributes.items():
         if not isinstance(getattr(cls, name, None), property):  # e.g. layer_id: derived from layer_name
