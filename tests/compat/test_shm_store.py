@@ -25,7 +25,7 @@ def ours() -> set[str]:
     return {p.name for p in store.SHM_DIR.glob(f"{store.PREFIX}_*")}
 
 
-@pytest.mark.parametrize("num_experts", [8, 128, 256])
+@pytest.mark.parametrize("num_experts", [8, 128, 255])
 def test_footprint_is_a_quarter_of_upstream_int32(num_experts: int) -> None:
     s = spec(num_experts)
     ratio = s.nbytes / s.upstream_nbytes
@@ -142,6 +142,24 @@ def test_speculative_steps_leave_only_accepted_rows_where_the_request_reads() ->
         num_tokens = 18  # prompt 10 + output 8 (10..17); rows cover positions 0..16
         read = reader.read(np.arange(num_tokens - 1))
         assert np.array_equal(read, np.stack([truth[p] for p in range(num_tokens - 1)]).astype(np.int32))
+    finally:
+        if reader is not None:
+            reader.close()
+        writer.close()
+
+
+@pytest.mark.parametrize("num_experts", [255, 256, 300])
+def test_an_invalid_id_never_reads_back_as_an_expert(num_experts: int) -> None:
+    """The capture op writes -1 for an id it could not store; with 256 experts uint8 would turn that into
+    255, a valid id. The store keeps uint8 only up to 255 experts and reads every invalid id as -1."""
+    s = spec(num_experts=num_experts, slots=8, layers=2, top_k=2)
+    assert s.dtype == (np.uint8 if num_experts <= 255 else np.int16)
+    writer, reader = store.SegmentWriter(s), None
+    try:
+        reader = store.SegmentReader(s)
+        rows = np.array([[[num_experts - 1, -1], [0, 7]], [[-1, -1], [3, num_experts - 2]]], dtype=np.int16)
+        writer.write(np.array([5, 2]), rows)
+        assert np.array_equal(reader.read(np.array([5, 2])), rows.astype(np.int32))
     finally:
         if reader is not None:
             reader.close()

@@ -2,8 +2,10 @@
 """KV-slot-indexed routing rows in POSIX shared memory, for the 0.20.x generation.
 
 Compared with vLLM 0.20.x's own store (int32 rows, ``vllm_routed_experts_buffer_<instance>_<dp>``):
-  * rows are stored narrow (uint8 for <= 256 experts, else int16) and widened to int32 only when read:
-    at most a quarter of upstream's ``/dev/shm`` footprint for <= 256 experts;
+  * rows are stored narrow (uint8 for <= 255 experts, else int16) and widened to int32 only when read:
+    at most a quarter of upstream's ``/dev/shm`` footprint for <= 255 experts. An invalid id (the capture
+    op's -1) is stored as the dtype's marker (uint8: 255, which is then no expert's id; int16: -1) and
+    read back as -1, so it never turns into a plausible expert id;
   * free ``/dev/shm`` space is checked before creating, with an error that says what to change;
   * names carry this plugin's prefix plus the engine's instance id and DP rank, and an owner file records
     the creating pid: a live owner makes a second engine with the same name refuse instead of sharing
@@ -43,8 +45,13 @@ def state_dir() -> Path:
     return path
 
 
+# The stored value of an invalid id, per storage dtype; read back as -1.
+INVALID = {np.dtype(np.uint8): 255, np.dtype(np.int16): -1}
+
+
 def storage_dtype(num_experts: int) -> np.dtype:
-    if num_experts <= 256:
+    """uint8 only while 255 is no expert's id (it marks invalid ids); int16 beyond."""
+    if num_experts <= 255:
         return np.dtype(np.uint8)
     if num_experts <= 32767:
         return np.dtype(np.int16)
@@ -156,7 +163,8 @@ class SegmentWriter:
         keep = slots >= 0
         if not keep.all():
             slots, rows = slots[keep], rows[keep]
-        self.view[slots] = rows
+        # Invalid ids (negative: the capture op's -1) become the dtype's marker explicitly, not by wrapping.
+        self.view[slots] = np.where(rows < 0, INVALID[self.view.dtype], rows)
 
     def close(self) -> None:
         """Close and unlink: a clean shutdown leaves nothing in /dev/shm or the state directory."""
@@ -196,7 +204,10 @@ class SegmentReader:
         self.view: np.ndarray = np.ndarray(spec.shape, dtype=spec.dtype, buffer=self._shm.buf)
 
     def read(self, slots: np.ndarray) -> np.ndarray:
-        return self.view[slots].astype(np.int32)
+        """int32 rows; an invalid id reads as -1."""
+        rows = self.view[slots].astype(np.int32)
+        rows[rows == INVALID[self.view.dtype]] = -1
+        return rows
 
     def close(self) -> None:
         if self._shm is None:
