@@ -53,3 +53,36 @@ def test_logger_goes_through_vllm_namespace() -> None:
     from vllm_ascend_routing._logging import get_logger
 
     assert get_logger("vllm_ascend_routing.integration").name.startswith("vllm.")
+
+
+def test_variables_are_declared_to_vllm_even_when_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.31+ warns about (or, with --fail-on-environ-validation, refuses) every VLLM_* variable its
+    registry does not know: once any of the plugin's is set, register() adds them all, and does nothing
+    else while the plugin is off; it imports nothing (vLLM's registry only if vLLM loaded it)."""
+    from types import ModuleType
+
+    from vllm_ascend_routing import envs
+
+    fake = ModuleType("vllm.envs")
+    fake.environment_variables = {"VLLM_HOST_IP": lambda: ""}  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm.envs", fake)
+    monkeypatch.setattr(integration, "install", lambda: pytest.fail("installed while off"))
+    monkeypatch.setattr(vllm_ascend_routing, "_registered", False)
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING", "0")
+    vllm_ascend_routing.register()
+    registry = fake.environment_variables  # type: ignore[attr-defined]
+    assert set(envs.environment_variables) <= set(registry) and "VLLM_HOST_IP" in registry
+    assert registry["VLLM_ASCEND_ROUTING"]() is False
+
+
+@pytest.mark.vllm
+def test_vllm_environment_validation_accepts_the_plugins_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.platforms import current_platform
+
+    validate_environ = getattr(current_platform, "validate_environ", None)  # vLLM's proxy: None if absent
+    if not callable(validate_environ):
+        pytest.skip("this vLLM release does not validate environment variables (0.31+ does)")
+    monkeypatch.setattr(vllm_ascend_routing, "_registered", True)  # the plugin itself is not under test here
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING_VALIDATE", "strict")
+    vllm_ascend_routing.register()
+    validate_environ(True)  # --fail-on-environ-validation: raises on an unknown VLLM_*

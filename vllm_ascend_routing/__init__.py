@@ -18,8 +18,12 @@ def register() -> None:
     active, further calls do nothing. Refuses unsupported vLLM releases with an error saying what to do.
     """
     global _registered
+    import os
+
     from vllm_ascend_routing import envs
 
+    if any(name.startswith("VLLM_ASCEND_ROUTING") for name in os.environ):
+        envs.declare_to_vllm()  # set, even to 0: vLLM's environment validation must know the names
     if _registered or not envs.VLLM_ASCEND_ROUTING:
         return
     from vllm_ascend_routing import integration

@@ -9,6 +9,7 @@ section by path.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -98,3 +99,13 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return list(environment_variables)
+
+
+def declare_to_vllm() -> None:
+    """Add the plugin's variables to vLLM's registry (``vllm.envs.environment_variables``), which vLLM
+    0.31+ checks every ``VLLM_*`` variable against ("Unknown vLLM environment variable", an error under
+    ``--fail-on-environ-validation``). Only where vLLM has already loaded that module: imports nothing."""
+    registry = getattr(sys.modules.get("vllm.envs"), "environment_variables", None)
+    if isinstance(registry, dict):
+        for name, read in environment_variables.items():
+            registry.setdefault(name, read)
