@@ -120,15 +120,17 @@ def speculative_config(model: models.TinyMoE, method: str, k: int) -> dict[str, 
     raise ValueError(f"unknown speculative method {method!r}")
 
 
+# vLLM's speculative-decoding counters (Prometheus adds "_total" to each over HTTP).
+SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
+                 "accepted_tokens": "vllm:spec_decode_num_accepted_tokens"}
+
+
 def spec_decode_counts(llm: Any) -> dict[str, int]:
-    """vLLM's own counters: drafts proposed, draft tokens, accepted tokens."""
-    counts = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
-    names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-             "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
-    for metric in llm.get_metrics():
-        if metric.name in names:
-            counts[names[metric.name]] += int(getattr(metric, "value", 0))
-    return counts
+    """vLLM's own counters, offline: drafts proposed, draft tokens, accepted tokens."""
+    values: dict[str, int] = {}
+    for metric in llm.get_metrics():  # summed over label sets (one per engine)
+        values[metric.name] = values.get(metric.name, 0) + int(getattr(metric, "value", 0))
+    return {key: values.get(name, 0) for key, name in SPEC_COUNTERS.items()}
 
 
 # vLLM's CPU stand-ins for the rejection sampler's Triton kernels out of step with the sampler (vLLM
@@ -224,11 +226,7 @@ def run_serve(arch: str, num_prompts: int, spec: str = "none", k: int = 3) -> di
         result["arrays"] = _describe([c.routed_experts for c in completions])
         result["output_ids"] = [c.output_ids for c in completions]
         metrics = server.metrics()
-        result["spec_decode"] = {
-            "drafts": int(metrics.get("vllm:spec_decode_num_drafts_total", 0)),
-            "draft_tokens": int(metrics.get("vllm:spec_decode_num_draft_tokens_total", 0)),
-            "accepted_tokens": int(metrics.get("vllm:spec_decode_num_accepted_tokens_total", 0)),
-        }
+        result["spec_decode"] = {key: int(metrics.get(f"{name}_total", 0)) for key, name in SPEC_COUNTERS.items()}
         return {"arch": arch, "spec": spec, "serve": result}
 
 
