@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from vllm_ascend_routing.ops import record_topk_ids_op, storage_limit
+from vllm_ascend_routing.ops._library import check_arguments
+from vllm_ascend_routing.parallel import RankLayout, local_topk_ids
 
 # Narrowest signed storage that holds every id of any MoE in use; -1 marks an invalid id.
 CAPTURE_DTYPE = torch.int16
@@ -25,11 +27,18 @@ class LayerCapture:
     layer_id: int
     num_experts: int
     errors: torch.Tensor  # [1] int64, out-of-range ids seen (shared by a model's layers)
+    # Data parallel / token-split layouts: the router may see other ranks' tokens or a TP shard.
+    layout: RankLayout | None = None
 
     def __call__(self, topk_ids: torch.Tensor) -> None:
         # The op itself (no Python argument checks: buffer and layer were validated at bind time, and the
         # fake kernel checks shapes when compiled). Runs once per MoE layer per step.
-        record_topk_ids_op(topk_ids, self.buffer, self.layer_id, None, self.num_experts, self.errors)
+        if self.layout is None:
+            record_topk_ids_op(topk_ids, self.buffer, self.layer_id, None, self.num_experts, self.errors)
+            return
+        layout = self.layout
+        record_local_topk_ids_op(topk_ids, self.buffer, self.layer_id, self.num_experts, self.errors,
+                                 layout.dp_rank, layout.tp_size, layout.split_over_tp)
 
 
 @dataclass(frozen=True)
@@ -56,3 +65,35 @@ def new_capture_buffer(
             f"(at most {storage_limit(CAPTURE_DTYPE)})."
         )
     return torch.zeros((num_tokens, num_layers, top_k), dtype=CAPTURE_DTYPE, device=device)
+
+
+# ``record_local_topk_ids``: place the ids by this step's parallel layout (``parallel.place``), then record.
+# A custom op so that torch.compile treats it as opaque: the placement reads host-side counts from vLLM's
+# forward context, which a traced graph must not bake in (vLLM's CPU MoE is traced, not a custom op).
+_LIBRARY = torch.library.Library("vllm_ascend_routing", "FRAGMENT")
+_LIBRARY.define(
+    "record_local_topk_ids(Tensor topk_ids, Tensor(a!) out, int layer_id, int? num_experts, Tensor(b!) errors, "
+    "int dp_rank, int tp_size, bool split_over_tp) -> ()"
+)
+
+
+def _record_local_topk_ids(
+    topk_ids: torch.Tensor, out: torch.Tensor, layer_id: int, num_experts: int | None, errors: torch.Tensor,
+    dp_rank: int, tp_size: int, split_over_tp: bool,
+) -> None:
+    ids = local_topk_ids(topk_ids, RankLayout(dp_rank, tp_size, split_over_tp))
+    # Only a gathered TP shard's trailing padding can pass ``out``'s rows (a rank's step never does).
+    record_topk_ids_op(ids[: out.shape[0]], out, layer_id, None, num_experts, errors)
+
+
+_LIBRARY.impl("record_local_topk_ids", _record_local_topk_ids, "CompositeExplicitAutograd")
+record_local_topk_ids_op = torch.ops.vllm_ascend_routing.record_local_topk_ids.default
+
+
+@torch.library.register_fake("vllm_ascend_routing::record_local_topk_ids")
+def _(
+    topk_ids: torch.Tensor, out: torch.Tensor, layer_id: int, num_experts: int | None, errors: torch.Tensor,
+    dp_rank: int, tp_size: int, split_over_tp: bool,
+) -> None:
+    # The routed count may exceed ``out``'s rows (all DP ranks' tokens): only the static arguments are checked.
+    check_arguments(topk_ids[:0], out, layer_id, None, errors)

@@ -99,5 +99,10 @@ def refusal(vllm_config: Any) -> str | None:
     return None
 
 
+def splits_tokens(vllm_config: Any) -> bool:
+    """Whether the backend in use splits a step's tokens over the TP ranks before routing (vllm-ascend)."""
+    return "vllm_ascend" in sys.modules and ascend.splits_tokens(vllm_config)
+
+
 def quant_method(module: torch.nn.Module) -> object:
     return getattr(module, "quant_method", None) or getattr(module, "_quant_method", None)

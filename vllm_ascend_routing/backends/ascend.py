@@ -205,27 +205,23 @@ def _classes(module: torch.nn.Module) -> Iterator[type]:
 
 
 def check_config(vllm_config: Any) -> str | None:
-    """Why this configuration cannot be captured exactly on vllm-ascend, or ``None``.
+    """Why this configuration cannot be captured exactly on vllm-ascend, or ``None`` (none known today:
+    token-split layouts are assembled over TP, see ``splits_tokens``)."""
+    return None
 
-    vllm-ascend splits a step's tokens across tensor-parallel ranks before routing with expert parallel
-    (MC2 / all-to-all) and with sequence parallelism (flash-comm): each rank's ``select_experts`` then
-    sees only its shard, and rows would land in the wrong places.
+
+def splits_tokens(vllm_config: Any) -> bool:
+    """Whether each TP rank's ``select_experts`` sees only its shard of the step's tokens.
+
+    vllm-ascend splits tokens across tensor-parallel ranks before routing with expert parallel (MC2 /
+    all-to-all) and with sequence parallelism (flash-comm); the capture then all-gathers the ids over TP.
     """
     tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
     if tp == 1:
-        return None
-    if getattr(vllm_config.parallel_config, "enable_expert_parallel", False):
-        return (
-            f"expert parallel with tensor_parallel_size={tp} (MC2/all-to-all split tokens across TP ranks "
-            "before routing); drop --enable-expert-parallel or use tensor_parallel_size=1"
-        )
-    sequence_parallel = _ascend_sequence_parallel(vllm_config)
-    if sequence_parallel:
-        return (
-            f"sequence parallelism / flash-comm with tensor_parallel_size={tp} (tokens are split across TP "
-            "ranks before routing); turn it off (VLLM_ASCEND_ENABLE_FLASHCOMM1=0)"
-        )
-    return None
+        return False
+    return bool(getattr(vllm_config.parallel_config, "enable_expert_parallel", False)) or _ascend_sequence_parallel(
+        vllm_config
+    )
 
 
 def _ascend_sequence_parallel(vllm_config: Any) -> bool:

@@ -11,12 +11,12 @@ from vllm_ascend_routing import backends
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import LayerCapture, PreparedCapture, new_capture_buffer, new_error_counter
 from vllm_ascend_routing.compat.base import UnsupportedVllmError
+from vllm_ascend_routing.parallel import RankLayout
 
 logger = get_logger(__name__)
 
 _PARALLELISM_REFUSED = {
     "pipeline_parallel_size": "pipeline parallelism",
-    "data_parallel_size": "data parallelism",
     "decode_context_parallel_size": "decode context parallelism",
     "prefill_context_parallel_size": "prefill context parallelism",
 }
@@ -45,16 +45,31 @@ def refuse_unsupported_config(vllm_config: Any, generation: str) -> None:
         )
 
 
+def rank_layout(vllm_config: Any) -> RankLayout | None:
+    """This engine's DP rank and TP split, or ``None`` where every router sees exactly this rank's tokens."""
+    parallel = vllm_config.parallel_config
+    dp_size = int(getattr(parallel, "data_parallel_size", 1) or 1)
+    tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+    # vLLM's sequence-parallel MoE (EP, TP > 1, DP > 1) or vllm-ascend's MC2 / all-to-all / flash-comm.
+    split = bool(getattr(parallel, "use_sequence_parallel_moe", False)) or backends.splits_tokens(vllm_config)
+    if dp_size == 1 and not (split and tp_size > 1):
+        return None
+    return RankLayout(int(getattr(parallel, "data_parallel_rank", 0) or 0), tp_size, split and tp_size > 1)
+
+
 def bind_target_model(
     model: torch.nn.Module,
     num_tokens: int,
     shape: tuple[int, int, int],
     device: torch.device,
+    layout: RankLayout | None = None,
 ) -> PreparedCapture:
     """Allocate the static ``[num_tokens, num_layers, top_k]`` buffer and bind every MoE layer to it.
 
     Args:
         shape: ``(num_hidden_layers, top_k, num_experts)`` as the generation's output defines them.
+        layout: this engine's DP rank / TP split (``rank_layout``): each layer records only its own rank's
+            tokens, assembled over TP where the MoE split them.
     """
     num_layers, top_k, num_experts = shape
     buffer = new_capture_buffer(num_tokens, num_layers, top_k, num_experts, device)
@@ -65,16 +80,17 @@ def bind_target_model(
             raise backends.UnboundLayerError(
                 f"MoE layer id {layer_id} is outside the {num_layers} hidden layers of the output."
             )
-        return LayerCapture(buffer, layer_id, num_experts, errors)
+        return LayerCapture(buffer, layer_id, num_experts, errors, layout)
 
     bound = backends.bind_model(model, make_capture)
     count = sum(bound.values())
     logger.info(
-        "routed-experts capture bound to %d MoE layers at load (backend %s): buffer %s %s, %d experts",
+        "routed-experts capture bound to %d MoE layers at load (backend %s): buffer %s %s, %d experts, %s",
         count,
         ", ".join(f"{backend} x{layers}" for backend, layers in sorted(bound.items())),
         tuple(buffer.shape),
         str(buffer.dtype).removeprefix("torch."),
         num_experts,
+        "single rank" if layout is None else layout,
     )
     return PreparedCapture(buffer, errors, num_experts, count)

@@ -32,7 +32,7 @@ import torch
 
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import PreparedCapture
-from vllm_ascend_routing.compat._common import bind_target_model, refuse_unsupported_config
+from vllm_ascend_routing.compat._common import bind_target_model, rank_layout, refuse_unsupported_config
 from vllm_ascend_routing.compat.base import Generation, UnsupportedVllmError
 from vllm_ascend_routing.runner_mixin import PREPARED, binding_runner
 
@@ -126,7 +126,7 @@ class AuxOutputAPI:
             return None
         self.check_config(vllm_config)
         num_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
-        return bind_target_model(model, num_tokens, self.routing_shape(vllm_config), device)
+        return bind_target_model(model, num_tokens, self.routing_shape(vllm_config), device, rank_layout(vllm_config))
 
     def attach(self, prepared: PreparedCapture, capturer: Any) -> None:
         upstream = capturer.device_buffer

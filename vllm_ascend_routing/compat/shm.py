@@ -27,7 +27,7 @@ import torch
 
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import PreparedCapture
-from vllm_ascend_routing.compat._common import bind_target_model, refuse_unsupported_config
+from vllm_ascend_routing.compat._common import bind_target_model, rank_layout, refuse_unsupported_config
 from vllm_ascend_routing.compat._shm_store import SegmentReader, SegmentSpec, SegmentWriter
 from vllm_ascend_routing.compat.base import Generation, StepHooksNotUsed
 
@@ -214,7 +214,7 @@ class ShmAPI(StepHooksNotUsed):
             return None
         self.check_config(vllm_config)
         num_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
-        return bind_target_model(model, num_tokens, _routing_shape(vllm_config), device)
+        return bind_target_model(model, num_tokens, _routing_shape(vllm_config), device, rank_layout(vllm_config))
 
     def attach(self, prepared: PreparedCapture, capturer: Any) -> None:
         if not isinstance(capturer, ShmRoutedExpertsCapturer):

@@ -17,14 +17,14 @@ import base64
 import io
 import json
 import os
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from vllm_ascend_routing.testing import models, offline
-from vllm_ascend_routing.testing.server import Server
+from vllm_ascend_routing.testing.data_parallel import run_data_parallel
+from vllm_ascend_routing.testing.server import Server, post
 
 MAX_BATCHED_TOKENS = 128
 LONG_PROMPT = 300  # > MAX_BATCHED_TOKENS: prefilled in three chunks
@@ -194,12 +194,6 @@ def expert_load(completions: list[offline.Completion], model: models.TinyMoE) ->
     return table
 
 
-def _post(url: str, body: dict[str, Any]) -> Any:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.loads(response.read())
-
-
 def run_serve(arch: str, num_prompts: int, spec: str = "none", k: int = 3) -> dict[str, Any]:
     model = models.build_tiny_moe(arch, model_dir() / arch)
     args = ["--kv-cache-memory-bytes", str(offline.KV_CACHE_BYTES), "--max-model-len", "1024",
@@ -214,7 +208,7 @@ def run_serve(arch: str, num_prompts: int, spec: str = "none", k: int = 3) -> di
         reference = offline.reference_for(model)
         completions = []
         for prompt, count in zip(prompts, max_tokens, strict=True):
-            reply = _post(f"{server.url}/v1/completions", {
+            reply = post(f"{server.url}/v1/completions", {
                 "model": str(model.path), "prompt": prompt, "max_tokens": count, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True,
             })
@@ -232,7 +226,9 @@ def run_serve(arch: str, num_prompts: int, spec: str = "none", k: int = 3) -> di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("scenario", choices=["offline", "serve", "speculative"])
+    parser.add_argument("scenario", choices=["offline", "serve", "speculative", "data-parallel"])
+    parser.add_argument("--layout", default="server", choices=["server", "headless"],
+                        help="data-parallel: one server with both engines, or a second headless process")
     parser.add_argument("--arch", default="qwen3_moe", choices=models.ARCHITECTURES)
     parser.add_argument("--mode", default="eager", choices=["eager", "compiled"])
     parser.add_argument("--prompts", type=int, default=10)
@@ -242,6 +238,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.scenario == "offline":
         result = run_offline(args.arch, args.mode, args.prompts, args.tp)
+    elif args.scenario == "data-parallel":
+        result = run_data_parallel(args.arch, args.layout, args.mode)
     elif args.scenario == "speculative":
         result = run_speculative(args.arch, args.spec, args.k)
     else:

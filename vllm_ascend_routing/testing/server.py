@@ -9,9 +9,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import json
 import urllib.request
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 
 def free_port() -> int:
@@ -20,10 +22,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def post(url: str, body: dict[str, Any]) -> Any:
+    """POST ``body`` as JSON; the decoded JSON reply."""
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())
+
+
 class Server:
     """``with Server(model_dir, extra_args) as server: server.url ...`` (float32, seed 0, routed experts on)."""
 
-    def __init__(self, model: Path, extra_args: list[str], startup_timeout: float = 300.0) -> None:
+    def __init__(
+        self, model: Path, extra_args: list[str], startup_timeout: float = 300.0, env: dict[str, str] | None = None
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [
@@ -32,12 +43,13 @@ class Server:
             "--enable-return-routed-experts", "--seed", "0", *extra_args,
         ]
         self.startup_timeout = startup_timeout
+        self.env = env
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = ""
 
     def __enter__(self) -> Server:
         log_fd, self.log_path = tempfile.mkstemp(prefix="vllm_serve_", suffix=".log")
-        self.process = subprocess.Popen(self.cmd, stdout=log_fd, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(self.cmd, stdout=log_fd, stderr=subprocess.STDOUT, env=self.env)
         os.close(log_fd)
         deadline = time.monotonic() + self.startup_timeout
         while True:

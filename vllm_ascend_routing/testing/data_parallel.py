@@ -1,0 +1,108 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Data-parallel serving end to end: ``vllm serve --data-parallel-size 2`` on loopback, one core per engine.
+
+``server``: one ``vllm serve`` with both DP engines. ``headless``: the multi-node form on one machine, a
+``vllm serve --data-parallel-size-local 1`` (rank 0, API server) and a second ``--headless`` process
+(``--data-parallel-start-rank 1``). Requests of very different lengths (chunked prefills, one-token decodes)
+go in concurrently, so the ranks' token counts differ step by step and a rank runs dummy batches while the
+other works; every completed request is compared with the transformers reference, exactly.
+
+vLLM's CPU build cannot run an MoE under DP by itself (its CPU communicator lacks ``all_gatherv`` /
+``reduce_scatterv``, vllm #57837): the engine processes get the TEST-ONLY stand-in in ``dp_standin/``.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vllm_ascend_routing.testing import models, offline
+from vllm_ascend_routing.testing.server import Server, free_port, post
+
+STANDIN = Path(__file__).with_name("dp_standin")
+MAX_BATCHED_TOKENS = 128
+# (prompt length, max tokens): chunked prefills beside one-token requests and long decodes.
+REQUESTS = [(300, 6), (3, 24), (57, 1), (12, 17), (190, 3), (5, 9), (96, 12), (33, 2), (140, 20), (8, 1),
+            (71, 5), (4, 30), (260, 8), (21, 11), (46, 4), (9, 16)]
+
+
+def engine_env(events: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(STANDIN), env.get("PYTHONPATH", "")]))
+    env["ROUTING_TEST_DP_EVENTS"] = events
+    # One core per engine; vLLM's automatic NUMA binding fails on some VMs (0.23: "Not enough allowed NUMA
+    # nodes"), so the engines run unbound with one thread each.
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def run_data_parallel(arch: str, layout: str, mode: str) -> dict[str, Any]:
+    model = models.build_tiny_moe(arch, models_dir() / arch)
+    events = tempfile.mkstemp(prefix="dp_events_", suffix=".log")[1]
+    env = engine_env(events)
+    port = free_port()
+    common = ["--kv-cache-memory-bytes", str(offline.KV_CACHE_BYTES), "--max-model-len", "1024",
+              "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), "--data-parallel-size", "2"]
+    if mode == "eager":
+        common.append("--enforce-eager")
+    headless: subprocess.Popen[bytes] | None = None
+    if layout == "headless":
+        common += ["--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
+                   "--data-parallel-rpc-port", str(port)]
+        log = tempfile.mkstemp(prefix="vllm_headless_", suffix=".log")[1]
+        with open(log, "w") as out:
+            headless = subprocess.Popen(
+                [sys.executable, "-m", "vllm_ascend_routing.testing.vllm_cli", "serve", str(model.path), "--headless",
+                 "--data-parallel-start-rank", "1", "--dtype", "float32", "--enable-return-routed-experts",
+                 "--seed", "0", *common],
+                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        with Server(model.path, common, env=env) as server:
+            prompts = [models.mixed_prompts(1, seed=40 + i, min_len=n, max_len=n)[0]
+                       for i, (n, _) in enumerate(REQUESTS)]
+
+            def complete(i: int) -> offline.Completion:
+                reply = post(f"{server.url}/v1/completions", {
+                    "model": str(model.path), "prompt": prompts[i], "max_tokens": REQUESTS[i][1],
+                    "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                })
+                choice = reply["choices"][0]
+                encoded = choice.get("routed_experts")
+                array = None if encoded is None else np.load(io.BytesIO(base64.b64decode(encoded)))
+                return offline.Completion(prompts[i], list(choice["token_ids"]), array)
+
+            with ThreadPoolExecutor(len(REQUESTS)) as pool:
+                completions = list(pool.map(complete, range(len(REQUESTS))))
+            result = offline.check(offline.reference_for(model), model, completions)
+    finally:
+        if headless is not None:
+            headless.terminate()
+            try:
+                headless.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                headless.kill()
+    counted = Counter(tuple(line.split()) for line in Path(events).read_text().splitlines())
+    return {
+        "arch": arch, "layout": layout, "mode": mode,
+        "rows": result.rows, "matched": result.matched, "near_ties": result.ties, "ok": result.ok,
+        "problems": result.problems[:5], "requests": len(completions),
+        "requests_per_rank": {rank: counted[(rank, "request")] for rank in ("0", "1")},
+        "dummy_batches_per_rank": {rank: counted[(rank, "dummy")] for rank in ("0", "1")},
+    }
+
+
+def models_dir() -> Path:
+    from vllm_ascend_routing import envs
+
+    return Path(envs.VLLM_ASCEND_ROUTING_MODELS)
