@@ -63,11 +63,16 @@ def forward_context(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     state: dict[str, Any] = {"counts": None}
     module = types.ModuleType("vllm.forward_context")
 
+    contexts: dict[tuple[int, ...], Any] = {}  # built once per step's counts, as vLLM builds it before the step
+
     def get_forward_context() -> Any:
         counts = state["counts"]
-        metadata = None if counts is None else types.SimpleNamespace(
-            num_tokens_across_dp_cpu=torch.tensor(counts), local_sizes=None)
-        return types.SimpleNamespace(dp_metadata=metadata)
+        if counts is None:
+            return types.SimpleNamespace(dp_metadata=None)
+        if tuple(counts) not in contexts:
+            contexts[tuple(counts)] = types.SimpleNamespace(dp_metadata=types.SimpleNamespace(
+                num_tokens_across_dp_cpu=torch.tensor(counts), local_sizes=None))
+        return contexts[tuple(counts)]
 
     module.get_forward_context = get_forward_context  # type: ignore[attr-defined]
     module.is_forward_context_available = lambda: True  # type: ignore[attr-defined]
@@ -107,3 +112,27 @@ def test_capture_gathers_a_tp_shard(forward_context: dict[str, Any], monkeypatch
     LayerCapture(buffer, 0, 64, errors, RankLayout(0, 2, split_over_tp=True))(padded[3:])
     assert torch.equal(buffer[:5, 0].to(torch.int32), full)
     assert int(errors) == 0  # the padding row never reached the buffer
+
+
+def test_placement_adds_no_syncing_op(forward_context: dict[str, Any]) -> None:
+    """Hot path under DP: per layer one op, and inside it only a view of the routed ids and the record op,
+    nothing that waits on a device (the counts are host-side lists)."""
+    from tests.test_hot_path import SYNCING, OpLog
+    from vllm_ascend_routing.capture import _record_local_topk_ids
+
+    buffer = torch.zeros((64, 3, 2), dtype=torch.int16)
+    errors = new_error_counter("cpu")
+    captures = [LayerCapture(buffer, layer, 16, errors, RankLayout(1, 1)) for layer in range(3)]
+    forward_context["counts"] = [20, 12]
+    ids = torch.randint(0, 16, (32, 2), dtype=torch.int32)
+    captures[0](ids)  # the step's forward context exists before the MoE layers run
+    with OpLog() as log:
+        for capture in captures:
+            capture(ids)
+    assert log.ops == ["vllm_ascend_routing::record_local_topk_ids"] * 3
+    with OpLog() as inner:  # what the op's implementation dispatches
+        _record_local_topk_ids(ids, buffer, 0, 16, errors, 1, 1, False)
+    assert set(inner.ops) <= {"aten::slice", "vllm_ascend_routing::record_topk_ids"}, inner.ops
+    assert inner.ops.count("vllm_ascend_routing::record_topk_ids") == 1
+    assert not {op.split("::")[1] for op in log.ops + inner.ops} & SYNCING
+    assert torch.equal(buffer[:12, 2].to(torch.int32), ids[20:])

@@ -49,7 +49,7 @@ def engine_env(events: str, cores: list[int]) -> dict[str, str]:
     return env
 
 
-def run_data_parallel(arch: str, layout: str, mode: str) -> dict[str, Any]:
+def run_data_parallel(arch: str, layout: str, mode: str, expert_parallel: bool = False) -> dict[str, Any]:
     model = models.build_tiny_moe(arch, models_dir() / arch)
     events = tempfile.mkstemp(prefix="dp_events_", suffix=".log")[1]
     cores = sorted(os.sched_getaffinity(0))
@@ -60,6 +60,8 @@ def run_data_parallel(arch: str, layout: str, mode: str) -> dict[str, Any]:
               "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), "--data-parallel-size", "2"]
     if mode == "eager":
         common.append("--enforce-eager")
+    if expert_parallel:
+        common.append("--enable-expert-parallel")
     headless: subprocess.Popen[bytes] | None = None
     if layout == "headless":
         common += ["--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
@@ -98,7 +100,7 @@ def run_data_parallel(arch: str, layout: str, mode: str) -> dict[str, Any]:
                 headless.kill()
     counted = Counter(tuple(line.split()) for line in Path(events).read_text().splitlines())
     return {
-        "arch": arch, "layout": layout, "mode": mode,
+        "arch": arch, "layout": layout, "mode": mode, "expert_parallel": expert_parallel,
         "rows": result.rows, "matched": result.matched, "near_ties": result.ties, "ok": result.ok,
         "problems": result.problems[:5], "requests": len(completions),
         "requests_per_rank": {rank: counted[(rank, "request")] for rank in ("0", "1")},

@@ -229,6 +229,7 @@ def main() -> None:
     parser.add_argument("scenario", choices=["offline", "serve", "speculative", "data-parallel"])
     parser.add_argument("--layout", default="server", choices=["server", "headless"],
                         help="data-parallel: one server with both engines, or a second headless process")
+    parser.add_argument("--ep", action="store_true", help="data-parallel: with --enable-expert-parallel")
     parser.add_argument("--arch", default="qwen3_moe", choices=models.ARCHITECTURES)
     parser.add_argument("--mode", default="eager", choices=["eager", "compiled"])
     parser.add_argument("--prompts", type=int, default=10)
@@ -239,7 +240,7 @@ def main() -> None:
     if args.scenario == "offline":
         result = run_offline(args.arch, args.mode, args.prompts, args.tp)
     elif args.scenario == "data-parallel":
-        result = run_data_parallel(args.arch, args.layout, args.mode)
+        result = run_data_parallel(args.arch, args.layout, args.mode, args.ep)
     elif args.scenario == "speculative":
         result = run_speculative(args.arch, args.spec, args.k)
     else:
