@@ -3,7 +3,9 @@
 
 ``server``: one ``vllm serve`` with both DP engines. ``headless``: the multi-node form on one machine, a
 ``vllm serve --data-parallel-size-local 1`` (rank 0, API server) and a second ``--headless`` process
-(``--data-parallel-start-rank 1``). Requests of very different lengths (chunked prefills, one-token decodes)
+(``--data-parallel-start-rank 1``). ``offline``: one ``LLM`` per DP rank in its own process (vLLM's
+``VLLM_DP_*`` variables), each with its own share of the requests: the only DP form on vLLM 0.20.x, whose
+OpenAI API has no ``routed_experts``. Requests of very different lengths (chunked prefills, one-token decodes)
 go in concurrently, so the ranks' token counts differ step by step and a rank runs dummy batches while the
 other works; every completed request is compared with the transformers reference, exactly.
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import subprocess
 import sys
@@ -50,6 +53,8 @@ def engine_env(events: str, cores: list[int]) -> dict[str, str]:
 
 
 def run_data_parallel(arch: str, layout: str, mode: str, expert_parallel: bool = False) -> dict[str, Any]:
+    if layout == "offline":
+        return run_offline_data_parallel(arch)
     model = models.build_tiny_moe(arch, models_dir() / arch)
     events = tempfile.mkstemp(prefix="dp_events_", suffix=".log")[1]
     cores = sorted(os.sched_getaffinity(0))
@@ -112,3 +117,57 @@ def models_dir() -> Path:
     from vllm_ascend_routing import envs
 
     return Path(envs.VLLM_ASCEND_ROUTING_MODELS)
+
+
+def rank_requests(rank: int) -> list[int]:
+    """Request indices DP rank ``rank`` of 2 serves offline: uneven shares (10 and 6, long prompts on rank 0)."""
+    return [i for i in range(len(REQUESTS)) if (i % 3 != 0) == (rank == 0)]
+
+
+def run_offline_data_parallel(arch: str) -> dict[str, Any]:
+    """Two processes, one ``LLM`` each as DP ranks 0 and 1; each checks its own rows and reports them."""
+    model = models.build_tiny_moe(arch, models_dir() / arch)
+    events = tempfile.mkstemp(prefix="dp_events_", suffix=".log")[1]
+    cores = sorted(os.sched_getaffinity(0))
+    port = free_port()
+    ranks = []
+    for rank in (0, 1):
+        env = engine_env(events, [cores[rank % len(cores)]])
+        env.update(VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL="0", VLLM_DP_SIZE="2",
+                   VLLM_DP_MASTER_IP="127.0.0.1", VLLM_DP_MASTER_PORT=str(port))
+        ranks.append(subprocess.Popen(
+            [sys.executable, "-m", "vllm_ascend_routing.testing.data_parallel", arch, str(rank)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
+    verdicts = []
+    for rank, proc in enumerate(ranks):
+        output, _ = proc.communicate(timeout=900)
+        lines = [line for line in output.splitlines() if line.startswith("RANK_RESULT ")]
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(f"DP rank {rank} exited {proc.returncode}:\n{output[-4000:]}")
+        verdicts.append(json.loads(lines[-1].removeprefix("RANK_RESULT ")))
+    counted = Counter(tuple(line.split()) for line in Path(events).read_text().splitlines())
+    return {
+        "arch": arch, "layout": "offline", "mode": "eager", "expert_parallel": False,
+        "rows": sum(v["rows"] for v in verdicts), "matched": sum(v["matched"] for v in verdicts),
+        "near_ties": sum(v["near_ties"] for v in verdicts), "ok": all(v["ok"] for v in verdicts),
+        "problems": [p for v in verdicts for p in v["problems"]][:5],
+        "requests": sum(v["requests"] for v in verdicts),
+        "requests_per_rank": {str(rank): v["requests"] for rank, v in enumerate(verdicts)},
+        "dummy_batches_per_rank": {rank: counted[(rank, "dummy")] for rank in ("0", "1")},
+    }
+
+
+def offline_rank(arch: str, rank: int) -> dict[str, Any]:
+    """One DP rank's ``LLM`` (its ``VLLM_DP_*`` set by the parent): its share of the requests, checked."""
+    model = models.build_tiny_moe(arch, models_dir() / arch)
+    llm = offline.make_llm(model, enforce_eager=True, max_num_batched_tokens=MAX_BATCHED_TOKENS)
+    mine = rank_requests(rank)
+    prompts = [models.mixed_prompts(1, seed=40 + i, min_len=REQUESTS[i][0], max_len=REQUESTS[i][0])[0] for i in mine]
+    completions = offline.generate(llm, prompts, [REQUESTS[i][1] for i in mine])
+    result = offline.check(offline.reference_for(model), model, completions)
+    return {"rows": result.rows, "matched": result.matched, "near_ties": result.ties, "ok": result.ok,
+            "problems": result.problems[:5], "requests": len(completions)}
+
+
+if __name__ == "__main__":
+    print("RANK_RESULT " + json.dumps(offline_rank(sys.argv[1], int(sys.argv[2]))), flush=True)

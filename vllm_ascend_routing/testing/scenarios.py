@@ -227,7 +227,7 @@ def run_serve(arch: str, num_prompts: int, spec: str = "none", k: int = 3) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("scenario", choices=["offline", "serve", "speculative", "data-parallel"])
-    parser.add_argument("--layout", default="server", choices=["server", "headless"],
+    parser.add_argument("--layout", default="server", choices=["server", "headless", "offline"],
                         help="data-parallel: one server with both engines, or a second headless process")
     parser.add_argument("--ep", action="store_true", help="data-parallel: with --enable-expert-parallel")
     parser.add_argument("--arch", default="qwen3_moe", choices=models.ARCHITECTURES)
