@@ -126,7 +126,7 @@ def rank_requests(rank: int) -> list[int]:
 
 def run_offline_data_parallel(arch: str) -> dict[str, Any]:
     """Two processes, one ``LLM`` each as DP ranks 0 and 1; each checks its own rows and reports them."""
-    model = models.build_tiny_moe(arch, models_dir() / arch)
+    models.build_tiny_moe(arch, models_dir() / arch)  # built once, before two processes race to build it
     events = tempfile.mkstemp(prefix="dp_events_", suffix=".log")[1]
     cores = sorted(os.sched_getaffinity(0))
     port = free_port()
