@@ -41,6 +41,8 @@ def test_tp_shard_is_gathered_and_its_padding_trimmed() -> None:
     assert place(4, RankLayout(1, 2, split_over_tp=True), [3, 7]) == Span(0, 7, gather_tp=True)
     # A one-token rank splits into shards of one: the gather still runs (its shard equals its count).
     assert place(1, RankLayout(0, 2, split_over_tp=True), [1, 5]) == Span(0, 1, gather_tp=True)
+    # vllm-ascend's DP all-gather: every DP rank padded to the widest before routing.
+    assert place(18, RankLayout(1, 1), [9, 4]) == Span(9, 4)
     # Without DP (vllm-ascend MC2 / flash-comm at DP=1): gathered, the buffer keeps the step's rows.
     assert place(4, RankLayout(0, 2, split_over_tp=True), None) == Span(0, None, gather_tp=True)
 
@@ -100,18 +102,66 @@ def test_capture_records_only_this_ranks_rows(forward_context: dict[str, Any], c
     assert torch.equal(buffer[:, 0], torch.full((8, 2), 99, dtype=torch.int16))  # other layers untouched
 
 
-def test_capture_gathers_a_tp_shard(forward_context: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Split over TP (2 ranks, 5 tokens, shards of 3 with one padding row): the rows are the gathered
-    shards in rank order, padding trimmed by this rank's count."""
+def fake_tp_group(monkeypatch: pytest.MonkeyPatch, shards: list[torch.Tensor]) -> None:
+    """vLLM's TP all-gather, as seen by one rank, when the TP ranks hold ``shards`` (same block format)."""
+
+    def all_gather(block: torch.Tensor) -> torch.Tensor:
+        blocks = []
+        for shard in shards:
+            other = block.new_zeros(block.shape)
+            other[0] = shard.shape[0]
+            other[1 : shard.shape[0] + 1] = shard
+            blocks.append(other)
+        return torch.cat(blocks)
+
+    monkeypatch.setattr(parallel, "tp_group_all_gather", all_gather)
+
+
+@pytest.mark.parametrize("tokens, tp", [(5, 2), (7, 4), (1, 2), (9, 3), (2, 4)])
+def test_capture_assembles_uneven_tp_shards(forward_context: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+                                             tokens: int, tp: int) -> None:
+    """vllm-ascend's all-to-all split: ``torch.tensor_split`` of the batch (padded to TP when shorter), so
+    shards differ in size; every TP rank's buffer gets the whole step in token order, padding dropped."""
+    full = torch.arange(tokens * 2, dtype=torch.int32).reshape(tokens, 2) % 60
+    padded = torch.cat([full, torch.full((max(tp - tokens, 0), 2), 63, dtype=torch.int32)])
+    shards = list(torch.tensor_split(padded, tp))
+    fake_tp_group(monkeypatch, shards)
+    for rank in range(tp):
+        buffer = torch.full((16, 1, 2), -7, dtype=torch.int16)
+        errors = new_error_counter("cpu")
+        LayerCapture(buffer, 0, 64, errors, RankLayout(0, tp, split_over_tp=True))(shards[rank])
+        assert torch.equal(buffer[:tokens, 0].to(torch.int32), full), (rank, buffer[:, 0])
+        assert int(errors) == 0
+
+
+def test_tp_gather_under_dp_keeps_this_ranks_count(forward_context: dict[str, Any],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """DP + TP split: rows past this DP rank's count (MC2 padding) are skipped, never written."""
     full = torch.arange(10, dtype=torch.int32).reshape(5, 2)
-    padded = torch.cat([full, torch.full((1, 2), -1, dtype=torch.int32)])
-    monkeypatch.setattr(parallel, "tp_all_gather", lambda shard: padded)
-    forward_context["counts"] = [5, 4]
-    buffer = torch.zeros((8, 1, 2), dtype=torch.int16)
-    errors = new_error_counter("cpu")
-    LayerCapture(buffer, 0, 64, errors, RankLayout(0, 2, split_over_tp=True))(padded[3:])
+    padded = torch.cat([full, torch.zeros((1, 2), dtype=torch.int32)])  # padded_num_tokens = 6
+    shards = list(torch.tensor_split(padded, 2))
+    fake_tp_group(monkeypatch, shards)
+    forward_context["counts"] = [5, 9]
+    buffer = torch.full((8, 1, 2), -7, dtype=torch.int16)
+    LayerCapture(buffer, 0, 64, new_error_counter("cpu"), RankLayout(0, 2, split_over_tp=True))(shards[1])
     assert torch.equal(buffer[:5, 0].to(torch.int32), full)
-    assert int(errors) == 0  # the padding row never reached the buffer
+    assert torch.equal(buffer[5:, 0], torch.full((3, 2), -7, dtype=torch.int16))
+
+
+def test_full_batch_seen_by_every_tp_rank_is_not_duplicated(forward_context: dict[str, Any],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A split layout whose router saw the whole batch on every TP rank (vllm-ascend's EP all-gather under
+    flash-comm): small batches are gathered, TP rank 0's copy lands on the step's rows; large ones (more
+    than a shard can hold) are recorded as they are."""
+    small = torch.arange(6, dtype=torch.int32).reshape(3, 2)
+    fake_tp_group(monkeypatch, [small, small])
+    buffer = torch.zeros((8, 1, 2), dtype=torch.int16)
+    LayerCapture(buffer, 0, 64, new_error_counter("cpu"), RankLayout(0, 2, split_over_tp=True))(small)
+    assert torch.equal(buffer[:3, 0].to(torch.int32), small)
+    large = torch.arange(14, dtype=torch.int32).reshape(7, 2)
+    monkeypatch.setattr(parallel, "tp_group_all_gather", lambda block: pytest.fail("gathered a full batch"))
+    LayerCapture(buffer, 0, 64, new_error_counter("cpu"), RankLayout(1, 2, split_over_tp=True))(large)
+    assert torch.equal(buffer[:7, 0].to(torch.int32), large)
 
 
 def test_placement_adds_no_syncing_op(forward_context: dict[str, Any]) -> None:

@@ -81,9 +81,8 @@ def _record_local_topk_ids(
     topk_ids: torch.Tensor, out: torch.Tensor, layer_id: int, num_experts: int | None, errors: torch.Tensor,
     dp_rank: int, tp_size: int, split_over_tp: bool,
 ) -> None:
-    ids = local_topk_ids(topk_ids, RankLayout(dp_rank, tp_size, split_over_tp))
-    # Only a gathered TP shard's trailing padding can pass ``out``'s rows (a rank's step never does).
-    record_topk_ids_op(ids[: out.shape[0]], out, layer_id, None, num_experts, errors)
+    ids, rows = local_topk_ids(topk_ids, RankLayout(dp_rank, tp_size, split_over_tp), out.shape[0])
+    record_topk_ids_op(ids, out, layer_id, rows, num_experts, errors)
 
 
 _LIBRARY.impl("record_local_topk_ids", _record_local_topk_ids, "CompositeExplicitAutograd")

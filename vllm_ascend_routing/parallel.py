@@ -47,30 +47,38 @@ class Span:
     gather_tp: bool = False
 
 
-def place(n: int, layout: RankLayout, counts: list[int] | None, shard_sizes: list[int] | None = None) -> Span:
+def place(n: int, layout: RankLayout, counts: list[int] | None, shard_sizes: list[int] | None = None,
+          capacity: int | None = None) -> Span:
     """Where this rank's rows are among ``n`` routed tokens.
 
     Args:
         n: tokens the router saw.
         counts: tokens per DP rank this step (vLLM's ``num_tokens_across_dp``), ``None`` without DP.
         shard_sizes: sequence-parallel shard sizes across the DP x TP group (padded), when vLLM set them.
+        capacity: the most rows one TP shard can hold (``ceil(buffer rows / tp)``); a split layout whose
+            router saw more than that saw the whole batch (e.g. vllm-ascend's EP all-gather under flash-comm).
 
     Raises:
         PlacementError: ``n`` fits none of the layouts.
     """
     tp = layout.tp_size
-    if counts is None:  # no DP metadata: a single engine, or the dummy-free DP=1 case
-        return Span(0, None, gather_tp=layout.split_over_tp and tp > 1)
-    local = counts[layout.dp_rank]
-    total = sum(counts)
+    split = layout.split_over_tp and tp > 1
+    # A split layout gathers whenever its shard can be one: every TP rank decides alike (they share the
+    # step, and a shard never exceeds ``capacity``). If the router in fact saw the whole batch, TP rank 0's
+    # copy lands first, on rows 0..n-1, and the others' copies past the step's rows, which are never read.
+    gather = split and (capacity is None or n <= capacity)
+    if counts is None:  # no DP metadata: a single engine, or a DP=1 token split
+        return Span(0, None, gather_tp=gather)
+    local, total, widest = counts[layout.dp_rank], sum(counts), max(counts)
     if n == total:  # all DP ranks' tokens (also the case where the others have none)
         return Span(sum(counts[: layout.dp_rank]), local)
-    if n == local and not layout.split_over_tp:
-        return Span(0, local)
+    # vLLM set the exact SP shard layout (it outranks the padded-gather guess below)
     if shard_sizes is not None and n == sum(shard_sizes) and len(shard_sizes) % len(counts) == 0:
         per_rank = len(shard_sizes) // len(counts)
         return Span(sum(shard_sizes[: layout.dp_rank * per_rank]), local)
-    if tp > 1 and n == -(-local // tp):
+    if n == widest * len(counts):  # all DP ranks' tokens, each padded to the widest (vllm-ascend all-gather)
+        return Span(layout.dp_rank * widest, local)
+    if gather:
         return Span(0, local, gather_tp=True)
     if n == local:
         return Span(0, local)
@@ -94,17 +102,51 @@ def step_counts() -> tuple[list[int] | None, list[int] | None]:
     return metadata.num_tokens_across_dp_cpu.tolist(), None if shards is None else list(shards)
 
 
-def tp_all_gather(topk_ids: torch.Tensor) -> torch.Tensor:
-    """Concatenate every TP rank's shard in rank order (vLLM's TP group: NCCL/HCCL, graph-capturable)."""
+def tp_group_all_gather(block: torch.Tensor) -> torch.Tensor:
+    """vLLM's TP-group all-gather along dim 0 (NCCL/HCCL on devices, graph-capturable)."""
     from vllm.distributed import get_tp_group
 
-    return get_tp_group().all_gather(topk_ids, dim=0)
+    return get_tp_group().all_gather(block, dim=0)
 
 
-def local_topk_ids(topk_ids: torch.Tensor, layout: RankLayout) -> torch.Tensor:
-    """This rank's rows of ``topk_ids``, token ``i`` at row ``i`` (a view unless gathered)."""
+def gather_tp_shards(shard: torch.Tensor, tp_size: int, capacity: int, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every TP rank's shard, assembled in token order without a host synchronisation.
+
+    Shards may differ in size (``torch.tensor_split`` of a batch that is not a multiple of TP), so each rank
+    sends a fixed ``[capacity + 1, K]`` block: its size in row 0, then its ids, then zeros (a valid id, so
+    the skipped fill never counts as an out-of-range id). The destination row of every gathered id is
+    computed on the device from the sizes: rank ``r``'s row ``i`` goes to ``sizes[0] + ... + sizes[r-1] + i``;
+    unused block rows and rows at or past ``limit`` get -1 (skipped).
+
+    Returns:
+        ``(ids [tp * capacity, K], rows [tp * capacity])`` for ``record_topk_ids``.
+    """
+    import torch
+
+    n, k = shard.shape
+    if n > capacity:
+        raise PlacementError(f"vllm-ascend-routing: a TP shard of {n} tokens exceeds the {capacity} a shard can hold.")
+    block = shard.new_zeros((capacity + 1, k))
+    block[0].fill_(n)
+    block[1 : n + 1] = shard
+    gathered = tp_group_all_gather(block).view(tp_size, capacity + 1, k)
+    sizes = gathered[:, 0, 0].to(torch.int64)
+    offsets = torch.cumsum(sizes, 0) - sizes
+    index = torch.arange(capacity, device=shard.device)
+    rows = offsets[:, None] + index[None, :]
+    rows = torch.where((index[None, :] < sizes[:, None]) & (rows < limit), rows, -1)
+    return gathered[:, 1:].reshape(tp_size * capacity, k), rows.reshape(-1)
+
+
+def local_topk_ids(
+    topk_ids: torch.Tensor, layout: RankLayout, buffer_rows: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's ids and, after a TP gather, their destination rows (``None``: row ``i`` = token ``i``)."""
+    capacity = -(-buffer_rows // layout.tp_size)
     counts, shards = step_counts()
-    span = place(int(topk_ids.shape[0]), layout, counts, shards)
-    ids = tp_all_gather(topk_ids) if span.gather_tp else topk_ids
-    end = ids.shape[0] if span.length is None else span.start + span.length
-    return ids[span.start : end]
+    span = place(int(topk_ids.shape[0]), layout, counts, shards, capacity)
+    if span.gather_tp:
+        limit = buffer_rows if span.length is None else min(span.length, buffer_rows)
+        return gather_tp_shards(topk_ids, layout.tp_size, capacity, limit)
+    end = topk_ids.shape[0] if span.length is None else span.start + span.length
+    return topk_ids[span.start : min(end, span.start + buffer_rows)], None
