@@ -1,0 +1,51 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Token-split layouts on vllm-ascend's real source: 2 and 4 real processes in a gloo group, each a TP rank
+running every real MoE method's ``apply`` (and its ``select_experts``) on its TP shard, split by vllm-ascend's
+own MC2 / all-to-all ``prepare`` or arriving split as flash-comm leaves it (``token_split_rank``). The plugin
+assembles the shards over vLLM's TP group inside the step: on every rank the buffer equals the unsplit
+step's router top-k, for batches smaller than the TP size, uneven all-to-all splits and padded MC2 ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_ascend_routing.testing.server import free_port
+
+pytestmark = [pytest.mark.vllm, pytest.mark.ascend]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_ranks(world: int) -> list[dict[str, Any]]:
+    port = free_port()
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "tests.ascend.token_split_rank", str(rank), str(world), str(port)],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+        for rank in range(world)
+    ]
+    results = []
+    for proc in procs:
+        output, _ = proc.communicate(timeout=600)
+        lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+        assert proc.returncode == 0 and lines, output[-6000:]
+        results.append(json.loads(lines[-1].removeprefix("RESULT ")))
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_holds_the_whole_step(world: int) -> None:
+    results = run_ranks(world)
+    assert [r["rank"] for r in results] == list(range(world))
+    for result in results:
+        for mode in ("mc2", "alltoall", "flashcomm"):
+            assert result[mode], f"no MoE method ran in {mode}"
+            wrong = {method: [n for n, ok in counts.items() if not ok] for method, counts in result[mode].items()}
+            assert not any(wrong.values()), (result["rank"], mode, wrong)
