@@ -61,7 +61,8 @@ def run_mode(mode: str, cls: type, rank: int, world: int) -> dict[str, bool]:
     with pytest.MonkeyPatch.context() as patch:
         conftest.native_routing.__wrapped__(patch)  # type: ignore[attr-defined]
         moe = real_moe.build(patch, moe_methods.method_instance(cls), layer_cls=moe_methods.layer_class(cls))
-        prepare = real_prepare_finalize("PrepareAndFinalizeWithMC2" if mode == "mc2" else "PrepareAndFinalizeWithAll2All")
+        prepare = real_prepare_finalize(
+            "PrepareAndFinalizeWithMC2" if mode == "mc2" else "PrepareAndFinalizeWithAll2All")
         moe.comm.prepare = SplittingComm(prepare).prepare  # type: ignore[method-assign]
         context = importlib.import_module("vllm.forward_context")._forward_context
         buffer = new_capture_buffer(BUFFER_ROWS, NUM_LAYERS, real_moe.TOP_K, real_moe.NUM_EXPERTS, "cpu")
@@ -85,7 +86,8 @@ def run_mode(mode: str, cls: type, rank: int, world: int) -> dict[str, bool]:
             buffer.fill_(-5)
             moe.forward(hidden, routed_logits)
             expected = real_moe.reference_top_k(logits, real_moe.TOP_K)
-            verdicts[str(tokens)] = bool(torch.equal(buffer[:tokens, moe.layer_id].long(), expected)) and int(errors) == 0
+            exact = torch.equal(buffer[:tokens, moe.layer_id].long(), expected)
+            verdicts[str(tokens)] = bool(exact) and int(errors) == 0
     return verdicts
 
 

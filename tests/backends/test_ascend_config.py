@@ -1,5 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Configurations that split a step's tokens across TP ranks before vllm-ascend routes are refused."""
+"""Configurations that split a step's tokens across TP ranks before routing are recognised (not refused):
+the capture then assembles the shards over TP (``parallel``; proven on vllm-ascend's source in
+``tests/ascend/test_token_split.py``)."""
 
 from __future__ import annotations
 
@@ -9,40 +11,41 @@ from typing import Any
 
 import pytest
 
-from vllm_ascend_routing.backends import ascend, refusal
-from vllm_ascend_routing.compat._common import refuse_unsupported_config
-from vllm_ascend_routing.compat.base import UnsupportedVllmError
+from vllm_ascend_routing.backends import ascend
+from vllm_ascend_routing.compat._common import rank_layout, refuse_unsupported_config
+from vllm_ascend_routing.parallel import RankLayout
 
 
-def config(tp: int, ep: bool = False, sp: bool = False) -> Any:
+def config(tp: int, ep: bool = False, sp: bool = False, dp: int = 1, dp_rank: int = 0, sp_moe: bool = False) -> Any:
     return SimpleNamespace(
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp, enable_expert_parallel=ep),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, enable_expert_parallel=ep, data_parallel_size=dp,
+                                        data_parallel_rank=dp_rank, use_sequence_parallel_moe=sp_moe),
         compilation_config=SimpleNamespace(pass_config=SimpleNamespace(enable_sequence_parallelism=sp)),
         kv_transfer_config=None,
     )
 
 
 @pytest.mark.parametrize(
-    ("tp", "ep", "sp", "refused"),
+    ("tp", "ep", "sp", "split"),
     [(1, True, True, False), (2, False, False, False), (2, True, False, True), (4, False, True, True)],
 )
-def test_token_splitting_layouts_are_refused(tp: int, ep: bool, sp: bool, refused: bool) -> None:
-    reason = ascend.check_config(config(tp, ep, sp))
-    assert (reason is not None) == refused
-    if refused:
-        assert f"tensor_parallel_size={tp}" in str(reason)
+def test_token_splitting_layouts_are_recognised(tp: int, ep: bool, sp: bool, split: bool) -> None:
+    assert ascend.splits_tokens(config(tp, ep, sp)) is split
 
 
 def test_vllm_ascend_sequence_parallel_switch_is_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     utils = ModuleType("vllm_ascend.utils")
     utils.enable_sp = lambda vllm_config: True  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "vllm_ascend.utils", utils)
-    assert "sequence parallelism" in str(ascend.check_config(config(2)))
+    assert ascend.splits_tokens(config(2)) is True
 
 
-def test_start_up_refusal_only_with_vllm_ascend(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rank_layout_per_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(sys.modules, "vllm_ascend", raising=False)
-    assert refusal(config(2, ep=True)) is None  # CUDA/CPU: experts are not split this way
+    assert rank_layout(config(1)) is None  # a single rank: the capture path is unchanged
+    assert rank_layout(config(2, ep=True)) is None  # vLLM without DP: TP ranks route the whole batch
+    assert rank_layout(config(1, dp=2, dp_rank=1)) == RankLayout(1, 1, False)
+    assert rank_layout(config(2, ep=True, dp=2, sp_moe=True)) == RankLayout(0, 2, True)  # vLLM's SP MoE
     monkeypatch.setitem(sys.modules, "vllm_ascend", ModuleType("vllm_ascend"))
-    with pytest.raises(UnsupportedVllmError, match="drop --enable-expert-parallel"):
-        refuse_unsupported_config(config(2, ep=True), "runner-output")
+    assert rank_layout(config(2, ep=True)) == RankLayout(0, 2, True)  # vllm-ascend MC2 / all-to-all
+    refuse_unsupported_config(config(2, ep=True, dp=2), "runner-output")  # no longer refused

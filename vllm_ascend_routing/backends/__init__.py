@@ -92,13 +92,6 @@ def bind_model(model: torch.nn.Module, make_capture: Callable[[int], LayerCaptur
     return bound
 
 
-def refusal(vllm_config: Any) -> str | None:
-    """Why a backend in use cannot capture this configuration exactly, or ``None``."""
-    if "vllm_ascend" in sys.modules:
-        return ascend.check_config(vllm_config)
-    return None
-
-
 def splits_tokens(vllm_config: Any) -> bool:
     """Whether the backend in use splits a step's tokens over the TP ranks before routing (vllm-ascend)."""
     return "vllm_ascend" in sys.modules and ascend.splits_tokens(vllm_config)

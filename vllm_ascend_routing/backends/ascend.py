@@ -204,12 +204,6 @@ def _classes(module: torch.nn.Module) -> Iterator[type]:
         method, depth = getattr(method, "quant_method", None) or getattr(method, "scheme", None), depth + 1
 
 
-def check_config(vllm_config: Any) -> str | None:
-    """Why this configuration cannot be captured exactly on vllm-ascend, or ``None`` (none known today:
-    token-split layouts are assembled over TP, see ``splits_tokens``)."""
-    return None
-
-
 def splits_tokens(vllm_config: Any) -> bool:
     """Whether each TP rank's ``select_experts`` sees only its shard of the step's tokens.
 

@@ -32,12 +32,6 @@ def refuse_unsupported_config(vllm_config: Any, generation: str) -> None:
                 f"vllm-ascend-routing: {what} ({attr}={size}) is not supported with routed-experts capture on "
                 f"vLLM's {generation} API; set {attr}=1 or unset VLLM_ASCEND_ROUTING."
             )
-    reason = backends.refusal(vllm_config)
-    if reason is not None:
-        raise UnsupportedVllmError(
-            f"vllm-ascend-routing: {reason}, or unset VLLM_ASCEND_ROUTING (routed-experts capture would not be "
-            "exact)."
-        )
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
         raise UnsupportedVllmError(
             "vllm-ascend-routing: KV-transfer connectors (P/D disaggregation, KV offload) load KV blocks whose "
