@@ -134,18 +134,29 @@ def test_capture_assembles_uneven_tp_shards(forward_context: dict[str, Any], mon
         assert int(errors) == 0
 
 
-def test_tp_gather_under_dp_keeps_this_ranks_count(forward_context: dict[str, Any],
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """DP + TP split: rows past this DP rank's count (MC2 padding) are skipped, never written."""
+def test_tp_gather_under_dp(forward_context: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """DP + TP split (MC2 padding to 6): this DP rank's 5 tokens land on rows 0-4 of every TP rank."""
     full = torch.arange(10, dtype=torch.int32).reshape(5, 2)
-    padded = torch.cat([full, torch.zeros((1, 2), dtype=torch.int32)])  # padded_num_tokens = 6
+    padded = torch.cat([full, torch.zeros((1, 2), dtype=torch.int32)])
     shards = list(torch.tensor_split(padded, 2))
     fake_tp_group(monkeypatch, shards)
     forward_context["counts"] = [5, 9]
-    buffer = torch.full((8, 1, 2), -7, dtype=torch.int16)
-    LayerCapture(buffer, 0, 64, new_error_counter("cpu"), RankLayout(0, 2, split_over_tp=True))(shards[1])
-    assert torch.equal(buffer[:5, 0].to(torch.int32), full)
-    assert torch.equal(buffer[5:, 0], torch.full((3, 2), -7, dtype=torch.int16))
+    for tp_rank in (0, 1):
+        buffer = torch.full((8, 1, 2), -7, dtype=torch.int16)
+        LayerCapture(buffer, 0, 64, new_error_counter("cpu"), RankLayout(0, 2, split_over_tp=True))(shards[tp_rank])
+        assert torch.equal(buffer[:5, 0].to(torch.int32), full)
+
+
+def test_tp_gather_adds_no_syncing_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The assembly (sizes, spans, the lookup of every row) stays on the device: nothing waits for it."""
+    from tests.test_hot_path import SYNCING, OpLog
+
+    shards = list(torch.tensor_split(torch.arange(14, dtype=torch.int32).reshape(7, 2), 3))
+    fake_tp_group(monkeypatch, shards)
+    with OpLog() as log:
+        ids = parallel.gather_tp_shards(shards[1], 3, 4, 12)
+    assert not {op.split("::")[1] for op in log.ops} & SYNCING, log.ops
+    assert torch.equal(ids[:7], torch.arange(14, dtype=torch.int32).reshape(7, 2))
 
 
 def test_full_batch_seen_by_every_tp_rank_is_not_duplicated(forward_context: dict[str, Any],

@@ -81,8 +81,8 @@ def _record_local_topk_ids(
     topk_ids: torch.Tensor, out: torch.Tensor, layer_id: int, num_experts: int | None, errors: torch.Tensor,
     dp_rank: int, tp_size: int, split_over_tp: bool,
 ) -> None:
-    ids, rows = local_topk_ids(topk_ids, RankLayout(dp_rank, tp_size, split_over_tp), out.shape[0])
-    record_topk_ids_op(ids, out, layer_id, rows, num_experts, errors)
+    ids = local_topk_ids(topk_ids, RankLayout(dp_rank, tp_size, split_over_tp), out.shape[0])
+    record_topk_ids_op(ids, out, layer_id, None, num_experts, errors)
 
 
 _LIBRARY.impl("record_local_topk_ids", _record_local_topk_ids, "CompositeExplicitAutograd")

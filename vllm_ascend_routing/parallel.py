@@ -109,17 +109,14 @@ def tp_group_all_gather(block: torch.Tensor) -> torch.Tensor:
     return get_tp_group().all_gather(block, dim=0)
 
 
-def gather_tp_shards(shard: torch.Tensor, tp_size: int, capacity: int, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every TP rank's shard, assembled in token order without a host synchronisation.
+def gather_tp_shards(shard: torch.Tensor, tp_size: int, capacity: int, rows: int) -> torch.Tensor:
+    """Every TP rank's shard, assembled in token order without a host synchronisation: ``[rows, K]``.
 
     Shards may differ in size (``torch.tensor_split`` of a batch that is not a multiple of TP), so each rank
-    sends a fixed ``[capacity + 1, K]`` block: its size in row 0, then its ids, then zeros (a valid id, so
-    the skipped fill never counts as an out-of-range id). The destination row of every gathered id is
-    computed on the device from the sizes: rank ``r``'s row ``i`` goes to ``sizes[0] + ... + sizes[r-1] + i``;
-    unused block rows and rows at or past ``limit`` get -1 (skipped).
-
-    Returns:
-        ``(ids [tp * capacity, K], rows [tp * capacity])`` for ``record_topk_ids``.
+    sends a fixed ``[capacity + 1, K]`` block: its size in row 0, then its ids, then zeros (a valid id). Row
+    ``j`` of the result is then looked up on the device: the rank ``r`` whose span ``[sizes[0] + ... +
+    sizes[r-1], ... + sizes[r])`` holds ``j``, its row ``j - start``. Rows past the gathered total read some
+    valid gathered row: they lie past the step's tokens, which no one reads (as padding rows elsewhere).
     """
     import torch
 
@@ -130,23 +127,20 @@ def gather_tp_shards(shard: torch.Tensor, tp_size: int, capacity: int, limit: in
     block[0].fill_(n)
     block[1 : n + 1] = shard
     gathered = tp_group_all_gather(block).view(tp_size, capacity + 1, k)
-    sizes = gathered[:, 0, 0].to(torch.int64)
-    offsets = torch.cumsum(sizes, 0) - sizes
-    index = torch.arange(capacity, device=shard.device)
-    rows = offsets[:, None] + index[None, :]
-    rows = torch.where((index[None, :] < sizes[:, None]) & (rows < limit), rows, -1)
-    return gathered[:, 1:].reshape(tp_size * capacity, k), rows.reshape(-1)
+    ends = torch.cumsum(gathered[:, 0, 0].to(torch.int64), 0)
+    token = torch.arange(min(rows, tp_size * capacity), device=shard.device)
+    rank = torch.searchsorted(ends, token, right=True).clamp_(max=tp_size - 1)
+    start = torch.cat([ends.new_zeros(1), ends[:-1]])[rank]
+    source = (rank * capacity + (token - start)).clamp_(0, tp_size * capacity - 1)
+    return gathered[:, 1:].reshape(tp_size * capacity, k)[source]
 
 
-def local_topk_ids(
-    topk_ids: torch.Tensor, layout: RankLayout, buffer_rows: int
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """This rank's ids and, after a TP gather, their destination rows (``None``: row ``i`` = token ``i``)."""
+def local_topk_ids(topk_ids: torch.Tensor, layout: RankLayout, buffer_rows: int) -> torch.Tensor:
+    """This rank's ids, token ``i`` at row ``i``, at most ``buffer_rows`` of them (a view unless gathered)."""
     capacity = -(-buffer_rows // layout.tp_size)
     counts, shards = step_counts()
     span = place(int(topk_ids.shape[0]), layout, counts, shards, capacity)
     if span.gather_tp:
-        limit = buffer_rows if span.length is None else min(span.length, buffer_rows)
-        return gather_tp_shards(topk_ids, layout.tp_size, capacity, limit)
+        return gather_tp_shards(topk_ids, layout.tp_size, capacity, buffer_rows)
     end = topk_ids.shape[0] if span.length is None else span.start + span.length
-    return topk_ids[span.start : min(end, span.start + buffer_rows)], None
+    return topk_ids[span.start : min(end, span.start + buffer_rows)]
