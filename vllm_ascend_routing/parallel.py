@@ -33,7 +33,8 @@ class RankLayout:
 
     dp_rank: int
     tp_size: int
-    # vllm-ascend with MC2 / all-to-all / flash-comm: every MoE layer routes a TP shard, even without DP.
+    # Tokens split over TP before routing: vLLM's sequence-parallel MoE, or vllm-ascend's MC2 / all-to-all /
+    # flash-comm (even without DP).
     split_over_tp: bool = False
 
 
