@@ -7,11 +7,13 @@ from typing import Any
 
 import pytest
 
-from vllm_ascend_routing import runner_mixin
+from vllm_ascend_routing import runner_mixin, runner_state
 from vllm_ascend_routing.compat import runner_output
 
 
 class FakeAPI:
+    runner_hooks = runner_mixin.CAPTURER_HOOKS
+
     def __init__(self) -> None:
         self.events: list[tuple[str, Any]] = []
 
@@ -24,10 +26,8 @@ class FakeAPI:
 
 
 @pytest.fixture
-def api(monkeypatch: pytest.MonkeyPatch) -> FakeAPI:
-    fake = FakeAPI()
-    monkeypatch.setattr(runner_mixin, "get_api", lambda: fake)
-    return fake
+def api() -> FakeAPI:
+    return FakeAPI()
 
 
 def make_runner_classes(binds_via_module: bool) -> tuple[type, type]:
@@ -66,7 +66,7 @@ def make_runner_classes(binds_via_module: bool) -> tuple[type, type]:
 def test_hooks_run_in_order(api: FakeAPI, binds_via_module: bool) -> None:
     gpu, cpu = make_runner_classes(binds_via_module)
     for cls in (cpu, gpu, cpu, gpu):  # any order, repeatedly: idempotent
-        runner_mixin.apply_mixin(cls)
+        runner_mixin.apply_mixin(cls, api)  # type: ignore[arg-type]
     runner = cpu()
     runner.load_model()
     runner.init_routed_experts_capturer()
@@ -75,12 +75,12 @@ def test_hooks_run_in_order(api: FakeAPI, binds_via_module: bool) -> None:
     # prepared exactly once (at load, before any forward), attached when vLLM creates its capturer
     assert api.events == [("prepare", runner.model), ("attach", (prepared, "capturer"))]
     assert gpu.upstream_bound == 0  # upstream binding replaced, not stacked
-    assert runner_mixin.binding_runner() is None
+    assert runner_state.binding_runner() is None
 
 
 def test_bind_without_load_hook_is_loud(api: FakeAPI) -> None:
     gpu, _ = make_runner_classes(False)
-    runner_mixin.apply_mixin(gpu)
+    runner_mixin.apply_mixin(gpu, api)  # type: ignore[arg-type]
     runner = gpu()
     runner.model = object()
     with pytest.raises(RuntimeError, match="load_model hook did not run"):
@@ -94,8 +94,8 @@ def test_module_binder_outside_runner_init_is_loud() -> None:
 
 def test_module_binder_for_another_model_is_loud(api: FakeAPI) -> None:
     gpu, _ = make_runner_classes(True)
-    runner_mixin.apply_mixin(gpu)
+    runner_mixin.apply_mixin(gpu, api)  # type: ignore[arg-type]
     runner = gpu()
     runner.load_model()
-    with runner_mixin.as_binding_runner(runner), pytest.raises(RuntimeError, match="outside"):
+    with runner_state.as_binding_runner(runner), pytest.raises(RuntimeError, match="outside"):
         runner_output._bind_through_runner(object(), "capturer")  # e.g. a draft model

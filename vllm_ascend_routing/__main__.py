@@ -52,6 +52,10 @@ def main() -> None:
     check = sub.add_parser("doctor", help="versions, generation, platform, kernel, settings; then a self-check")
     check.add_argument("--prompts", type=int, default=4)
     check.add_argument("--mode", default="compiled", choices=["eager", "compiled"])
+    check.add_argument("--surface", action="store_true",
+                       help="only check the patch targets against the installed source (no engine is started)")
+    check.add_argument("--platform", choices=["cuda", "cpu", "npu"],
+                       help="check the targets of this platform (default: vLLM's current platform)")
     replay = sub.add_parser("replay-check", help="vLLM's rows replayed in a transformers trainer: routing agreement "
                             "and log-prob mismatch, natural vs replayed routing")
     replay.add_argument("--arch", default="qwen3_moe_dense", choices=["qwen3_moe", "mixtral", "qwen3_moe_dense"])
@@ -68,7 +72,7 @@ def main() -> None:
     if args.command == "doctor":
         from vllm_ascend_routing import doctor
 
-        sys.exit(doctor.run(args.prompts, args.mode))
+        sys.exit(doctor.run(args.prompts, args.mode, surface=args.surface, platform=args.platform))
     sys.exit(demo(args.arch, args.prompts, args.mode))
 
 

@@ -10,25 +10,33 @@ Remove when: the lowest supported release no longer has ``_CPU_MOE_ACT_FN`` cons
 
 from __future__ import annotations
 
-import importlib
 import inspect
+
+from vllm_ascend_routing.compat.releases import Generation
+from vllm_ascend_routing.patching import Patch, resolve
+
+ACTIVATION_TABLE = Patch(
+    "vllm.model_executor.layers.fused_moe.cpu_fused_moe:_CPU_MOE_ACT_FN",
+    "CPU compat fix: SiluAndMul built at forward time outside the config context (its SILU entry replaced)",
+    "the lowest supported vLLM is 0.28.0 or newer", (Generation.SHM, Generation.RUNNER_OUTPUT), platform="cpu",
+    required=False, releases="vLLM 0.20.0-0.27.1",
+)
+PATCHES = (ACTIVATION_TABLE,)
+_MODULE = ACTIVATION_TABLE.target.partition(":")[0]
 
 
 def apply() -> bool:
     """Patch the SiLU entry if this vLLM has the faulty table; returns whether anything changed."""
     try:
-        cpu_fused_moe = importlib.import_module("vllm.model_executor.layers.fused_moe.cpu_fused_moe")
-        activation = importlib.import_module("vllm.model_executor.layers.activation")
-    except ImportError:
-        return False
-    table = getattr(cpu_fused_moe, "_CPU_MOE_ACT_FN", None)
-    moe_activation = getattr(cpu_fused_moe, "MoEActivation", None)
-    if table is None or moe_activation is None:
+        table = resolve(ACTIVATION_TABLE.target)
+        moe_activation = resolve(f"{_MODULE}:MoEActivation")
+        activation = resolve("vllm.model_executor.layers.activation:SiluAndMul")
+    except LookupError:
         return False
     silu = getattr(moe_activation, "SILU", None)
-    if not isinstance(inspect.getattr_static(activation.SiluAndMul, "forward_native", None), staticmethod):
+    if not isinstance(inspect.getattr_static(activation, "forward_native", None), staticmethod):
         return False  # needs an instance there: not the arithmetic-only function this fix relies on
-    native = activation.SiluAndMul.forward_native
+    native = activation.forward_native
     if silu not in table or table[silu] is native:
         return False
     table[silu] = native

@@ -11,133 +11,187 @@ Two moments matter:
     as usual and is handed the static buffer instead of binding layers itself.
 Where the runner has no routed-experts code of its own (vLLM 0.31+'s V1 runner, which the CPU and Ascend
 runners build on), ``initialize_kv_cache`` / ``execute_model`` / ``sample_tokens`` let the generation drive
-vLLM's connector itself. The hooks call only ``compat.get_api()``; ``apply_mixin`` installs them on runner
-classes vLLM creates.
+vLLM's connector itself. Each generation adapter declares the hooks it needs (``CAPTURER_HOOKS`` or
+``CONNECTOR_HOOKS``); ``apply_mixin(runner_cls, api)`` installs those, calling that adapter.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from vllm_ascend_routing.compat import get_api
+from vllm_ascend_routing import runner_state
+from vllm_ascend_routing.compat.releases import Generation
+from vllm_ascend_routing.patching import Patch
+from vllm_ascend_routing.runner_state import RunnerHook
 
-_PATCHED = "_vllm_ascend_routing_patched"
-PREPARED = "_vllm_ascend_routing_capture"
+if TYPE_CHECKING:
+    from vllm_ascend_routing.compat.base import CaptureAPI
+
 _SAMPLING = "_vllm_ascend_routing_sampling"
+# Where vLLM hands its capturer the buffer: the runner method (0.20-0.27) or a module function (0.28-0.30).
+CAPTURER_BINDER = "vLLM's capturer binder"
+_LOAD = RunnerHook("load_model", ("self",), "bind MoE layers to the static buffer before vLLM first compiles the model")
+# 0.20-0.30: vLLM's runner has its own routed-experts capturer; the hooks hand it the prepared buffer.
+CAPTURER_HOOKS: tuple[RunnerHook, ...] = (
+    _LOAD,
+    RunnerHook("execute_model", ("self", "scheduler_output"), "start moving the step's rows off the device"),
+    RunnerHook("init_routed_experts_capturer", ("self",),
+               "vLLM creates its capturer here; the runner is the binding runner meanwhile"),
+    RunnerHook("_bind_routed_experts_capturer", ("self", "capturer"),
+               "hand vLLM's capturer the prepared buffer (added where vLLM binds through a module function)",
+               added_if_absent=True, one_of=CAPTURER_BINDER),
+)
+# 0.31+: the hooks drive vLLM's AuxOutput connector on runners without connector code of their own.
+CONNECTOR_HOOKS: tuple[RunnerHook, ...] = (
+    _LOAD,
+    RunnerHook("initialize_kv_cache", ("self", "kv_cache_config"),
+               "create vLLM's AuxOutput worker connector (Model Runner V2 binds in here)"),
+    RunnerHook("execute_model", ("self", "scheduler_output"), "connector.begin_step before the batch is updated"),
+    RunnerHook("sample_tokens", ("self",), "prepare_output / process_output around sampling; set the output field"),
+)
 
-# The runner whose init_routed_experts_capturer() is running, for vLLM releases (0.28+) whose runner
-# binds through a module-level function that is not given the runner.
-_binding_runner: contextvars.ContextVar[Any] = contextvars.ContextVar("binding_runner", default=None)
+# Model-runner classes hooked, per platform device type. Optional ones are absent from some releases.
+_GPU_RUNNERS = (
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner", True),  # V1 runner
+    ("vllm.v1.worker.gpu.model_runner:GPUModelRunner", False),  # Model Runner V2 (0.26+)
+)
+RUNNER_CLASSES: dict[str, tuple[tuple[str, bool], ...]] = {
+    "cuda": _GPU_RUNNERS,
+    # The CPU runners subclass the GPU ones and override load_model, so they are hooked too.
+    "cpu": (
+        *_GPU_RUNNERS,
+        ("vllm.v1.worker.cpu_model_runner:CPUModelRunner", True),
+        ("vllm.v1.worker.cpu.model_runner:CPUModelRunner", False),
+    ),
+    # vllm-ascend's runners override the hooked methods: hooked when the worker imports them.
+    "npu": (
+        *_GPU_RUNNERS,
+        ("vllm_ascend.worker.model_runner_v1:NPUModelRunner", True),
+        ("vllm_ascend.worker.v2.model_runner:NPUModelRunner", False),
+    ),
+}
+# Runner methods a subclass inherits and need not define itself (checked on the base class).
+_INHERITED = {
+    "vllm.v1.worker.cpu_model_runner:CPUModelRunner",
+    "vllm.v1.worker.cpu.model_runner:CPUModelRunner",
+}
 
 
-def binding_runner() -> Any:
-    """The runner currently creating its capturer, or ``None``."""
-    return _binding_runner.get()
+def runner_patches(hooks: tuple[RunnerHook, ...], generations: tuple[Generation, ...], platform: str) -> list[Patch]:
+    """The manifest rows of ``hooks`` on every runner class of ``platform``."""
+    rows: list[Patch] = []
+    for cls_path, cls_required in RUNNER_CLASSES[platform]:
+        if cls_path in _INHERITED:
+            rows.append(Patch(cls_path, "the platform's runner (hooks on its own overrides)", "never",
+                              generations, platform=platform, required=cls_required))
+            continue
+        # vllm-ascend's runners define every hooked method themselves in the releases it supports.
+        own_methods = cls_path.startswith("vllm_ascend")
+        for hook in hooks:
+            rows.append(Patch(
+                f"{cls_path}.{hook.name}", hook.why, "never (the runner mixin's hook points)", generations,
+                hook.params, platform=platform,
+                required=cls_required and (own_methods or not hook.added_if_absent),
+                one_of=hook.one_of if cls_required and not own_methods else "",
+            ))
+    return rows
 
 
 class RoutingCaptureRunnerMixin:
-    """Hooks; each receives the patched class's ``original`` method (``None`` if it has none)."""
+    """Hooks; each receives the generation adapter and the patched class's ``original`` method (``None``
+    if it has none)."""
 
     model: Any
     vllm_config: Any
     device: Any
 
-    def load_model(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def load_model(self, api: CaptureAPI, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        done = getattr(self, PREPARED, None)
-        if done is None or done[0] is not self.model:  # once per model, even if a subclass nests calls
-            setattr(self, PREPARED, (self.model, get_api().prepare(self.model, self.vllm_config, self.device)))
+        if not runner_state.has_prepared(self):  # once per model, even if a subclass nests calls
+            runner_state.set_prepared(self, api.prepare(self.model, self.vllm_config, self.device))
         return result
 
-    def execute_model(self, original: Callable[..., Any], scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        _, prepared = getattr(self, PREPARED, (None, None))
+    def execute_model(
+        self, api: CaptureAPI, original: Callable[..., Any], scheduler_output: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        prepared = runner_state.prepared_capture(self)
         if prepared is not None:
-            get_api().step_started(self, prepared, scheduler_output)
+            api.step_started(self, prepared, scheduler_output)
         result = original(self, scheduler_output, *args, **kwargs)
         if prepared is not None:  # the forward is enqueued: start moving its rows off the device
-            get_api().after_forward(prepared, scheduler_output.total_num_scheduled_tokens)
+            api.after_forward(prepared, scheduler_output.total_num_scheduled_tokens)
         return result
 
-    def sample_tokens(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        _, prepared = getattr(self, PREPARED, (None, None))
+    def sample_tokens(self, api: CaptureAPI, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        prepared = runner_state.prepared_capture(self)
         if prepared is None or getattr(self, _SAMPLING, False):  # a subclass calling super(): hook once
             return original(self, *args, **kwargs)
         setattr(self, _SAMPLING, True)
         try:
-            return get_api().sample(self, prepared, lambda: original(self, *args, **kwargs))
+            return api.sample(self, prepared, lambda: original(self, *args, **kwargs))
         finally:
             setattr(self, _SAMPLING, False)
 
-    def initialize_kv_cache(self, original: Callable[..., Any], kv_cache_config: Any, *args: Any,
-                            **kwargs: Any) -> Any:
-        token = _binding_runner.set(self)  # Model Runner V2 creates vLLM's connector (and binder) in here
-        try:
+    def initialize_kv_cache(
+        self, api: CaptureAPI, original: Callable[..., Any], kv_cache_config: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        with runner_state.as_binding_runner(self):  # Model Runner V2 creates vLLM's connector (and binder) here
             result = original(self, kv_cache_config, *args, **kwargs)
-        finally:
-            _binding_runner.reset(token)
-        _, prepared = getattr(self, PREPARED, (None, None))
+        prepared = runner_state.prepared_capture(self)
         if prepared is not None:
             profiling = bool(kwargs.get("is_profiling", args[0] if args else False))
-            get_api().kv_cache_ready(self, prepared, kv_cache_config, profiling)
+            api.kv_cache_ready(self, prepared, kv_cache_config, profiling)
         return result
 
-    def init_routed_experts_capturer(self, original: Callable[..., Any]) -> None:
-        token = _binding_runner.set(self)
-        try:
+    def init_routed_experts_capturer(self, api: CaptureAPI, original: Callable[..., Any]) -> None:
+        with runner_state.as_binding_runner(self):
             original(self)  # vLLM's own init: capturer, pinned host buffers, slot-mapping snapshot
-        finally:
-            _binding_runner.reset(token)
 
-    def _bind_routed_experts_capturer(self, original: Callable[..., Any] | None, capturer: Any) -> None:
-        _, prepared = getattr(self, PREPARED, (None, None))
+    def _bind_routed_experts_capturer(
+        self, api: CaptureAPI, original: Callable[..., Any] | None, capturer: Any
+    ) -> None:
+        prepared = runner_state.prepared_capture(self)
         if prepared is None:
             raise RuntimeError(
                 "vllm-ascend-routing: the runner's load_model hook did not run, so routed-experts "
                 f"capture was never bound before compilation ({type(self).__name__} is not supported)."
             )
-        get_api().attach(prepared, capturer)
+        api.attach(prepared, capturer)
 
 
-_HOOKS = ("load_model", "execute_model", "init_routed_experts_capturer", "_bind_routed_experts_capturer")
-# Wrapped only where the class has them: a runner without these is not given new methods.
-_OPTIONAL_HOOKS = ("sample_tokens", "initialize_kv_cache")
 _HOOK_MARK = "_vllm_ascend_routing_hook"
 
 
-def _hook(name: str, original: Callable[..., Any] | None) -> Callable[..., Any]:
+def _hook(name: str, original: Callable[..., Any] | None, api: CaptureAPI) -> Callable[..., Any]:
     hook = getattr(RoutingCaptureRunnerMixin, name)
 
     @functools.wraps(original or hook)
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return hook(self, original, *args, **kwargs)
+        return hook(self, api, original, *args, **kwargs)
 
     setattr(method, _HOOK_MARK, True)
     return method
 
 
-def apply_mixin(runner_cls: type) -> None:
-    """Install the hooks on ``runner_cls`` (idempotent); each wraps that class's own original."""
+def is_hooked(method: Any) -> bool:
+    """Whether ``method`` is one of the hooks ``apply_mixin`` installed."""
+    return bool(getattr(method, _HOOK_MARK, False))
+
+
+def apply_mixin(runner_cls: type, api: CaptureAPI) -> None:
+    """Install ``api``'s runner hooks on ``runner_cls`` (idempotent); each wraps that class's own original."""
     if runner_cls.__dict__.get(_PATCHED):
         return
-    for name in (*_HOOKS, *_OPTIONAL_HOOKS):
-        current = getattr(runner_cls, name, None)
-        if current is None and name in _OPTIONAL_HOOKS:
+    for spec in api.runner_hooks:
+        current = getattr(runner_cls, spec.name, None)
+        if current is None and not spec.added_if_absent:
             continue
-        if getattr(current, _HOOK_MARK, False):
-            continue  # inherited from a patched base class: wrapping it again would run the hook twice
-        setattr(runner_cls, name, _hook(name, current))
+        if is_hooked(current):
+            continue  # inherited from a hooked base class: wrapping it again would run the hook twice
+        setattr(runner_cls, spec.name, _hook(spec.name, current, api))
     setattr(runner_cls, _PATCHED, True)
 
 
-@contextlib.contextmanager
-def as_binding_runner(runner: Any) -> Iterator[None]:
-    """Test helper: make ``runner`` the one ``binding_runner()`` returns."""
-    token = _binding_runner.set(runner)
-    try:
-        yield
-    finally:
-        _binding_runner.reset(token)
+_PATCHED = "_vllm_ascend_routing_patched"

@@ -22,17 +22,29 @@ from typing import Any
 
 import numpy as np
 
-from vllm_ascend_routing import contract, envs
+from vllm_ascend_routing import contract, envs, patching
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.contract import Violation
+from vllm_ascend_routing.patching import VALIDATION, Patch
 
 logger = get_logger(__name__)
 
 _PROMPT_START = "_vllm_ascend_routing_prompt_start"
-_PATCHED = "_vllm_ascend_routing_validates"
-# Front-end symbols (vLLM 0.20-0.30), see manifest.
-_ENGINES = ("vllm.v1.engine.llm_engine:LLMEngine", "vllm.v1.engine.async_llm:AsyncLLM")
-_REQUEST_STATE = "vllm.v1.engine.output_processor:RequestState"
+_KEEP = "never while validation mode exists"
+_ENGINE_WHY = "validation mode: remember the engine's model (experts, MoE layers)"
+ENGINE_INITS = (
+    Patch("vllm.v1.engine.llm_engine:LLMEngine.__init__", _ENGINE_WHY, _KEEP, params=("self", "vllm_config"),
+          feature=VALIDATION),
+    Patch("vllm.v1.engine.async_llm:AsyncLLM.__init__", _ENGINE_WHY, _KEEP, params=("self", "vllm_config"),
+          feature=VALIDATION),
+)
+FROM_NEW_REQUEST = Patch("vllm.v1.engine.output_processor:RequestState.from_new_request",
+                         "validation mode: remember the request's routed_experts_prompt_start", _KEEP,
+                         params=("tokenizer", "request"), feature=VALIDATION)
+NEW_COMPLETION_OUTPUT = Patch("vllm.v1.engine.output_processor:RequestState._new_completion_output",
+                              "validation mode (VLLM_ASCEND_ROUTING_VALIDATE): check each finished request's array",
+                              _KEEP, params=("self", "token_ids", "finish_reason"), feature=VALIDATION)
+PATCHES = (*ENGINE_INITS, FROM_NEW_REQUEST, NEW_COMPLETION_OUTPUT)
 
 
 class RoutingValidationError(RuntimeError):
@@ -91,25 +103,11 @@ def install() -> None:
     mode = envs.VLLM_ASCEND_ROUTING_VALIDATE
     if mode == "off":
         return
-    from vllm_ascend_routing.manifest import resolve
-
-    for path in _ENGINES:
-        try:
-            engine = resolve(path)
-        except LookupError:
-            continue
-        if not getattr(engine.__init__, _PATCHED, False):
-            engine.__init__ = _recording_config(engine.__init__)
-    state = resolve(_REQUEST_STATE)
-    if not getattr(state._new_completion_output, _PATCHED, False):
-        state.from_new_request = classmethod(_recording_prompt_start(state.from_new_request.__func__))
-        state._new_completion_output = _validating(state._new_completion_output, strict=mode == "strict")
+    for patch in ENGINE_INITS:
+        patching.replace(patch, _recording_config)
+    patching.replace(FROM_NEW_REQUEST, lambda method: classmethod(_recording_prompt_start(method.__func__)))
+    patching.replace(NEW_COMPLETION_OUTPUT, lambda method: _validating(method, strict=mode == "strict"))
     logger.info("vllm-ascend-routing validation mode on (%s)", mode)
-
-
-def _mark(fn: Callable[..., Any]) -> Callable[..., Any]:
-    setattr(fn, _PATCHED, True)
-    return fn
 
 
 def _recording_config(init: Callable[..., Any]) -> Callable[..., Any]:
@@ -119,7 +117,7 @@ def _recording_config(init: Callable[..., Any]) -> Callable[..., Any]:
         _model = ModelRouting.from_vllm_config(vllm_config)
         init(self, vllm_config, *args, **kwargs)
 
-    return _mark(engine_init)
+    return engine_init
 
 
 def _recording_prompt_start(from_new_request: Callable[..., Any]) -> Callable[..., Any]:
@@ -131,7 +129,7 @@ def _recording_prompt_start(from_new_request: Callable[..., Any]) -> Callable[..
         setattr(state, _PROMPT_START, int(getattr(params, "routed_experts_prompt_start", None) or 0))
         return state
 
-    return _mark(wrapper)
+    return wrapper
 
 
 def _validating(new_completion_output: Callable[..., Any], strict: bool) -> Callable[..., Any]:
@@ -146,4 +144,4 @@ def _validating(new_completion_output: Callable[..., Any], strict: bool) -> Call
                          model=_model), strict)
         return output
 
-    return _mark(wrapper)
+    return wrapper

@@ -95,6 +95,7 @@ def main() -> None:
     from vllm.platforms import current_platform
 
     import vllm_ascend_routing
+    from vllm_ascend_routing.compat import get_api
     from vllm_ascend_routing.runner_mixin import RoutingCaptureRunnerMixin
 
     result: dict[str, Any] = {"imported_before_register": RUNNER_MODULE in sys.modules}
@@ -145,7 +146,7 @@ def main() -> None:
     def npu_loader(self: Any, *args: Any, **kwargs: Any) -> None:
         self.model = model
 
-    RoutingCaptureRunnerMixin.load_model(runner, npu_loader)  # the hook, around a loader that needs no NPU
+    RoutingCaptureRunnerMixin.load_model(runner, get_api(), npu_loader)  # the hook, around a loader that needs no NPU
     runner.init_routed_experts_capturer()  # the real method, through the plugin's hook
     capturer = getattr(runner, "routed_experts_capturer", None)  # 0.22+: per runner
     if capturer is None:  # 0.20.x: the process singleton, by the name vllm-ascend's runner uses
@@ -178,6 +179,7 @@ def run_step(
 ) -> dict[str, Any]:
     """One step: the runner's statements before the forward, real MoE forwards, the hand-off."""
     from tests.ascend import real_moe
+    from vllm_ascend_routing.compat import get_api
     from vllm_ascend_routing.runner_mixin import RoutingCaptureRunnerMixin
 
     slot_mapping = torch.tensor(slots + [-1] * (MAX_TOKENS - num_tokens))  # padded, like vllm-ascend's
@@ -201,8 +203,8 @@ def run_step(
         for block in after:
             run_block(block, module, scope)
 
-    RoutingCaptureRunnerMixin.execute_model(runner, forward, scheduler_output)
-    RoutingCaptureRunnerMixin.sample_tokens(runner, hand_off)
+    RoutingCaptureRunnerMixin.execute_model(runner, get_api(), forward, scheduler_output)
+    RoutingCaptureRunnerMixin.sample_tokens(runner, get_api(), hand_off)
     shipped = scope.get("routed_experts_lists") or scope["model_runner_output"].routed_experts
     step: dict[str, Any] = {"expected": expected.tolist(), "slots": slots}
     if shipped is not None:  # 0.22+: the rows vLLM's scheduler receives, by slot

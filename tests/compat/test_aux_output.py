@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vllm_ascend_routing import runner_mixin
+from vllm_ascend_routing import runner_mixin, runner_state
 from vllm_ascend_routing.compat import aux_output
 from vllm_ascend_routing.compat.aux_output import AuxOutputAPI
 from vllm_ascend_routing.compat.base import UnsupportedVllmError
@@ -80,13 +80,11 @@ class V1Runner:
 @pytest.fixture
 def runner(monkeypatch: pytest.MonkeyPatch) -> V1Runner:
     api = AuxOutputAPI()
-    monkeypatch.setattr(runner_mixin, "get_api", lambda: api)
-    monkeypatch.setattr(aux_output.importlib, "import_module",
-                        lambda name: SimpleNamespace(AuxOutputWorkerConnector=FakeConnector))
+    monkeypatch.setattr(aux_output, "connector_class", lambda: FakeConnector)
     cls = type("PatchedV1Runner", (V1Runner,), {})
-    runner_mixin.apply_mixin(cls)
+    runner_mixin.apply_mixin(cls, api)
     made = cls()
-    setattr(made, runner_mixin.PREPARED, (made.model, "prepared"))
+    runner_state.set_prepared(made, "prepared")  # type: ignore[arg-type]
     return made
 
 

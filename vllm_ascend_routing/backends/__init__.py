@@ -18,7 +18,10 @@ import torch
 
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.backends import ascend, cpu_experts, cpu_moe, router
+from vllm_ascend_routing.backends._layer import quant_method
 from vllm_ascend_routing.capture import LayerCapture
+
+__all__ = ["UnboundLayerError", "bind_model", "moe_layers", "quant_method", "splits_tokens"]
 
 logger = get_logger(__name__)
 
@@ -96,6 +99,3 @@ def splits_tokens(vllm_config: Any) -> bool:
     """Whether the backend in use splits a step's tokens over the TP ranks before routing (vllm-ascend)."""
     return "vllm_ascend" in sys.modules and ascend.splits_tokens(vllm_config)
 
-
-def quant_method(module: torch.nn.Module) -> object:
-    return getattr(module, "quant_method", None) or getattr(module, "_quant_method", None)

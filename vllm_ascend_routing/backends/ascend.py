@@ -30,10 +30,32 @@ from typing import Any
 
 import torch
 
+from vllm_ascend_routing.backends._layer import quant_method
 from vllm_ascend_routing.capture import LayerCapture
+from vllm_ascend_routing.compat.releases import Generation
+from vllm_ascend_routing.patching import Patch
 
-_PACKAGE = "vllm_ascend"
-_SELECTOR = "select_experts"
+_ASCEND_RELEASES = "vllm-ascend 0.20.2rc1-0.25"
+_GENERATIONS = (Generation.SHM, Generation.RUNNER_OUTPUT)  # vllm-ascend's select_experts design
+SELECTOR = Patch(
+    "vllm_ascend.ops.fused_moe.experts_selector:select_experts",
+    "in the global namespace of every function that calls it (found through __globals__ of the functions of "
+    "the layer's class, its MoE runner's and its quant method's, MROs included, not by __module__, which "
+    "0.23.x renames): records the logical ids it returns (every quant method and the multistream gate path "
+    "call it; none goes through BaseRouter)",
+    "vllm-ascend routes every method through BaseRouter (its routers, 0.26+): use backend 'router'",
+    _GENERATIONS, ("hidden_states", "router_logits", "top_k"), platform="npu", releases=_ASCEND_RELEASES,
+)
+FORWARD_IMPL = Patch(
+    "vllm_ascend.ops.fused_moe.fused_moe:AscendFusedMoE.forward_impl",
+    "per bound layer (instance attribute): marks the layer active so select_experts knows its layer id",
+    "as select_experts", _GENERATIONS, ("self", "hidden_states", "router_logits"), platform="npu",
+    releases=_ASCEND_RELEASES,
+)
+PATCHES = (SELECTOR, FORWARD_IMPL)
+_PACKAGE = SELECTOR.package
+_SELECTOR = SELECTOR.target.rpartition(":")[2]
+_FORWARD = FORWARD_IMPL.target.rpartition(".")[2]
 _WRAPPED = "_vllm_ascend_routing_inner"
 
 
@@ -71,7 +93,7 @@ _active: contextvars.ContextVar[_LayerState | None] = contextvars.ContextVar("ac
 
 def handles(module: torch.nn.Module) -> bool:
     """An MoE layer run by vllm-ascend: functions of its class, runner or quant method live in ``vllm_ascend``."""
-    return callable(getattr(module, "forward_impl", None)) and bool(call_site_namespaces(module))
+    return callable(getattr(module, _FORWARD, None)) and bool(call_site_namespaces(module))
 
 
 def bind(module: torch.nn.Module, capture: LayerCapture, name: str) -> None:
@@ -80,11 +102,11 @@ def bind(module: torch.nn.Module, capture: LayerCapture, name: str) -> None:
     if not wrapped:
         raise RoutingNotRecordedError(
             f"MoE layer {name!r} ({type(module).__name__}, quant method "
-            f"{type(_quant_method(module)).__name__}): none of its classes' functions calls "
+            f"{type(quant_method(module)).__name__}): none of its classes' functions calls "
             f"{_PACKAGE}'s {_SELECTOR}, so its routing cannot be recorded; this vllm-ascend release or "
             "quant method is not supported by vllm-ascend-routing."
         )
-    method = _quant_method(module)
+    method = quant_method(module)
     if not routes_with_selector(method):
         raise RoutingNotRecordedError(
             f"MoE layer {name!r}: quant method {type(method).__name__} routes without {_PACKAGE}'s "
@@ -92,7 +114,7 @@ def bind(module: torch.nn.Module, capture: LayerCapture, name: str) -> None:
             "be recorded; this quant method is not supported by vllm-ascend-routing."
         )
     state = _LayerState(capture, name)
-    current: Callable[..., Any] = getattr(module, "forward_impl")  # noqa: B009 (nn.Module attribute typing)
+    current: Callable[..., Any] = getattr(module, _FORWARD)
     inner: Callable[..., Any] = getattr(current, _WRAPPED, current)
 
     def forward_impl(*args: Any, **kwargs: Any) -> Any:
@@ -110,7 +132,7 @@ def bind(module: torch.nn.Module, capture: LayerCapture, name: str) -> None:
         return result
 
     setattr(forward_impl, _WRAPPED, inner)
-    setattr(module, "forward_impl", forward_impl)  # noqa: B010 (instance attribute on an nn.Module)
+    setattr(module, _FORWARD, forward_impl)
 
 
 def recording_selector(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -135,10 +157,6 @@ def _wrap_selector(namespace: dict[str, Any]) -> bool:
     if not hasattr(selector, _WRAPPED):
         namespace[_SELECTOR] = recording_selector(selector)
     return True
-
-
-def _quant_method(module: torch.nn.Module) -> Any:
-    return getattr(module, "quant_method", None) or getattr(module, "_quant_method", None)
 
 
 def call_site_namespaces(module: torch.nn.Module) -> list[dict[str, Any]]:
@@ -198,7 +216,7 @@ def _classes(module: torch.nn.Module) -> Iterator[type]:
     moe_runner = getattr(module, "runner", None)  # vllm-ascend 0.23+: AscendMoERunner drives forward_impl
     if moe_runner is not None:
         yield from type(moe_runner).__mro__
-    method, depth = _quant_method(module), 0
+    method, depth = quant_method(module), 0
     while method is not None and depth < 3:  # AscendFusedMoEMethod -> scheme (one level today)
         yield from type(method).__mro__
         method, depth = getattr(method, "quant_method", None) or getattr(method, "scheme", None), depth + 1

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from vllm_ascend_routing.backends._layer import quant_method
 from vllm_ascend_routing.capture import LayerCapture
 
 _WRAPPED = "_vllm_ascend_routing_inner"
@@ -27,7 +28,7 @@ class SharedExpertsError(RuntimeError):
 
 
 def _experts(module: torch.nn.Module) -> Any:
-    qm = getattr(module, "quant_method", None) or getattr(module, "_quant_method", None)
+    qm = quant_method(module)
     if qm is None or not getattr(qm, "is_monolithic", False):
         return None
     return getattr(getattr(qm, "moe_kernel", None), "fused_experts", None)

@@ -15,14 +15,23 @@ from typing import Any
 
 import torch
 
+from vllm_ascend_routing.backends._layer import quant_method
 from vllm_ascend_routing.capture import LayerCapture
+from vllm_ascend_routing.compat.releases import Generation
+from vllm_ascend_routing.patching import Patch
 
+FORWARD_METHOD = Patch(
+    "vllm.model_executor.layers.fused_moe.cpu_fused_moe:CPUFusedMOE",
+    "per bound layer, the instance's forward_method records the ids the CPU MoE computed itself",
+    "the lowest supported vLLM is 0.28.0 or newer (CPU MoE routes through BaseRouter)",
+    (Generation.SHM, Generation.RUNNER_OUTPUT), platform="cpu", required=False, releases="vLLM 0.20.0-0.27.1",
+)
+PATCHES = (FORWARD_METHOD,)
 _WRAPPED = "_vllm_ascend_routing_inner"
 
 
 def _cpu_impl(module: torch.nn.Module) -> Any:
-    qm = getattr(module, "quant_method", None) or getattr(module, "_quant_method", None)
-    return getattr(qm, "cpu_fused_moe", None)
+    return getattr(quant_method(module), "cpu_fused_moe", None)
 
 
 def handles(module: torch.nn.Module) -> bool:

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Pieces every generation adapter shares: config refusals and load-time binding."""
+"""Steps every generation adapter shares: config refusals, load-time binding, the shape-checked attach."""
 
 from __future__ import annotations
 
@@ -20,6 +20,30 @@ _PARALLELISM_REFUSED = {
     "decode_context_parallel_size": "decode context parallelism",
     "prefill_context_parallel_size": "prefill context parallelism",
 }
+
+
+def prepare_capture(
+    model: torch.nn.Module, vllm_config: Any, device: torch.device, generation: str, shape: tuple[int, int, int]
+) -> PreparedCapture:
+    """At model load, for an engine that returns routed experts: refuse what cannot be served exactly, then
+    bind the target model's MoE layers to a ``[max_num_batched_tokens, *shape[:2]]`` buffer."""
+    refuse_unsupported_config(vllm_config, generation)
+    num_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
+    return bind_target_model(model, num_tokens, shape, device, rank_layout(vllm_config))
+
+
+def attach_buffer(prepared: PreparedCapture, capturer: Any) -> None:
+    """Hand vLLM's capturer the prepared buffer in place of the one it allocated (same shape and device).
+
+    Done before the runner allocates anything derived from it (pinned host mirrors, snapshots) and before
+    any graph capture; never reallocated."""
+    upstream = capturer.device_buffer
+    if tuple(upstream.shape) != tuple(prepared.buffer.shape) or upstream.device != prepared.buffer.device:
+        raise RuntimeError(
+            f"vllm-ascend-routing: vLLM's capturer buffer {tuple(upstream.shape)} on {upstream.device} "
+            f"does not match the prepared {tuple(prepared.buffer.shape)} on {prepared.buffer.device}."
+        )
+    capturer.device_buffer = prepared.buffer
 
 
 def refuse_unsupported_config(vllm_config: Any, generation: str) -> None:

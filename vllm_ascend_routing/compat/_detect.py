@@ -7,6 +7,7 @@ import importlib
 from types import ModuleType
 
 from vllm_ascend_routing import envs
+from vllm_ascend_routing.compat import releases
 from vllm_ascend_routing.compat.base import SUPPORTED_RELEASES, Generation, UnsupportedVllmError
 
 _CAPTURER = "vllm.model_executor.layers.fused_moe.routed_experts_capturer"
@@ -46,19 +47,11 @@ def _by_features() -> Generation | None:
 
 
 def _by_version(version: str) -> Generation | None:
-    try:
-        major, minor = (int(part) for part in version.split(".")[:2])
-    except ValueError:
+    """The release table's generation for this version number (the newest generation is open-ended)."""
+    if not releases.version_key(version):
         return None
-    if (major, minor) == (0, 20):
-        return Generation.SHM
-    if (major, minor) == (0, 21):
-        return Generation.REVERTED
-    if (0, 22) <= (major, minor) <= (0, 30):
-        return Generation.RUNNER_OUTPUT
-    if (major, minor) >= (0, 31):
-        return Generation.AUX_OUTPUT
-    return None
+    span = releases.generation_of(version)
+    return None if span is None else span.generation
 
 
 def detect_generation() -> Generation:

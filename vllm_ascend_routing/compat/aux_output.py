@@ -21,7 +21,6 @@ it into Model Runner V2 only. This adapter:
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -30,33 +29,45 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_ascend_routing import patching
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import PreparedCapture
-from vllm_ascend_routing.compat._common import bind_target_model, rank_layout, refuse_unsupported_config
+from vllm_ascend_routing.compat._common import attach_buffer, prepare_capture
 from vllm_ascend_routing.compat.base import Generation, UnsupportedVllmError
-from vllm_ascend_routing.runner_mixin import PREPARED, binding_runner
+from vllm_ascend_routing.patching import Patch
+from vllm_ascend_routing.runner_mixin import CONNECTOR_HOOKS
+from vllm_ascend_routing.runner_state import RunnerHook, as_binding_runner, binding_runner, prepared_capture
 
 logger = get_logger(__name__)
 
+_AUX = (Generation.AUX_OUTPUT,)
 _WORKER = "vllm.distributed.aux_output_connector.worker"
-_BINDER = "bind_routed_experts_capturer"
-_PATCHED = "_vllm_ascend_routing_patched"
+BINDER = Patch(f"{_WORKER}:bind_routed_experts_capturer",
+               "the connector's capturer is handed the buffer bound at load (vLLM would bind after compiling)",
+               "vLLM binds before its first compile on every platform", _AUX, ("model", "capturer"))
+CONNECTOR = Patch(f"{_WORKER}:AuxOutputWorkerConnector",
+                  "created by the runner hooks on runners without connector code (not replaced)",
+                  "vLLM's V1 runner drives the connector itself", _AUX, ("vllm_config", "model", "kv_cache_config"))
+CONFIG_CHECK = Patch("vllm.config.vllm:VllmConfig._verify_aux_output_compatibility",
+                     "CPU only: accept the V1 runner the plugin drives (vLLM exempts out-of-tree platforms the "
+                     "same way)", "vLLM's CPU build runs Model Runner V2", _AUX, ("self",))
+PATCHES = (BINDER, CONNECTOR, CONFIG_CHECK)
 _DRIVER = "_vllm_ascend_routing_aux_driver"  # runner attribute: the connector this plugin drives
 
 
 def _attach_prepared_buffer(model: torch.nn.Module, capturer: Any) -> None:
     """Stands in for vLLM's binder inside the connector: the capturer gets the buffer bound at load."""
     runner = binding_runner()
-    _, prepared = getattr(runner, PREPARED, (None, None)) if runner is not None else (None, None)
+    prepared = prepared_capture(runner) if runner is not None else None
     if prepared is None or runner.model is not model:
         raise RuntimeError(
             "vllm-ascend-routing: vLLM's AuxOutput connector was created outside a patched model runner's "
             "initialize_kv_cache(); this runner class is not supported."
         )
-    AuxOutputAPI().attach(prepared, capturer)
+    attach_buffer(prepared, capturer)  # snapshot_routing_data narrows it to uint8/uint16
 
 
-setattr(_attach_prepared_buffer, _PATCHED, True)
+patching.mark(_attach_prepared_buffer)
 
 
 @contextlib.contextmanager
@@ -83,7 +94,6 @@ def _accept_v1_runner_on_cpu(verify: Callable[[Any], None]) -> Callable[[Any], N
                 return verify(self)
         return verify(self)
 
-    setattr(verify_aux_output_compatibility, _PATCHED, True)
     return verify_aux_output_compatibility
 
 
@@ -95,25 +105,22 @@ class _Driver:
     scheduler_output: Any = None
 
 
+def connector_class() -> Any:
+    """vLLM's ``AuxOutputWorkerConnector``, created on runners that have no connector code."""
+    return patching.resolve(CONNECTOR.target)
+
+
 class AuxOutputAPI:
     generation = Generation.AUX_OUTPUT
+    runner_hooks: tuple[RunnerHook, ...] = CONNECTOR_HOOKS
 
     def install(self) -> None:
-        worker = importlib.import_module(_WORKER)
-        if not getattr(getattr(worker, _BINDER), _PATCHED, False):
-            setattr(worker, _BINDER, _attach_prepared_buffer)
-        from vllm.config import VllmConfig
-
-        verify = VllmConfig._verify_aux_output_compatibility
-        if not getattr(verify, _PATCHED, False):
-            VllmConfig._verify_aux_output_compatibility = _accept_v1_runner_on_cpu(verify)  # type: ignore[method-assign]
+        patching.replace(BINDER, lambda _: _attach_prepared_buffer)
+        patching.replace(CONFIG_CHECK, _accept_v1_runner_on_cpu)
 
     def install_ascend(self) -> None:
         """Nothing beyond the runner hooks: Ascend is out-of-tree, so vLLM's check already lets its runner
         serve the connector, which the hooks then drive."""
-
-    def check_config(self, vllm_config: Any) -> None:
-        refuse_unsupported_config(vllm_config, self.generation.value)
 
     def routing_shape(self, vllm_config: Any) -> tuple[int, int, int]:
         """``(num_hidden_layers, top_k, num_experts)`` exactly as the connector's capturer sizes them."""
@@ -124,18 +131,10 @@ class AuxOutputAPI:
     def prepare(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> PreparedCapture | None:
         if not vllm_config.aux_output_config.enable_return_routed_experts:
             return None
-        self.check_config(vllm_config)
-        num_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
-        return bind_target_model(model, num_tokens, self.routing_shape(vllm_config), device, rank_layout(vllm_config))
+        return prepare_capture(model, vllm_config, device, self.generation.value, self.routing_shape(vllm_config))
 
     def attach(self, prepared: PreparedCapture, capturer: Any) -> None:
-        upstream = capturer.device_buffer
-        if tuple(upstream.shape) != tuple(prepared.buffer.shape) or upstream.device != prepared.buffer.device:
-            raise RuntimeError(
-                f"vllm-ascend-routing: vLLM's capturer buffer {tuple(upstream.shape)} on {upstream.device} "
-                f"does not match the prepared {tuple(prepared.buffer.shape)} on {prepared.buffer.device}."
-            )
-        capturer.device_buffer = prepared.buffer  # snapshot_routing_data narrows it to uint8/uint16
+        attach_buffer(prepared, capturer)  # snapshot_routing_data narrows it to uint8/uint16
 
     def after_forward(self, prepared: PreparedCapture, num_tokens: int) -> None:
         """Nothing: the connector snapshots the buffer when the step's output is prepared."""
@@ -151,11 +150,8 @@ class AuxOutputAPI:
                 "vllm-ascend-routing: async scheduling with routed experts on this runner is not supported; "
                 "pass --no-async-scheduling or unset VLLM_ASCEND_ROUTING."
             )
-        worker = importlib.import_module(_WORKER)
-        from vllm_ascend_routing.runner_mixin import as_binding_runner
-
         with as_binding_runner(runner):
-            connector = worker.AuxOutputWorkerConnector(
+            connector = connector_class()(
                 vllm_config=config, model=runner.model, kv_cache_config=kv_cache_config
             )
         setattr(runner, _DRIVER, _Driver(connector))

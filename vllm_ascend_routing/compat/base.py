@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -11,17 +10,13 @@ if TYPE_CHECKING:
     import torch
 
     from vllm_ascend_routing.capture import PreparedCapture
+    from vllm_ascend_routing.runner_state import RunnerHook
 
-SUPPORTED_RELEASES = "0.20.0-0.20.2 and 0.22.0-0.32.0"
+from vllm_ascend_routing.compat.releases import Generation, supported_releases_text
 
+__all__ = ["SUPPORTED_RELEASES", "CaptureAPI", "Generation", "StepHooksNotUsed", "UnsupportedVllmError"]
 
-class Generation(str, enum.Enum):
-    """How a vLLM release moves routed experts from the worker to the user."""
-
-    SHM = "shm"  # 0.20.x: singleton capturer, KV-slot-indexed POSIX shared memory
-    REVERTED = "reverted"  # 0.21.0 only: device-cache design, reverted upstream; refused
-    RUNNER_OUTPUT = "runner-output"  # 0.22-0.30: per-runner capturer, ModelRunnerOutput.routed_experts
-    AUX_OUTPUT = "aux-output"  # 0.31+: AuxOutput connector on Model Runner V2
+SUPPORTED_RELEASES = supported_releases_text()
 
 
 class UnsupportedVllmError(RuntimeError):
@@ -32,6 +27,8 @@ class CaptureAPI(Protocol):
     """What the runner mixin and ``integration`` need from one vLLM API generation."""
 
     generation: Generation
+    # The runner methods this generation hooks (``runner_mixin.CAPTURER_HOOKS`` / ``CONNECTOR_HOOKS``).
+    runner_hooks: tuple[RunnerHook, ...]
 
     def install(self) -> None:
         """Patch this generation's runner hooks into vLLM (idempotent)."""

@@ -18,23 +18,28 @@ SCAFFOLDING: remove when the lowest supported vLLM is >= 0.31 (AuxOutput connect
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
 
-from vllm_ascend_routing._logging import get_logger
+from vllm_ascend_routing import patching
 from vllm_ascend_routing.capture import PreparedCapture
-from vllm_ascend_routing.compat._common import bind_target_model, rank_layout, refuse_unsupported_config
+from vllm_ascend_routing.compat._common import attach_buffer, prepare_capture
 from vllm_ascend_routing.compat.base import Generation, StepHooksNotUsed
-from vllm_ascend_routing.runner_mixin import binding_runner
+from vllm_ascend_routing.patching import Patch
+from vllm_ascend_routing.runner_mixin import CAPTURER_BINDER, CAPTURER_HOOKS
+from vllm_ascend_routing.runner_state import RunnerHook, binding_runner
 
-logger = get_logger(__name__)
-
-# Runner modules that import the module-level binder (0.28-0.30); absent names are skipped.
-_BINDER_IMPORTERS = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner")
-_BINDER = "bind_routed_experts_capturer"
-_PATCHED = "_vllm_ascend_routing_patched"
+# The module-level binder (0.28-0.30), as each runner module imported it; absent in older releases.
+_BINDER_WHY = "vLLM's module-level binder, as the runner imported it, routes to the runner's bind hook"
+PATCHES = (
+    Patch("vllm.v1.worker.gpu_model_runner:bind_routed_experts_capturer", _BINDER_WHY,
+          "the lowest supported vLLM is 0.31.0 or newer", (Generation.RUNNER_OUTPUT,), ("model", "capturer"),
+          required=False, one_of=CAPTURER_BINDER, releases="vLLM 0.28.0-0.30.0"),
+    Patch("vllm.v1.worker.gpu.model_runner:bind_routed_experts_capturer", _BINDER_WHY + " (Model Runner V2)",
+          "the lowest supported vLLM is 0.31.0 or newer", (Generation.RUNNER_OUTPUT,), ("model", "capturer"),
+          required=False, releases="vLLM 0.28.0-0.30.0"),
+)  # fmt: skip
 
 
 def _bind_through_runner(model: torch.nn.Module, capturer: Any) -> None:
@@ -48,27 +53,20 @@ def _bind_through_runner(model: torch.nn.Module, capturer: Any) -> None:
     runner._bind_routed_experts_capturer(capturer)
 
 
-setattr(_bind_through_runner, _PATCHED, True)
+patching.mark(_bind_through_runner)
 
 
 class RunnerOutputAPI(StepHooksNotUsed):
     generation = Generation.RUNNER_OUTPUT
+    runner_hooks: tuple[RunnerHook, ...] = CAPTURER_HOOKS
 
     def install(self) -> None:
-        for name in _BINDER_IMPORTERS:
-            try:
-                module = importlib.import_module(name)
-            except ImportError:
-                continue
-            if hasattr(module, _BINDER):
-                setattr(module, _BINDER, _bind_through_runner)
+        for patch in PATCHES:
+            patching.replace(patch, lambda _: _bind_through_runner)
 
     def install_ascend(self) -> None:
         """Nothing: vllm-ascend's runner ships vLLM's capturer buffer itself (the mixin replaces its
         ``_bind_routed_experts_capturer``, so its own per-layer capturer attribute stays unset)."""
-
-    def check_config(self, vllm_config: Any) -> None:
-        refuse_unsupported_config(vllm_config, self.generation.value)
 
     def routing_shape(self, vllm_config: Any) -> tuple[int, int, int]:
         """``(num_hidden_layers, top_k, num_experts)`` exactly as this generation's capturer sizes them."""
@@ -86,20 +84,10 @@ class RunnerOutputAPI(StepHooksNotUsed):
     def prepare(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> PreparedCapture | None:
         if not vllm_config.model_config.enable_return_routed_experts:
             return None
-        self.check_config(vllm_config)
-        num_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
-        return bind_target_model(model, num_tokens, self.routing_shape(vllm_config), device, rank_layout(vllm_config))
+        return prepare_capture(model, vllm_config, device, self.generation.value, self.routing_shape(vllm_config))
 
     def after_forward(self, prepared: PreparedCapture, num_tokens: int) -> None:
         """Nothing: vLLM's runner copies the buffer to the host itself, asynchronously."""
 
     def attach(self, prepared: PreparedCapture, capturer: Any) -> None:
-        # Done before the runner allocates its pinned host mirror (which copies this dtype) and
-        # before any graph capture; never reallocated.
-        upstream = capturer.device_buffer
-        if tuple(upstream.shape) != tuple(prepared.buffer.shape) or upstream.device != prepared.buffer.device:
-            raise RuntimeError(
-                f"vllm-ascend-routing: vLLM's capturer buffer {tuple(upstream.shape)} on {upstream.device} "
-                f"does not match the prepared {tuple(prepared.buffer.shape)} on {prepared.buffer.device}."
-            )
-        capturer.device_buffer = prepared.buffer
+        attach_buffer(prepared, capturer)  # before the runner allocates its pinned host mirror of it

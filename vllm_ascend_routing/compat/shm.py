@@ -19,31 +19,40 @@ SCAFFOLDING: remove when the lowest supported vLLM is >= 0.22.
 from __future__ import annotations
 
 import atexit
-import importlib
 from typing import Any
 
 import numpy as np
 import torch
 
+from vllm_ascend_routing import patching
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import PreparedCapture
-from vllm_ascend_routing.compat._common import bind_target_model, rank_layout, refuse_unsupported_config
+from vllm_ascend_routing.compat._common import prepare_capture
 from vllm_ascend_routing.compat._shm_store import SegmentReader, SegmentSpec, SegmentWriter
 from vllm_ascend_routing.compat.base import Generation, StepHooksNotUsed
+from vllm_ascend_routing.patching import Patch
+from vllm_ascend_routing.runner_mixin import CAPTURER_HOOKS
+from vllm_ascend_routing.runner_state import RunnerHook
 
 logger = get_logger(__name__)
 
-# Where vLLM 0.20.x imported the two classes (module, name): they are replaced there.
-_SUBSTITUTIONS = (
-    ("vllm.v1.worker.gpu_model_runner", "RoutedExpertsCapturer"),
-    ("vllm.v1.core.sched.scheduler", "RoutedExpertsReader"),
-)
+_SHM = (Generation.SHM,)
+_REMOVE = "the lowest supported vLLM is 0.22.0 or newer"
+# Where vLLM 0.20.x imported the two classes: they are replaced there, by name.
+CAPTURER = Patch("vllm.v1.worker.gpu_model_runner:RoutedExpertsCapturer",
+                 "substituted by the narrow shared-memory capturer (same call sites)", _REMOVE, _SHM)
+READER = Patch("vllm.v1.core.sched.scheduler:RoutedExpertsReader",
+               "substituted by the narrow shared-memory reader (same call sites)", _REMOVE, _SHM)
 # vllm-ascend 0.20.2rc1: its NPU runner calls the capturer by its own imported name (clear/save), and its
 # unquantized MoE method captures through the singleton; the plugin records every method itself.
-_ASCEND_SUBSTITUTIONS = (
-    ("vllm_ascend.worker.model_runner_v1", "RoutedExpertsCapturer"),
-    ("vllm_ascend.ops.fused_moe.fused_moe", "RoutedExpertsCapturer"),
-)
+ASCEND_CAPTURER = Patch("vllm_ascend.worker.model_runner_v1:RoutedExpertsCapturer",
+                        "the NPU runner's clear/save call sites reach the narrow shared-memory capturer",
+                        _REMOVE, _SHM, platform="npu", releases="vllm-ascend 0.20.2rc1 (vLLM 0.20.2)")
+ASCEND_MOE_CAPTURER = Patch("vllm_ascend.ops.fused_moe.fused_moe:RoutedExpertsCapturer",
+                            "vllm-ascend's own capture (unquantized method only) is turned off: the plugin "
+                            "records every method", _REMOVE, _SHM, platform="npu",
+                            releases="vllm-ascend 0.20.2rc1 (vLLM 0.20.2)")
+PATCHES = (CAPTURER, READER, ASCEND_CAPTURER, ASCEND_MOE_CAPTURER)
 
 
 def _routing_shape(vllm_config: Any) -> tuple[int, int, int]:
@@ -187,34 +196,26 @@ class _CaptureOff:
         return None
 
 
+for _substitute in (ShmRoutedExpertsCapturer, ShmRoutedExpertsReader, _CaptureOff):
+    patching.mark(_substitute)
+
+
 class ShmAPI(StepHooksNotUsed):
     generation = Generation.SHM
+    runner_hooks: tuple[RunnerHook, ...] = CAPTURER_HOOKS
 
     def install(self) -> None:
-        replacements = {
-            "RoutedExpertsCapturer": ShmRoutedExpertsCapturer,
-            "RoutedExpertsReader": ShmRoutedExpertsReader,
-        }
-        for module_name, name in _SUBSTITUTIONS:
-            module = importlib.import_module(module_name)
-            if not hasattr(module, name):
-                raise RuntimeError(f"vllm-ascend-routing: {module_name}.{name} not found; this vLLM is not 0.20.x")
-            setattr(module, name, replacements[name])
+        patching.replace(CAPTURER, lambda _: ShmRoutedExpertsCapturer)
+        patching.replace(READER, lambda _: ShmRoutedExpertsReader)
 
     def install_ascend(self) -> None:
-        runner_module, fused_moe_module = (importlib.import_module(name) for name, _ in _ASCEND_SUBSTITUTIONS)
-        setattr(runner_module, "RoutedExpertsCapturer", ShmRoutedExpertsCapturer)  # noqa: B010
-        setattr(fused_moe_module, "RoutedExpertsCapturer", _CaptureOff)  # noqa: B010
-
-    def check_config(self, vllm_config: Any) -> None:
-        refuse_unsupported_config(vllm_config, self.generation.value)
+        patching.replace(ASCEND_CAPTURER, lambda _: ShmRoutedExpertsCapturer)
+        patching.replace(ASCEND_MOE_CAPTURER, lambda _: _CaptureOff)
 
     def prepare(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> PreparedCapture | None:
         if not vllm_config.model_config.enable_return_routed_experts:
             return None
-        self.check_config(vllm_config)
-        num_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
-        return bind_target_model(model, num_tokens, _routing_shape(vllm_config), device, rank_layout(vllm_config))
+        return prepare_capture(model, vllm_config, device, self.generation.value, _routing_shape(vllm_config))
 
     def attach(self, prepared: PreparedCapture, capturer: Any) -> None:
         if not isinstance(capturer, ShmRoutedExpertsCapturer):

@@ -51,7 +51,7 @@ def run_offline(arch: str, mode: str, num_prompts: int, tensor_parallel: int = 1
     if tensor_parallel > 1:  # vLLM's CPU workers need a NUMA node each, or explicit cores: one per rank
         cores = sorted(os.sched_getaffinity(0))[:tensor_parallel]
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, cores)))
-    from vllm_ascend_routing.runner_mixin import _HOOK_MARK
+    from vllm_ascend_routing.runner_mixin import is_hooked
 
     model = models.build_tiny_moe(arch, model_dir() / arch)
     llm = offline.make_llm(
@@ -87,7 +87,7 @@ def run_offline(arch: str, mode: str, num_prompts: int, tensor_parallel: int = 1
 
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    out["runner_patched"] = bool(getattr(GPUModelRunner.load_model, _HOOK_MARK, False))
+    out["runner_patched"] = is_hooked(GPUModelRunner.load_model)
     out["load_table"] = expert_load(batch, model)
     return out
 

@@ -1,0 +1,67 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the runner hooks leave on a model runner, readable by every generation adapter.
+
+A leaf module: the hooks (``runner_mixin``) write this state and the adapters read it, without either
+importing the other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm_ascend_routing.capture import PreparedCapture
+
+_PREPARED = "_vllm_ascend_routing_capture"  # runner attribute: (model, PreparedCapture | None)
+
+# The runner creating its capturer or connector, for vLLM releases whose binder is a module-level function
+# that is not given the runner (0.28+).
+_binding_runner: contextvars.ContextVar[Any] = contextvars.ContextVar("binding_runner", default=None)
+
+
+@dataclass(frozen=True)
+class RunnerHook:
+    """One model-runner method a generation hooks."""
+
+    name: str
+    params: tuple[str, ...]  # leading parameters of vLLM's method the hook relies on
+    why: str
+    # True: added where vLLM's runner lacks the method (the generation's module-level binder routes to it);
+    # otherwise a method is hooked only where the runner class has it.
+    added_if_absent: bool = False
+    one_of: str = ""  # manifest group: this method or another target of the group must exist
+
+
+def prepared_capture(runner: Any) -> PreparedCapture | None:
+    """The capture the runner's ``load_model`` hook prepared, or ``None`` (capture off, or not loaded)."""
+    _, prepared = getattr(runner, _PREPARED, (None, None))
+    return prepared
+
+
+def has_prepared(runner: Any) -> bool:
+    """Whether ``load_model``'s hook already ran for the runner's current model (capture on or off)."""
+    model, _ = getattr(runner, _PREPARED, (None, None))
+    return model is not None and model is getattr(runner, "model", None)
+
+
+def set_prepared(runner: Any, prepared: PreparedCapture | None) -> None:
+    setattr(runner, _PREPARED, (runner.model, prepared))
+
+
+def binding_runner() -> Any:
+    """The runner currently creating its capturer (or, 0.31+, its connector), or ``None``."""
+    return _binding_runner.get()
+
+
+@contextlib.contextmanager
+def as_binding_runner(runner: Any) -> Iterator[None]:
+    """Make ``runner`` the one ``binding_runner()`` returns while vLLM creates its capturer."""
+    token = _binding_runner.set(runner)
+    try:
+        yield
+    finally:
+        _binding_runner.reset(token)
