@@ -1,14 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Against the installed vLLM (release venvs): the CPU compat fix and generation detection."""
+"""Against the installed vLLM (release venvs): the CPU compat fix, generation detection, and start-up
+verification of every patch target (one release per generation runs this in ``make test``)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from vllm_ascend_routing import _cpu_compat
+from vllm_ascend_routing import _cpu_compat, doctor, integration, manifest
+from vllm_ascend_routing.compat import UnsupportedVllmError, get_api
+from vllm_ascend_routing.compat.releases import generation_of
+from vllm_ascend_routing.patching import Patch, resolve
 
 pytestmark = pytest.mark.vllm
 
@@ -41,13 +47,96 @@ def test_silu_entry_replaced_and_callable_outside_config_context() -> None:
 def test_features_detect_the_generation_of_this_release() -> None:
     import vllm
 
-    from vllm_ascend_routing.compat import Generation, get_api
+    span = generation_of(vllm.__version__)  # the release table
+    assert span is not None and get_api().generation is span.generation
 
-    minor = int(vllm.__version__.split(".")[1])
-    if minor == 20:
-        expected = Generation.SHM
-    elif minor <= 30:
-        expected = Generation.RUNNER_OUTPUT
-    else:
-        expected = Generation.AUX_OUTPUT
-    assert get_api().generation is expected
+
+def _vllm_rows() -> list[Patch]:
+    return [patch for patch in manifest.patches_for(get_api().generation, "cpu") if patch.package == "vllm"]
+
+
+def _remove(monkeypatch: pytest.MonkeyPatch, target: str) -> None:
+    """Make ``target`` absent, as a release that renamed it would: deleted wherever it is defined (a
+    constructor: replaced by one without the parameters the plugin relies on)."""
+    module_name, _, qualname = target.partition(":")
+    owner_path, _, name = qualname.rpartition(".")
+    owner = resolve(f"{module_name}:{owner_path}") if owner_path else importlib.import_module(module_name)
+    if name == "__init__":  # cannot be absent: a release that changed it drops a parameter the plugin relies on
+        monkeypatch.setattr(owner, name, lambda self, *args, **kwargs: None)
+        return
+    holders = [klass for klass in owner.__mro__ if name in vars(klass)] if isinstance(owner, type) else [owner]
+    if not holders or not hasattr(owner, name):
+        raise LookupError(f"{target} is absent in this release")
+    for holder in holders:
+        monkeypatch.delattr(holder, name)
+
+
+@pytest.fixture
+def nothing_patched(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    # A refused start-up must patch nothing: fail the test if the adapter's install is reached.
+    monkeypatch.setattr(type(get_api()), "install", lambda self: pytest.fail("patched before verification"))
+    yield
+
+
+def test_start_up_verifies_every_target_of_this_generation(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING_VALIDATE", "strict")
+    findings = manifest.verify(get_api().generation, "cpu")
+    assert [f.patch.target for f in findings if f.problem] == []
+    assert {f.patch.target for f in findings} == {p.target for p in _vllm_rows()}
+    assert any(f.present and f.patch.target.endswith(".load_model") for f in findings)
+
+
+def test_each_required_target_removed_is_refused_at_start_up_by_name(
+    monkeypatch: pytest.MonkeyPatch, nothing_patched: None
+) -> None:
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING_VALIDATE", "strict")  # its targets are checked too
+    required = [patch for patch in _vllm_rows() if patch.required]
+    assert len(required) >= 8
+    for patch in required:
+        with monkeypatch.context() as removed:
+            _remove(removed, patch.target)
+            with pytest.raises(UnsupportedVllmError) as refused:
+                integration.install()
+        message = str(refused.value)
+        assert patch.target.partition(":")[2].rsplit(".", 1)[-1] in message, message
+        assert patch.target.partition(":")[0] in message and "not supported yet" in message
+
+
+def test_a_moved_binder_group_with_no_member_left_is_refused(
+    monkeypatch: pytest.MonkeyPatch, nothing_patched: None
+) -> None:
+    groups: dict[str, list[Patch]] = {}
+    for patch in _vllm_rows():
+        if patch.one_of:
+            groups.setdefault(patch.one_of, []).append(patch)
+    if get_api().generation.value == "aux-output":
+        assert groups == {}  # vLLM's connector binder is one required target there
+        return
+    assert groups, "0.20-0.30 hand vLLM's capturer the buffer through a method or a module binder"
+    for name, members in groups.items():
+        with monkeypatch.context() as removed:
+            for patch in members:
+                with contextlib.suppress(LookupError):  # absent in this release: the other member is in use
+                    _remove(removed, patch.target)
+            with pytest.raises(UnsupportedVllmError, match=name):
+                integration.install()
+
+
+def test_validation_targets_are_checked_only_while_validation_is_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    target = "vllm.v1.engine.output_processor:RequestState._new_completion_output"
+    assert target in {patch.target for patch in _vllm_rows()}
+    _remove(monkeypatch, target)
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING_VALIDATE", "0")
+    manifest.verify(get_api().generation, "cpu")  # not relied on: start-up goes on
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING_VALIDATE", "1")
+    with pytest.raises(UnsupportedVllmError, match="_new_completion_output"):
+        manifest.verify(get_api().generation, "cpu")
+
+
+def test_doctor_lists_every_verified_target() -> None:
+    lines, verified, total, missing = doctor.target_report("cpu")
+    assert missing is None and verified == total == len(_vllm_rows())
+    for patch in _vllm_rows():
+        assert any(line.strip().endswith(patch.target) for line in lines), patch.target
+    required_ok = [line for line in lines if line.strip().startswith("ok ")]
+    assert len(required_ok) >= sum(patch.required for patch in _vllm_rows())

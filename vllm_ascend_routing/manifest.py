@@ -126,5 +126,8 @@ def _version(package: str) -> str:
             return metadata.version(distribution)
         except metadata.PackageNotFoundError:
             continue
-    module = importlib.import_module(package)
+    try:
+        module = importlib.import_module(package)
+    except ImportError:
+        return "(not importable)"
     return str(getattr(module, "__version__", "(unknown version)"))

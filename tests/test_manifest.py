@@ -1,0 +1,70 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The manifest collects the rows every patching module declares (no vLLM needed)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from vllm_ascend_routing import _cpu_compat, manifest, validate
+from vllm_ascend_routing.backends import ascend, cpu_moe
+from vllm_ascend_routing.compat import aux_output, runner_output, shm
+from vllm_ascend_routing.compat.base import UnsupportedVllmError
+from vllm_ascend_routing.patching import CAPTURING, VALIDATION, Patch
+
+GENERATIONS = [api.generation for api in manifest.ADAPTERS]
+
+
+def test_every_declared_row_is_collected() -> None:
+    collected = {(p.target, p.generations, p.platform) for p in manifest.all_patches()}
+    for module in (shm, runner_output, aux_output, cpu_moe, ascend, _cpu_compat, validate):
+        assert module.PATCHES, module.__name__
+        for patch in module.PATCHES:
+            assert (patch.target, patch.generations, patch.platform) in collected, patch.target
+
+
+def test_rows_name_a_module_and_a_symbol() -> None:
+    for patch in manifest.all_patches():
+        module_name, colon, qualname = patch.target.partition(":")
+        assert colon and module_name.split(".")[0] in ("vllm", "vllm_ascend") and qualname, patch.target
+        assert patch.why and patch.remove_when and patch.release_text.startswith(("vLLM", "vllm-ascend"))
+
+
+@pytest.mark.parametrize("generation", GENERATIONS, ids=lambda g: g.value)
+@pytest.mark.parametrize("platform", manifest.PLATFORMS)
+def test_rows_are_unique_and_runner_hooks_come_first(generation: object, platform: str) -> None:
+    rows = manifest.patches_for(generation, platform)  # type: ignore[arg-type]
+    targets = [patch.target for patch in rows]
+    assert len(targets) == len(set(targets))
+    assert targets[0].endswith(".load_model")
+
+
+def test_validation_rows_cover_every_generation_that_installs_them() -> None:
+    rows = [patch for patch in manifest.all_patches() if patch.feature == VALIDATION]
+    assert {patch.target for patch in rows} == {patch.target for patch in validate.PATCHES}
+    assert all(patch.generations == CAPTURING for patch in rows)
+
+
+def test_aux_output_rows_include_its_runner_hooks_and_binder() -> None:
+    targets = {patch.target for patch in manifest.patches_for(aux_output.AuxOutputAPI.generation, "cpu")}
+    assert "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens" in targets
+    assert aux_output.BINDER.target in targets and aux_output.CONFIG_CHECK.target in targets
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="checks the refusal where vLLM is absent")
+def test_without_vllm_every_required_target_is_named_in_the_refusal() -> None:
+    generation = runner_output.RunnerOutputAPI.generation
+    with pytest.raises(UnsupportedVllmError) as refused:
+        manifest.verify(generation, "cpu")
+    message = str(refused.value)
+    rows = manifest.patches_for(generation, "cpu")
+    required = [p for p in rows if p.required and p.package == "vllm" and not p.feature]  # validation off
+    assert required and all(patch.target.partition(":")[0] in message for patch in required)
+    assert "vLLM's capturer binder: none of" in message  # the group: neither member exists
+
+
+def test_an_optional_absent_target_is_not_a_problem() -> None:
+    patch = Patch("vllm_ascend_routing_absent_module:thing", "why", "never", required=False)
+    assert manifest.problem(patch) is None
+    assert manifest.problem(Patch("vllm_ascend_routing_absent_module:thing", "why", "never")) is not None
