@@ -108,3 +108,47 @@ def test_front_end_hooks_check_finished_requests(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(RoutingValidationError, match="5 rows, expected 6"):
         original(request_state(array, prompt_start=0), [], "stop", None)
     assert getattr(state_cls._new_completion_output, "_vllm_ascend_routing_validates", False)
+
+
+def _prepared(errors: int) -> Any:
+    import torch
+
+    from vllm_ascend_routing.capture import PreparedCapture
+
+    return PreparedCapture(torch.zeros(4, 3, 2, dtype=torch.int16), torch.tensor([errors]), 8, 2)
+
+
+def test_recorded_out_of_range_ids_reach_validation(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(validate, "_strict", True)
+    monkeypatch.setattr(validate, "_reported_errors", {})
+    prepared = _prepared(0)
+    validate.check_recorded_ids(prepared)  # nothing recorded: nothing reported
+    prepared.errors.fill_(3)  # the capture op counted three ids outside [0, 8) (stored as -1)
+    with pytest.raises(RoutingValidationError, match=r"3 routed expert id\(s\) outside \[0, 8\)"):
+        validate.check_recorded_ids(prepared)
+    validate.check_recorded_ids(prepared)  # reported once, not every step after
+
+
+def test_the_step_hook_checks_recorded_ids_only_in_validation_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_ascend_routing import runner_mixin, runner_state
+
+    checked: list[Any] = []
+    monkeypatch.setattr(validate, "check_recorded_ids", checked.append)
+    api = SimpleNamespace(step_started=lambda *a: None, after_forward=lambda *a: None)
+    runner = SimpleNamespace(model=object())
+    prepared = _prepared(0)
+    runner_state.set_prepared(runner, prepared)
+    step = SimpleNamespace(total_num_scheduled_tokens=4)
+    for watching in (False, True):
+        monkeypatch.setattr(validate, "_watching", watching)
+        runner_mixin.RoutingCaptureRunnerMixin.execute_model(runner, api, lambda *a: "out", step)  # type: ignore[arg-type]
+    assert checked == [prepared]
+
+
+def test_doctor_reports_the_capture_counters(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_ascend_routing import doctor, runner_state
+
+    monkeypatch.setattr(runner_state, "captures_in_process", lambda: [_prepared(0)])
+    assert doctor.capture_report() == ("2 MoE layers bound, 0 out-of-range ids recorded", 0)
+    monkeypatch.setattr(runner_state, "captures_in_process", lambda: [_prepared(5)])
+    assert doctor.capture_report()[1] == 5

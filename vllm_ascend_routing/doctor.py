@@ -84,7 +84,23 @@ def self_check(num_prompts: int, mode: str) -> tuple[bool, str]:
     parts = [(name, result[name]) for name in ("batch", "chunked_prefill", "prefix_repeat")]
     summary = ", ".join(f"{name} {part['matched']}/{part['rows']} rows exact" for name, part in parts)
     failed = [f"{name}: {'; '.join(part['problems']) or 'mismatch'}" for name, part in parts if not part["ok"]]
-    return not failed, summary if not failed else "; ".join(failed)
+    capture, bad_ids = capture_report()
+    if bad_ids:
+        failed.append(f"{bad_ids} out-of-range expert ids recorded (stored as -1)")
+    return not failed, f"{summary}; {capture}" if not failed else "; ".join(failed)
+
+
+def capture_report() -> tuple[str, int]:
+    """The captures the self-check's in-process engine prepared: bound layers and the device error counter
+    (ids outside ``[0, num_experts)``, stored as -1), read once, after the run."""
+    from vllm_ascend_routing import runner_state
+
+    captures = runner_state.captures_in_process()
+    if not captures:
+        return "capture counters not visible from this process", 0
+    layers = sum(capture.num_bound_layers for capture in captures)
+    bad_ids = sum(int(capture.errors.sum().item()) for capture in captures)
+    return f"{layers} MoE layers bound, {bad_ids} out-of-range ids recorded", bad_ids
 
 
 def _print(line: str) -> None:

@@ -21,7 +21,7 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from vllm_ascend_routing import runner_state
+from vllm_ascend_routing import runner_state, validate
 from vllm_ascend_routing.compat.releases import Generation
 from vllm_ascend_routing.patching import Patch
 from vllm_ascend_routing.runner_state import RunnerHook
@@ -122,6 +122,8 @@ class RoutingCaptureRunnerMixin:
         result = original(self, scheduler_output, *args, **kwargs)
         if prepared is not None:  # the forward is enqueued: start moving its rows off the device
             api.after_forward(prepared, scheduler_output.total_num_scheduled_tokens)
+            if validate.watching():  # validation mode only: reads the device error counter
+                validate.check_recorded_ids(prepared)
         return result
 
     def sample_tokens(self, api: CaptureAPI, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,8 @@ if TYPE_CHECKING:
     from vllm_ascend_routing.capture import PreparedCapture
 
 _PREPARED = "_vllm_ascend_routing_capture"  # runner attribute: (model, PreparedCapture | None)
+# Every capture prepared in this process (doctor's self-check runs its engine in-process and reads them).
+_CAPTURES: weakref.WeakSet[PreparedCapture] = weakref.WeakSet()
 
 # The runner creating its capturer or connector, for vLLM releases whose binder is a module-level function
 # that is not given the runner (0.28+).
@@ -50,6 +53,13 @@ def has_prepared(runner: Any) -> bool:
 
 def set_prepared(runner: Any, prepared: PreparedCapture | None) -> None:
     setattr(runner, _PREPARED, (runner.model, prepared))
+    if prepared is not None:
+        _CAPTURES.add(prepared)
+
+
+def captures_in_process() -> list[PreparedCapture]:
+    """The captures prepared by runners of this process (empty where the workers are other processes)."""
+    return list(_CAPTURES)
 
 
 def binding_runner() -> Any:
