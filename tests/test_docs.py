@@ -1,0 +1,148 @@
+# SPDX-License-Identifier: Apache-2.0
+"""README is for users, docs/ for the rest: README stays short, every relative link resolves, README's
+per-generation table agrees with the release table and the committed matrix, and what CI and the DP tests
+rely on is still said. Standard library only (runs without torch or vLLM)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from tests import scripts
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+MAX_README_LINES = 220
+
+
+def _load_releases() -> ModuleType:
+    # Plain data and the standard library only (see its docstring): loadable without the package's deps.
+    return scripts.load("vllm_ascend_routing/compat/releases.py", "_releases_for_docs")
+
+
+def _prose(text: str) -> str:
+    """``text`` without fenced code blocks and inline code, where brackets are not links."""
+    return re.sub(r"`[^`\n]*`", "", _strip_fences(text))
+
+
+def _slug(heading: str) -> str:
+    """The anchor GitHub gives a heading."""
+    text = heading.strip().lower().replace("`", "")
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    found: set[str] = set()
+    seen: dict[str, int] = {}
+    for line in _strip_fences(path.read_text()).splitlines():
+        match = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not match:
+            continue
+        slug = _slug(match.group(1))
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        found.add(slug if count == 0 else f"{slug}-{count}")
+    return found
+
+
+def _strip_fences(text: str) -> str:
+    return re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
+
+
+def _links_in(text: str) -> list[str]:
+    return re.findall(r"\[[^\]]*\]\(([^)\s]+)\)", _prose(text))
+
+
+def _links(path: Path) -> list[str]:
+    return _links_in(path.read_text())
+
+
+def test_readme_is_short() -> None:
+    lines = len(README.read_text().splitlines())
+    assert lines <= MAX_README_LINES, f"README.md has {lines} lines (at most {MAX_README_LINES}): move detail to docs/"
+
+
+@pytest.mark.parametrize("path", [README, *DOCS], ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(path: Path) -> None:
+    broken = []
+    for link in _links(path):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", link):  # http:, https:, mailto:
+            continue
+        target, _, anchor = link.partition("#")
+        resolved = (path.parent / target).resolve() if target else path
+        if not resolved.exists():
+            broken.append(f"{link}: no file {resolved}")
+        elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
+            broken.append(f"{link}: no heading with anchor #{anchor} in {resolved.relative_to(ROOT)}")
+    assert not broken, "\n".join(broken)
+
+
+def test_readme_links_every_doc() -> None:
+    linked = {(README.parent / link.partition("#")[0]).resolve() for link in _links(README)}
+    assert [doc.name for doc in DOCS if doc.resolve() not in linked] == []
+
+
+def test_readme_gives_the_test_command_ci_runs() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    command = re.search(r"^exec (.+)$", ci, flags=re.MULTILINE)
+    assert command, ".ci/run no longer execs one command"
+    readme = README.read_text()
+    assert f"`{command.group(1).strip()}` is the test command" in readme
+    assert any(line.startswith(f"{command.group(1).strip()} ") for line in readme.splitlines())  # quick start
+
+
+def test_dp_test_stand_in_is_named_in_docs_and_said_in_readme() -> None:
+    standin = "vllm_ascend_routing/testing/cpu_dp_collectives.py"
+    assert (ROOT / standin).exists()
+    assert standin in (ROOT / "docs" / "development.md").read_text()
+    readme = " ".join(README.read_text().split())
+    assert "test-only gloo stand-in" in readme and "the plugin never installs" in readme
+
+
+def _generation_rows() -> dict[str, list[str]]:
+    readme = README.read_text()
+    section = readme[readme.index("## Supported releases"):]
+    rows: dict[str, list[str]] = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) > 4:
+            rows[cells[0].strip("`")] = cells
+    return rows
+
+
+def test_readme_generation_table_matches_the_release_table_and_the_matrix() -> None:
+    releases = _load_releases()
+    matrix_rows = json.loads((ROOT / "docs" / "compatibility.json").read_text())["rows"]
+    readme_rows = _generation_rows()
+    assert set(readme_rows) == {span.generation.value for span in releases.GENERATIONS}
+    for span in releases.GENERATIONS:
+        cells = readme_rows[span.generation.value]
+        expected_span = span.first if span.first == span.last_tested else f"{span.first}–{span.last_tested}"
+        assert cells[1] == expected_span, (
+            f"README row {cells[0]}: releases {cells[1]!r}, compat/releases.py says {expected_span!r}"
+        )
+        checked = [row for row in matrix_rows if row["generation"] == span.generation.value]
+        if span.supported:
+            passed = sum(row["result"] == "pass" for row in checked)
+            assert cells[4] == f"{passed} / {len(checked)} exact", (
+                f"README row {cells[0]}: matrix cell {cells[4]!r}, docs/compatibility.json has {passed} of "
+                f"{len(checked)} passing"
+            )
+        else:
+            assert {row["result"] for row in checked} == {cells[4]}
+
+
+def test_the_helpers_parse_what_they_must() -> None:
+    assert _slug("Does replay close the gap? `make replay-check`") == "does-replay-close-the-gap-make-replay-check"
+    assert _slug("In depth: the end-to-end suite (`make test`, one release per API generation)") == (
+        "in-depth-the-end-to-end-suite-make-test-one-release-per-api-generation"
+    )
+    assert _links_in("see [a](docs/a.md#b), `[not](a link)`, [web](https://x.y)\n```\n[no](c.md)\n```\n") == [
+        "docs/a.md#b", "https://x.y"
+    ]
