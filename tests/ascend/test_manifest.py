@@ -24,7 +24,7 @@ def test_every_patch_target_exists_with_expected_parameters() -> None:
     assert any(p.target.endswith("select_experts") for p in patches)
     problems = {p.target: manifest.problem(p) for p in patches}
     assert {target: found for target, found in problems.items() if found} == {}
-    manifest.verify(get_api().generation, "npu")  # what start-up runs
+    manifest.verify(get_api().generation, "npu", "vllm_ascend")  # what start-up runs
 
 
 def test_required_targets_resolve_to_real_objects() -> None:
@@ -37,7 +37,7 @@ def test_a_renamed_target_is_refused_with_its_name(monkeypatch: pytest.MonkeyPat
     selector = importlib.import_module("vllm_ascend.ops.fused_moe.experts_selector")
     monkeypatch.delattr(selector, "select_experts")  # what a future release renaming it looks like
     with pytest.raises(UnsupportedVllmError) as refused:
-        manifest.verify(get_api().generation, "npu")
+        manifest.verify(get_api().generation, "npu", "vllm_ascend")
     message = str(refused.value)
     assert "vllm_ascend.ops.fused_moe.experts_selector has no select_experts" in message
     assert "vllm_ascend" in message and "not supported yet" in message
@@ -47,4 +47,4 @@ def test_a_changed_signature_is_refused(monkeypatch: pytest.MonkeyPatch) -> None
     selector = importlib.import_module("vllm_ascend.ops.fused_moe.experts_selector")
     monkeypatch.setattr(selector, "select_experts", lambda hidden, logits, k: None)
     with pytest.raises(UnsupportedVllmError, match="lacks parameter"):
-        manifest.verify(get_api().generation, "npu")
+        manifest.verify(get_api().generation, "npu", "vllm_ascend")
