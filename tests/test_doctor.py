@@ -55,3 +55,17 @@ def test_doctor_passes_on_this_release(tmp_path: Path) -> None:
     assert done.returncode == 0 and verdicts == [doctor.VERDICT + "PASS"], done.stdout[-2000:] + done.stderr[-3000:]
     assert any(line.strip().startswith("API generation") for line in lines)
     assert any("rows exact" in line and "batch" in line for line in lines)
+
+
+def test_doctor_knows_the_platforms_the_runner_hooks_know() -> None:
+    from vllm_ascend_routing.runner_mixin import RUNNER_CLASSES
+
+    assert set(doctor.PLATFORMS) == set(RUNNER_CLASSES)
+
+
+def test_an_unknown_platform_is_a_clear_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(doctor, "environment_report", lambda: ([("vLLM", "0.33.0")], None))
+    monkeypatch.setattr(doctor, "_platform", lambda: "")  # vLLM's CUDA wheel on a machine without a GPU
+    printed: list[str] = []
+    assert doctor.run(print_fn=printed.append, surface=True) == 1
+    assert printed[-1].startswith(doctor.VERDICT + "FAIL: vLLM reports platform ''") and "--platform" in printed[-1]

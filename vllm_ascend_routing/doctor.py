@@ -17,7 +17,8 @@ from typing import Any
 
 from vllm_ascend_routing import envs
 
-VERDICT = "vllm-ascend-routing doctor: "  # prefix of the last line (vLLM workers may log after it)
+VERDICT = "vllm-ascend-routing doctor: "
+PLATFORMS = ("cuda", "cpu", "npu")  # runner_mixin.RUNNER_CLASSES (not imported: doctor loads lazily)  # prefix of the last line (vLLM workers may log after it)
 
 
 def environment_report() -> tuple[list[tuple[str, str]], str | None]:
@@ -122,7 +123,12 @@ def run(
     if problem is not None:
         print_fn(f"{VERDICT}FAIL: {problem}")
         return 1
-    target_lines, verified, total, missing = target_report(platform or _platform())
+    platform = platform or _platform()
+    if platform not in PLATFORMS:
+        print_fn(f"{VERDICT}FAIL: vLLM reports platform {platform!r}, which has no patch targets here; pass "
+                 f"--platform ({', '.join(PLATFORMS)}) to check a release this machine cannot run")
+        return 1
+    target_lines, verified, total, missing = target_report(platform)
     for line in target_lines:
         print_fn(f"  {line}")
     if missing is not None:

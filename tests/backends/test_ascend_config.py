@@ -49,3 +49,12 @@ def test_rank_layout_per_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "vllm_ascend", ModuleType("vllm_ascend"))
     assert rank_layout(config(2, ep=True)) == RankLayout(0, 2, True)  # vllm-ascend MC2 / all-to-all
     refuse_unsupported_config(config(2, ep=True, dp=2), "runner-output")  # no longer refused
+
+
+def test_dual_batch_overlap_is_refused_naming_the_flag() -> None:
+    from vllm_ascend_routing.compat.base import UnsupportedVllmError
+
+    overlapped = config(1)
+    overlapped.parallel_config.enable_dbo = True  # micro-batches would overwrite each other's rows
+    with pytest.raises(UnsupportedVllmError, match="--enable-dbo"):
+        refuse_unsupported_config(overlapped, "aux-output")

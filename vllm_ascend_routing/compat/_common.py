@@ -56,6 +56,12 @@ def refuse_unsupported_config(vllm_config: Any, generation: str) -> None:
                 f"vllm-ascend-routing: {what} ({attr}={size}) is not supported with routed-experts capture on "
                 f"vLLM's {generation} API; set {attr}=1 or unset VLLM_ASCEND_ROUTING."
             )
+    if getattr(parallel, "enable_dbo", False):
+        raise UnsupportedVllmError(
+            "vllm-ascend-routing: dual batch overlap (--enable-dbo) runs a step as micro-batches whose MoE "
+            "layers each see only their own tokens, and the capture writes every micro-batch from row 0; "
+            "remove --enable-dbo or unset VLLM_ASCEND_ROUTING."
+        )
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
         raise UnsupportedVllmError(
             "vllm-ascend-routing: KV-transfer connectors (P/D disaggregation, KV offload) load KV blocks whose "
