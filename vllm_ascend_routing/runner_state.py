@@ -54,7 +54,8 @@ def has_prepared(runner: Any) -> bool:
 def set_prepared(runner: Any, prepared: PreparedCapture | None) -> None:
     setattr(runner, _PREPARED, (runner.model, prepared))
     if prepared is not None:
-        _CAPTURES.add(prepared)
+        with contextlib.suppress(TypeError):  # a test double that cannot be weakly referenced
+            _CAPTURES.add(prepared)
 
 
 def captures_in_process() -> list[PreparedCapture]:

@@ -45,7 +45,7 @@ GENERATIONS: tuple[GenerationReleases, ...] = (
                        "never implemented (upstream reverted it in 0.22.0)"),
     GenerationReleases(Generation.RUNNER_OUTPUT, "0.22.0", "0.30.0", True,
                        "the lowest supported vLLM is 0.31.0 or newer", obsolete_from="0.31.0"),
-    GenerationReleases(Generation.AUX_OUTPUT, "0.31.0", "0.32.0", True,
+    GenerationReleases(Generation.AUX_OUTPUT, "0.31.0", "0.33.0", True,
                        "a later generation replaces vLLM's AuxOutput connector"),
 )  # fmt: skip
 
