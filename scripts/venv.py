@@ -38,12 +38,23 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the package supports Python 3.10; its tooling (this script) wants 3.11, or tomli installed
+    import tomli as tomllib
+
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE_VERSION = "3"  # bump when the recipe changes: every cached venv is rebuilt
-TEST_TOOLS = ["pytest>=8", "pytest-timeout"]
-# megatron-core: the routing-replay consumer tests/test_replay_megatron.py drives (RouterReplay and its
-# top-k routing run on CPU tensors); 0.16.1 is the newest release for Python 3.11 (0.17+ need 3.12).
-DEV_TOOLS = ["ruff", "mypy", "numpy", "transformers>=4.56", "tokenizers", "safetensors", "megatron-core==0.16.1"]
+
+
+def optional_dependencies(extra: str) -> list[str]:
+    """One of pyproject.toml's ``[project.optional-dependencies]`` lists: the one place they are written."""
+    with open(ROOT / "pyproject.toml", "rb") as file:
+        return list(tomllib.load(file)["project"]["optional-dependencies"][extra])
+
+
+TEST_TOOLS = optional_dependencies("test")  # every environment
+DEV_TOOLS = optional_dependencies("dev")  # the dev environment: lint, transformers reference, Megatron
 DEV_TORCH = "torch==2.13.0"
 # A CUDA build of torch (runs without a GPU) to compile the CUDA kernel's torch binding.
 # CMake from PyPI: the system's may predate nvcc 13's C++20 support (torch 2.14 headers need C++20).
