@@ -17,8 +17,8 @@ from typing import Any
 
 from vllm_ascend_routing import envs
 
-VERDICT = "vllm-ascend-routing doctor: "
-PLATFORMS = ("cuda", "cpu", "npu")  # runner_mixin.RUNNER_CLASSES (not imported: doctor loads lazily)  # prefix of the last line (vLLM workers may log after it)
+VERDICT = "vllm-ascend-routing doctor: "  # prefix of the last line (vLLM workers may log after it)
+PLATFORMS = ("cuda", "cpu", "npu")  # runner_mixin.RUNNER_CLASSES (not imported: doctor loads lazily)
 
 
 def environment_report() -> tuple[list[tuple[str, str]], str | None]:

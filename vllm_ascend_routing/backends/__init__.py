@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -21,9 +21,27 @@ from vllm_ascend_routing.backends import ascend, cpu_experts, cpu_moe, router
 from vllm_ascend_routing.backends._layer import quant_method
 from vllm_ascend_routing.capture import LayerCapture
 
-__all__ = ["UnboundLayerError", "bind_model", "moe_layers", "quant_method", "splits_tokens"]
+__all__ = ["BACKENDS", "Backend", "UnboundLayerError", "bind_model", "moe_layers", "quant_method", "splits_tokens"]
 
 logger = get_logger(__name__)
+
+
+class Backend(Protocol):
+    """One place a layer's logical top-k ids can be intercepted (a module of this package)."""
+
+    def handles(self, module: torch.nn.Module) -> bool: ...
+
+    def bind(self, module: torch.nn.Module, capture: LayerCapture, name: str) -> None: ...
+
+
+# Ordered: the first backend that handles a layer binds it. vllm-ascend's layers and vLLM's CPU MoE kernels
+# compute routing themselves (their routers exist but are never called), so they come before the router.
+BACKENDS: tuple[tuple[str, Backend], ...] = (
+    ("ascend", ascend),
+    ("cpu_moe", cpu_moe),
+    ("cpu_experts", cpu_experts),
+    ("router", router),
+)
 
 
 class UnboundLayerError(RuntimeError):
@@ -71,24 +89,14 @@ def bind_model(model: torch.nn.Module, make_capture: Callable[[int], LayerCaptur
     bound: dict[str, int] = {}
     for name, module, layer_id in moe_layers(model):
         capture = make_capture(layer_id)
-        if ascend.handles(module):
-            ascend.bind(module, capture, name)
-            backend = "ascend"
-        elif cpu_moe.handles(module):
-            cpu_moe.bind(module, capture)
-            backend = "cpu_moe"
-        elif cpu_experts.handles(module):
-            cpu_experts.bind(module, capture)
-            backend = "cpu_experts"
-        elif router.handles(module):
-            router.bind(module, capture)
-            backend = "router"
-        else:
+        backend = next((key for key, candidate in BACKENDS if candidate.handles(module)), None)
+        if backend is None:
             raise UnboundLayerError(
                 f"MoE layer {name!r}: no capture backend for router {type(module.router).__name__} "
                 f"/ quant method {type(quant_method(module)).__name__}; refusing instead of "
                 "returning zeros."
             )
+        dict(BACKENDS)[backend].bind(module, capture, name)
         bound[backend] = bound.get(backend, 0) + 1
     if not bound:
         raise UnboundLayerError("No MoE layer found in the model: nothing to capture.")

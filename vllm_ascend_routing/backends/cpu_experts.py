@@ -38,7 +38,7 @@ def handles(module: torch.nn.Module) -> bool:
     return callable(getattr(_experts(module), "_select_experts", None))
 
 
-def bind(module: torch.nn.Module, capture: LayerCapture) -> None:
+def bind(module: torch.nn.Module, capture: LayerCapture, name: str) -> None:
     experts = _experts(module)
     current = experts._select_experts
     owner = getattr(current, _OWNER, None)

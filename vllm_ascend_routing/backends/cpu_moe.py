@@ -38,7 +38,7 @@ def handles(module: torch.nn.Module) -> bool:
     return _cpu_impl(module) is not None
 
 
-def bind(module: torch.nn.Module, capture: LayerCapture) -> None:
+def bind(module: torch.nn.Module, capture: LayerCapture, name: str) -> None:
     impl = _cpu_impl(module)
     forward = getattr(impl, "forward_method", None)
     if forward is None:

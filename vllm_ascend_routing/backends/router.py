@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import torch
 
+from vllm_ascend_routing.backends._layer import quant_method
 from vllm_ascend_routing.capture import LayerCapture
 
 
 def handles(module: torch.nn.Module) -> bool:
-    qm = getattr(module, "quant_method", None) or getattr(module, "_quant_method", None)
+    qm = quant_method(module)
     if qm is not None and getattr(qm, "is_monolithic", False):
         return False  # monolithic kernels route inside the kernel and never call the hook
     # Every vLLM router (FusedMoERouter and its BaseRouter implementations) exposes set_capture_fn.
     return callable(getattr(getattr(module, "router", None), "set_capture_fn", None))
 
 
-def bind(module: torch.nn.Module, capture: LayerCapture) -> None:
+def bind(module: torch.nn.Module, capture: LayerCapture, name: str) -> None:
     getattr(module, "router").set_capture_fn(capture)  # noqa: B009 (nn.Module attribute typing)
