@@ -32,7 +32,8 @@ replay-check:
 test: lint test-unit test-native test-ascend test-e2e
 
 lint:
-	@py=$(call VENV,dev) && $$py -m ruff check vllm_ascend_routing tests scripts benchmarks setup.py && $$py -m mypy
+	@py=$(call VENV,dev) && $$py -m ruff check vllm_ascend_routing tests scripts benchmarks setup.py && \
+		$$py -m ruff format --check vllm_ascend_routing tests scripts benchmarks setup.py && $$py -m mypy
 
 test-unit:
 	@py=$(call VENV,dev) && $$py -m pytest $(PYTEST_FLAGS) -m "not vllm" tests

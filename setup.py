@@ -64,8 +64,11 @@ class CMakeBuild(build_ext):
         build_dir = Path(self.build_temp).resolve()
         build_dir.mkdir(parents=True, exist_ok=True)
         configure = [
-            cmake, str(ROOT), f"-DVLLM_ASCEND_ROUTING_TARGET_DEVICE={target}",
-            f"-DVLLM_ASCEND_ROUTING_OUTPUT_DIR={output_dir}", f"-DPython3_EXECUTABLE={sys.executable}",
+            cmake,
+            str(ROOT),
+            f"-DVLLM_ASCEND_ROUTING_TARGET_DEVICE={target}",
+            f"-DVLLM_ASCEND_ROUTING_OUTPUT_DIR={output_dir}",
+            f"-DPython3_EXECUTABLE={sys.executable}",
             "-DCMAKE_BUILD_TYPE=Release",
         ]
         if target == "cuda":

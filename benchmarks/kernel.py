@@ -63,9 +63,11 @@ def run(device: str, tokens: int, top_k: int, layers: int, iters: int) -> None:
     op_s = timed(op, device, iters)
     copy_s = timed(memcpy, device, iters)
     op_bw, copy_bw = moved / op_s, moved / copy_s
-    print(f"{device:5s} N={tokens:7d} K={top_k:2d} L={layers:3d}  record_topk_ids {op_bw / 1e9:8.2f} GB/s "
-          f"({op_s * 1e6:9.1f} us)  memcpy {copy_bw / 1e9:8.2f} GB/s ({copy_s * 1e6:9.1f} us)  "
-          f"ratio {op_bw / copy_bw:.3f}")
+    print(
+        f"{device:5s} N={tokens:7d} K={top_k:2d} L={layers:3d}  record_topk_ids {op_bw / 1e9:8.2f} GB/s "
+        f"({op_s * 1e6:9.1f} us)  memcpy {copy_bw / 1e9:8.2f} GB/s ({copy_s * 1e6:9.1f} us)  "
+        f"ratio {op_bw / copy_bw:.3f}"
+    )
 
 
 def main() -> None:

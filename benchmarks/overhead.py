@@ -84,8 +84,12 @@ def worker(mode: str, requests: int, tokens: int) -> None:
 
     model = models.build_tiny_moe(ARCH, scenarios.model_dir() / ARCH)
     llm = LLM(
-        model=str(model.path), dtype="float32", enable_return_routed_experts=(mode in ("plugin", "vllm")),
-        kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=1024, seed=0,
+        model=str(model.path),
+        dtype="float32",
+        enable_return_routed_experts=(mode in ("plugin", "vllm")),
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        max_model_len=1024,
+        seed=0,
     )
     prompts = [{"prompt_token_ids": p} for p in models.mixed_prompts(requests, seed=3, min_len=16, max_len=256)]
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
@@ -131,10 +135,19 @@ class Engine:
         self.mode = mode
         # stderr (vLLM's logging) goes to a file, shown if the worker fails; closed in close().
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
-        cmd = [sys.executable, __file__, "--worker", mode, "--requests", str(args.requests), "--tokens",
-               str(args.tokens)]
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True)
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            mode,
+            "--requests",
+            str(args.requests),
+            "--tokens",
+            str(args.tokens),
+        ]
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True
+        )
         self._expect("OVERHEAD_READY")
 
     def _expect(self, prefix: str) -> str:
@@ -194,8 +207,11 @@ def capture_memory(num_layers: int, top_k: int, num_experts: int, max_batched: i
     if generation == "shm":
         return {"step_buffer": step_buffer, "shared_memory_store": kv_slots * num_layers * top_k * narrow}
     # vLLM's runner mirrors the step buffer in pinned host memory; its scheduler keeps a slot buffer.
-    return {"step_buffer": step_buffer, "pinned_mirror": step_buffer,
-            "scheduler_slot_buffer": kv_slots * num_layers * top_k * narrow}
+    return {
+        "step_buffer": step_buffer,
+        "pinned_mirror": step_buffer,
+        "scheduler_slot_buffer": kv_slots * num_layers * top_k * narrow,
+    }
 
 
 def assemble_16k(num_layers: int = 61, top_k: int = 8, num_experts: int = 256, tokens: int = 16384) -> dict[str, float]:
@@ -206,8 +222,7 @@ def assemble_16k(num_layers: int = 61, top_k: int = 8, num_experts: int = 256, t
     block = 16
     slots = np.random.default_rng(1).permutation(tokens * 2)[: tokens // block] * block  # scattered blocks
     slot_ids = (slots[:, None] + np.arange(block)[None, :]).ravel()
-    spec = store.SegmentSpec.for_engine(f"bench{os.getpid()}", 0, (tokens * 2 * block, num_layers, top_k),
-                                        num_experts)
+    spec = store.SegmentSpec.for_engine(f"bench{os.getpid()}", 0, (tokens * 2 * block, num_layers, top_k), num_experts)
     writer = store.SegmentWriter(spec)
     try:
         reader = store.SegmentReader(spec)
@@ -239,10 +254,16 @@ def profile_plugin(engine: Engine, scratch: Path) -> dict[str, Any]:
     with sampling.sampled(engine.pid, raw, rate=200):
         result = engine.run()
     share = sampling.plugin_share(raw.read_text().splitlines())
-    return {"samples": share.samples, "plugin_samples": share.plugin_samples, "plugin_share": share.share,
-            "step_samples": share.step_samples, "plugin_step_samples": share.plugin_step_samples,
-            "plugin_step_share": share.step_share, "top_functions": share.top(),
-            "tokens_per_s_while_sampled": result["tokens_per_s"]}
+    return {
+        "samples": share.samples,
+        "plugin_samples": share.plugin_samples,
+        "plugin_share": share.share,
+        "step_samples": share.step_samples,
+        "plugin_step_samples": share.plugin_step_samples,
+        "plugin_step_share": share.step_share,
+        "top_functions": share.top(),
+        "tokens_per_s_while_sampled": result["tokens_per_s"],
+    }
 
 
 def main() -> None:
@@ -250,12 +271,21 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--multiprocess", action="store_true",
-                        help="engine core in its own process (default: in-process, less scheduler noise)")
-    parser.add_argument("--control", action="store_true",
-                        help="add a second off engine (A/A control): its ratio to off is this run's noise floor")
-    parser.add_argument("--profile", action="store_true",
-                        help="then sample one more plugin batch with py-spy: share of time in plugin code")
+    parser.add_argument(
+        "--multiprocess",
+        action="store_true",
+        help="engine core in its own process (default: in-process, less scheduler noise)",
+    )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="add a second off engine (A/A control): its ratio to off is this run's noise floor",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="then sample one more plugin batch with py-spy: share of time in plugin code",
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--worker", choices=["off", "control", "plugin", "vllm"], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -267,15 +297,24 @@ def main() -> None:
 
     import vllm
 
-    modes = (["off", "plugin"] + (["vllm"] if vllm_path_starts_on_cpu() and vllm_alone_runs() else [])
-             + (["control"] if args.control else []))
+    modes = (
+        ["off", "plugin"]
+        + (["vllm"] if vllm_path_starts_on_cpu() and vllm_alone_runs() else [])
+        + (["control"] if args.control else [])
+    )
     engine = "multi-process" if args.multiprocess else "in-process"
-    off_baseline = ("vLLM alone" if vllm_alone_runs()
-                    else "plugin loaded with the flag off (CPU MoE compat fix only: no AVX-512 here)")
+    off_baseline = (
+        "vLLM alone"
+        if vllm_alone_runs()
+        else "plugin loaded with the flag off (CPU MoE compat fix only: no AVX-512 here)"
+    )
     print(f"off = {off_baseline}")
-    print(f"vLLM {vllm.__version__}: one warmed {engine} engine per mode, {args.pairs} rounds of "
-          f"{' / '.join(modes)} (order reversed every other round), "
-          f"{args.requests} requests x {args.tokens} tokens, {ARCH}", flush=True)
+    print(
+        f"vLLM {vllm.__version__}: one warmed {engine} engine per mode, {args.pairs} rounds of "
+        f"{' / '.join(modes)} (order reversed every other round), "
+        f"{args.requests} requests x {args.tokens} tokens, {ARCH}",
+        flush=True,
+    )
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="overhead_cache_") as cache_root:
         engines = {mode: Engine(mode, args, cache_root) for mode in modes}  # started one after another
@@ -287,8 +326,11 @@ def main() -> None:
                     result = engines[mode].run()
                     runs.append(result)
                     cpu_text = f", {result['tokens_per_cpu_s']:.1f} tokens/CPU-s"
-                    print(f"  round {round_index + 1} {mode:7s} {result['tokens_per_s']:9.1f} tokens/s "
-                          f"({result['generated_tokens']} tokens in {result['seconds']:.2f} s{cpu_text})", flush=True)
+                    print(
+                        f"  round {round_index + 1} {mode:7s} {result['tokens_per_s']:9.1f} tokens/s "
+                        f"({result['generated_tokens']} tokens in {result['seconds']:.2f} s{cpu_text})",
+                        flush=True,
+                    )
             profile = profile_plugin(engines["plugin"], Path(cache_root)) if args.profile else None
         finally:
             for started in engines.values():
@@ -311,15 +353,20 @@ def main() -> None:
     info = models.build_tiny_moe(ARCH, scenarios.model_dir() / ARCH)
     # KV slots the 512 MiB KV budget holds: K and V, every layer, 4 KV heads x 64 dims, float32.
     kv_slots = KV_CACHE_BYTES // (2 * info.num_hidden_layers * 4 * 64 * 4)
-    memory = capture_memory(info.num_hidden_layers, info.top_k, info.num_experts,
-                            plugin_run["max_num_batched_tokens"], kv_slots)
+    memory = capture_memory(
+        info.num_hidden_layers, info.top_k, info.num_experts, plugin_run["max_num_batched_tokens"], kv_slots
+    )
     assemble = assemble_16k()
     summary = {
         "vllm": vllm.__version__,
         "machine": f"{os.cpu_count()} CPUs, {'AVX-512' if avx512() else 'AVX2, no AVX-512'}",
         "off_baseline": off_baseline,
-        "workload": {"model": ARCH, "requests": args.requests, "tokens": args.tokens,
-                     "engine": f"one warmed {engine} engine per mode, batches alternated"},
+        "workload": {
+            "model": ARCH,
+            "requests": args.requests,
+            "tokens": args.tokens,
+            "engine": f"one warmed {engine} engine per mode, batches alternated",
+        },
         "runs": runs,
         "median_ratio_vs_off": ratios,
         "round_ratios_vs_off": {m: [b / a for a, b in zip(by_mode["off"], by_mode[m], strict=True)] for m in ratios},
@@ -336,20 +383,26 @@ def main() -> None:
         # The plugin against vLLM's own capture, round by round (both engines ran in the same round).
         versus = [b / a for a, b in zip(by_mode["vllm"], by_mode["plugin"], strict=True)]
         summary["median_ratio_plugin_vs_vllm"] = statistics.median(versus)
-        print(f"median throughput ratio plugin/vllm: {statistics.median(versus):.4f} "
-              f"(rounds: {', '.join(f'{r:.3f}' for r in versus)})")
+        print(
+            f"median throughput ratio plugin/vllm: {statistics.median(versus):.4f} "
+            f"(rounds: {', '.join(f'{r:.3f}' for r in versus)})"
+        )
     for mode, ratio in cpu_ratios.items():
         per_round = ", ".join(f"{b / a:.3f}" for a, b in zip(cpu_by_mode["off"], cpu_by_mode[mode], strict=True))
         print(f"median tokens-per-CPU-second ratio {mode}/off: {ratio:.4f} (rounds: {per_round})")
     print(f"routing bytes per token: {summary['routing_bytes_per_token']} ({plugin_run['routing_dtype']})")
     print("capture host memory (bytes): " + ", ".join(f"{k}={v}" for k, v in memory.items()))
-    print("assemble one 16k-token request (61 layers, top-8, 256 experts): "
-          + ", ".join(f"{k}={v * 1e3:.2f} ms" for k, v in assemble.items()))
+    print(
+        "assemble one 16k-token request (61 layers, top-8, 256 experts): "
+        + ", ".join(f"{k}={v * 1e3:.2f} ms" for k, v in assemble.items())
+    )
     if profile is not None:
-        print(f"profile (py-spy, one more plugin batch): plugin code {100 * profile['plugin_step_share']:.3f}% of "
-              f"the {profile['step_samples']} model-step samples, {100 * profile['plugin_share']:.3f}% of all "
-              f"{profile['samples']} engine samples; by function (of all): "
-              + ", ".join(f"{name} {100 * share:.3f}%" for name, share in profile["top_functions"]))
+        print(
+            f"profile (py-spy, one more plugin batch): plugin code {100 * profile['plugin_step_share']:.3f}% of "
+            f"the {profile['step_samples']} model-step samples, {100 * profile['plugin_share']:.3f}% of all "
+            f"{profile['samples']} engine samples; by function (of all): "
+            + ", ".join(f"{name} {100 * share:.3f}%" for name, share in profile["top_functions"])
+        )
     out = args.out or Path(__file__).parent / "results" / f"overhead-vllm-{vllm.__version__}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2))

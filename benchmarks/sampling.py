@@ -105,7 +105,7 @@ def plugin_share(raw_lines: Iterable[str]) -> PluginShare:
         in_step = any(_is_step_hook(frame) for frame in frames)
         result.step_samples += count if in_step else 0
         innermost = max((i for i, p in enumerate(packages) if p == PLUGIN_PACKAGE), default=None)
-        if innermost is None or VLLM_PACKAGE in packages[innermost + 1:]:
+        if innermost is None or VLLM_PACKAGE in packages[innermost + 1 :]:
             continue
         result.plugin_samples += count
         result.plugin_step_samples += count if in_step else 0
@@ -118,8 +118,10 @@ def py_spy() -> str:
     beside = Path(sys.executable).parent / "py-spy"
     found = str(beside) if beside.exists() else shutil.which("py-spy")
     if found is None:
-        raise SystemExit(f"--profile needs py-spy: {sys.executable} -m pip install py-spy "
-                         "(or `make bench PROFILE=1`, which installs it)")
+        raise SystemExit(
+            f"--profile needs py-spy: {sys.executable} -m pip install py-spy "
+            "(or `make bench PROFILE=1`, which installs it)"
+        )
     return found
 
 
@@ -127,9 +129,23 @@ def py_spy() -> str:
 def sampled(pid: int, out: Path, rate: int = 100) -> Iterator[None]:
     """Sample process ``pid`` and its children into ``out`` (py-spy raw format) while the block runs."""
     recorder = subprocess.Popen(
-        [py_spy(), "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--rate", str(rate),
-         "--format", "raw", "--output", str(out)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [
+            py_spy(),
+            "record",
+            "--pid",
+            str(pid),
+            "--subprocesses",
+            "--nonblocking",
+            "--rate",
+            str(rate),
+            "--format",
+            "raw",
+            "--output",
+            str(out),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     time.sleep(2.0)  # py-spy attaches to every process of the tree before the batch starts
     try:

@@ -55,9 +55,21 @@ def source(release: str) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         wheel = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
-             "--dest", tmp, f"vllm-ascend=={release}"],
-            capture_output=True, text=True,
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary",
+                ":all:",
+                "--dest",
+                tmp,
+                f"vllm-ascend=={release}",
+            ],
+            capture_output=True,
+            text=True,
         )
         if wheel.returncode == 0:
             (path,) = Path(tmp).glob("vllm_ascend-*.whl")
@@ -91,7 +103,9 @@ def _extract_sdist(release: str, tmp: Path, dest: Path) -> None:
 def overlay(python: str) -> Path:
     torch_minor = subprocess.run(
         [python, "-c", "import torch; print('.'.join(torch.__version__.split('.')[:2]))"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.strip()
     if torch_minor not in _TORCHVISION:
         sys.exit(f"no torchvision known for torch {torch_minor}; add it to _TORCHVISION")
@@ -99,8 +113,21 @@ def overlay(python: str) -> Path:
     stamp = dest / ".complete"
     if stamp.exists() and stamp.read_text() == _OVERLAY_STAMP:
         return dest
-    _quiet([python, "-m", "pip", "install", "-q", "--no-deps", "--upgrade", "--target", str(dest),
-            f"torchvision=={_TORCHVISION[torch_minor]}", "scipy"])
+    _quiet(
+        [
+            python,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--upgrade",
+            "--target",
+            str(dest),
+            f"torchvision=={_TORCHVISION[torch_minor]}",
+            "scipy",
+        ]
+    )
     stamp.write_text(_OVERLAY_STAMP)
     return dest
 

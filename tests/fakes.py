@@ -21,8 +21,9 @@ class FakeCPUFusedMoE:
         self.calls = 0
         self.forward_method = self.forward_torch
 
-    def forward_torch(self, layer: Any, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                      activation: str = "silu") -> torch.Tensor:
+    def forward_torch(
+        self, layer: Any, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu"
+    ) -> torch.Tensor:
         self.calls += 1
         return x + 1
 
@@ -69,8 +70,9 @@ class FakeMoE(torch.nn.Module):
 class FakeModel(torch.nn.Module):
     """``num_layers`` decoder layers; those in ``moe_layers`` are MoE, the others dense."""
 
-    def __init__(self, cpu: bool, moe_layers: tuple[int, ...] = (0, 2), num_layers: int = 3,
-                 cpu_experts: bool = False) -> None:
+    def __init__(
+        self, cpu: bool, moe_layers: tuple[int, ...] = (0, 2), num_layers: int = 3, cpu_experts: bool = False
+    ) -> None:
         super().__init__()
         self.layers = torch.nn.ModuleList(
             [FakeMoE(i, cpu, cpu_experts) if i in moe_layers else torch.nn.Linear(2, 2) for i in range(num_layers)]

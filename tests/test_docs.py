@@ -107,7 +107,7 @@ def test_dp_test_stand_in_is_named_in_docs_and_said_in_readme() -> None:
 
 def _generation_rows() -> dict[str, list[str]]:
     readme = README.read_text()
-    section = readme[readme.index("## Supported releases"):]
+    section = readme[readme.index("## Supported releases") :]
     rows: dict[str, list[str]] = {}
     for line in section.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
@@ -147,5 +147,6 @@ def test_the_helpers_parse_what_they_must() -> None:
         "in-depth-the-end-to-end-suite-make-test-one-release-per-api-generation"
     )
     assert _links_in("see [a](docs/a.md#b), `[not](a link)`, [web](https://x.y)\n```\n[no](c.md)\n```\n") == [
-        "docs/a.md#b", "https://x.y"
+        "docs/a.md#b",
+        "https://x.y",
     ]

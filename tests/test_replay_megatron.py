@@ -32,8 +32,10 @@ with warnings.catch_warnings():  # Megatron warns at import that Transformer Eng
     from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),  # no TE / Apex, unset sizes: fine on a CPU
-              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),  # no TE / Apex, unset sizes: fine on a CPU
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +57,17 @@ def fresh_replay() -> Iterator[None]:
     RouterReplay.clear_global_router_replay_instances()
 
 
-def vllm_request(rng: np.random.Generator, prompt_len: int, output_len: int, num_layers: int,
-                 moe_layers: tuple[int, ...], num_experts: int, top_k: int, dtype: type,
-                 prompt_start: int = 0) -> Aligned:
+def vllm_request(
+    rng: np.random.Generator,
+    prompt_len: int,
+    output_len: int,
+    num_layers: int,
+    moe_layers: tuple[int, ...],
+    num_experts: int,
+    top_k: int,
+    dtype: type,
+    prompt_start: int = 0,
+) -> Aligned:
     """A request as vLLM returns it (inference's own top-k, dense rows zero), aligned."""
     first = prompt_start if dtype is not np.int32 else 0
     rows = prompt_len + output_len - 1 - first
@@ -74,9 +84,17 @@ def routing_sets(routing_map: torch.Tensor) -> list[frozenset[int]]:
 def megatron_routers(moe_pattern: list[int], num_experts: int, top_k: int) -> list[Any]:
     """The routers of a Megatron transformer block with this MoE layer pattern (1 = MoE), in build order."""
     config = TransformerConfig(
-        num_layers=len(moe_pattern), hidden_size=32, num_attention_heads=2, ffn_hidden_size=64,
-        moe_ffn_hidden_size=8, num_moe_experts=num_experts, moe_router_topk=top_k, moe_layer_freq=moe_pattern,
-        moe_enable_routing_replay=True, moe_router_load_balancing_type="none", use_cpu_initialization=True,
+        num_layers=len(moe_pattern),
+        hidden_size=32,
+        num_attention_heads=2,
+        ffn_hidden_size=64,
+        moe_ffn_hidden_size=8,
+        num_moe_experts=num_experts,
+        moe_router_topk=top_k,
+        moe_layer_freq=moe_pattern,
+        moe_enable_routing_replay=True,
+        moe_router_load_balancing_type="none",
+        use_cpu_initialization=True,
         add_bias_linear=False,
     )
     block = TransformerBlock(config, get_gpt_decoder_block_spec(config, use_transformer_engine=False))
@@ -117,8 +135,9 @@ def test_megatron_replays_vllm_rows(case: str, model_parallel: None, fresh_repla
     trainer_logits = [torch.randn(num_tokens, 1, num_experts) for _ in moe]  # [seq, batch, experts], THD: batch 1
 
     with torch.no_grad():
-        natural = [routing_sets(router.routing(logits)[1]) for router, logits in zip(routers, trainer_logits,
-                                                                                       strict=True)]
+        natural = [
+            routing_sets(router.routing(logits)[1]) for router, logits in zip(routers, trainer_logits, strict=True)
+        ]
         for action in (RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD):  # forward, recompute
             RouterReplay.set_global_router_replay_action(action)
             for j, (router, logits) in enumerate(zip(routers, trainer_logits, strict=True)):
@@ -151,8 +170,14 @@ def test_megatron_sigmoid_group_limited_routing_replays(fresh_replay: None) -> N
         logits = torch.randn(len(replay.valid), num_experts)
         bias = torch.randn(num_experts) * 0.1
         probs, routing_map = topk_routing_with_score_function(
-            logits, top_k, num_groups=8, group_topk=4, scaling_factor=2.5, score_function="sigmoid",
-            expert_bias=bias, router_replay=instance,
+            logits,
+            top_k,
+            num_groups=8,
+            group_topk=4,
+            scaling_factor=2.5,
+            score_function="sigmoid",
+            expert_bias=bias,
+            router_replay=instance,
         )
         ids = replay.indices[j]
         assert routing_sets(routing_map) == [frozenset(row.tolist()) for row in ids]

@@ -18,16 +18,20 @@ def demo(arch: str, prompts: int, mode: str) -> int:
     result = scenarios.run_offline(arch, mode, prompts)
     info = models.build_tiny_moe(arch, scenarios.model_dir() / arch)
     batch = result["batch"]
-    print(f"\nvllm-ascend-routing demo: {arch} ({info.num_hidden_layers} layers, {info.num_experts} experts, "
-          f"top-{info.top_k}), {mode} mode, {len(batch['arrays'])} prompts of mixed length\n")
+    print(
+        f"\nvllm-ascend-routing demo: {arch} ({info.num_hidden_layers} layers, {info.num_experts} experts, "
+        f"top-{info.top_k}), {mode} mode, {len(batch['arrays'])} prompts of mixed length\n"
+    )
     print("request  prompt+gen-1 rows  routed_experts shape  dtype")
     for i, array in enumerate(batch["arrays"]):
         print(f"{i:7d}  {array['shape'][0]:17d}  {str(tuple(array['shape'])):20s}  {array['dtype']}")
     print()
     for name in ("batch", "chunked_prefill", "prefix_repeat"):
         part = result[name]
-        print(f"{name:16s} match vs transformers reference: {part['matched']}/{part['rows']} (token, MoE layer) "
-              f"rows = {100.0 * part['matched'] / max(part['rows'], 1):.2f}%")
+        print(
+            f"{name:16s} match vs transformers reference: {part['matched']}/{part['rows']} (token, MoE layer) "
+            f"rows = {100.0 * part['matched'] / max(part['rows'], 1):.2f}%"
+        )
     print("\nexpert load (batch): tokens routed to each expert, per MoE layer")
     print_load(result["load_table"])
     ok = all(result[name]["ok"] for name in ("batch", "chunked_prefill", "prefix_repeat"))
@@ -52,18 +56,31 @@ def main() -> None:
     check = sub.add_parser("doctor", help="versions, generation, platform, kernel, settings; then a self-check")
     check.add_argument("--prompts", type=int, default=4)
     check.add_argument("--mode", default="compiled", choices=["eager", "compiled"])
-    check.add_argument("--surface", action="store_true",
-                       help="only check the patch targets against the installed source (no engine is started)")
-    check.add_argument("--platform", choices=["cuda", "cpu", "npu"],
-                       help="check the targets of this platform (default: vLLM's current platform)")
-    replay = sub.add_parser("replay-check", help="vLLM's rows replayed in a transformers trainer: routing agreement "
-                            "and log-prob mismatch, natural vs replayed routing")
+    check.add_argument(
+        "--surface",
+        action="store_true",
+        help="only check the patch targets against the installed source (no engine is started)",
+    )
+    check.add_argument(
+        "--platform",
+        choices=["cuda", "cpu", "npu"],
+        help="check the targets of this platform (default: vLLM's current platform)",
+    )
+    replay = sub.add_parser(
+        "replay-check",
+        help="vLLM's rows replayed in a transformers trainer: routing agreement "
+        "and log-prob mismatch, natural vs replayed routing",
+    )
     replay.add_argument("--arch", default="qwen3_moe_dense", choices=["qwen3_moe", "mixtral", "qwen3_moe_dense"])
     replay.add_argument("--prompts", type=int, default=8)
     replay.add_argument("--max-tokens", type=int, default=32)
     replay.add_argument("--mode", default="compiled", choices=["eager", "compiled"])
-    replay.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                        help="the trainer's precision (vLLM runs float32)")
+    replay.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16", "float32"],
+        help="the trainer's precision (vLLM runs float32)",
+    )
     args = parser.parse_args()
     if args.command == "replay-check":
         from vllm_ascend_routing.testing import replay_check

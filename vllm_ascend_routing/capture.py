@@ -37,8 +37,16 @@ class LayerCapture:
             record_topk_ids_op(topk_ids, self.buffer, self.layer_id, None, self.num_experts, self.errors)
             return
         layout = self.layout
-        record_local_topk_ids_op(topk_ids, self.buffer, self.layer_id, self.num_experts, self.errors,
-                                 layout.dp_rank, layout.tp_size, layout.split_over_tp)
+        record_local_topk_ids_op(
+            topk_ids,
+            self.buffer,
+            self.layer_id,
+            self.num_experts,
+            self.errors,
+            layout.dp_rank,
+            layout.tp_size,
+            layout.split_over_tp,
+        )
 
 
 @dataclass(frozen=True)
@@ -78,8 +86,14 @@ _LIBRARY.define(
 
 
 def _record_local_topk_ids(
-    topk_ids: torch.Tensor, out: torch.Tensor, layer_id: int, num_experts: int | None, errors: torch.Tensor,
-    dp_rank: int, tp_size: int, split_over_tp: bool,
+    topk_ids: torch.Tensor,
+    out: torch.Tensor,
+    layer_id: int,
+    num_experts: int | None,
+    errors: torch.Tensor,
+    dp_rank: int,
+    tp_size: int,
+    split_over_tp: bool,
 ) -> None:
     ids = local_topk_ids(topk_ids, RankLayout(dp_rank, tp_size, split_over_tp), out.shape[0])
     record_topk_ids_op(ids, out, layer_id, None, num_experts, errors)
@@ -91,8 +105,14 @@ record_local_topk_ids_op = torch.ops.vllm_ascend_routing.record_local_topk_ids.d
 
 @torch.library.register_fake("vllm_ascend_routing::record_local_topk_ids")
 def _(
-    topk_ids: torch.Tensor, out: torch.Tensor, layer_id: int, num_experts: int | None, errors: torch.Tensor,
-    dp_rank: int, tp_size: int, split_over_tp: bool,
+    topk_ids: torch.Tensor,
+    out: torch.Tensor,
+    layer_id: int,
+    num_experts: int | None,
+    errors: torch.Tensor,
+    dp_rank: int,
+    tp_size: int,
+    split_over_tp: bool,
 ) -> None:
     # The routed count may exceed ``out``'s rows (all DP ranks' tokens): only the static arguments are checked.
     check_arguments(topk_ids[:0], out, layer_id, None, errors)

@@ -80,8 +80,11 @@ class Violation:
     request_id: str | None = None
 
     def __str__(self) -> str:
-        where = " ".join(f"{name} {value}" for name, value in
-                         (("request", self.request_id), ("layer", self.layer), ("row", self.row)) if value is not None)
+        where = " ".join(
+            f"{name} {value}"
+            for name, value in (("request", self.request_id), ("layer", self.layer), ("row", self.row))
+            if value is not None
+        )
         return f"{where}: {self.what}" if where else self.what
 
 

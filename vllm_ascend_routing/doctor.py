@@ -125,8 +125,10 @@ def run(
         return 1
     platform = platform or _platform()
     if platform not in PLATFORMS:
-        print_fn(f"{VERDICT}FAIL: vLLM reports platform {platform!r}, which has no patch targets here; pass "
-                 f"--platform ({', '.join(PLATFORMS)}) to check a release this machine cannot run")
+        print_fn(
+            f"{VERDICT}FAIL: vLLM reports platform {platform!r}, which has no patch targets here; pass "
+            f"--platform ({', '.join(PLATFORMS)}) to check a release this machine cannot run"
+        )
         return 1
     target_lines, verified, total, missing = target_report(platform)
     for line in target_lines:

@@ -71,17 +71,16 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_ASCEND_ROUTING_FORCE_REFERENCE": _bool("VLLM_ASCEND_ROUTING_FORCE_REFERENCE"),
     # ---- build (read by setup.py) ----
     # Native kernel backend to build: "cuda", "npu", or "" (none: PyTorch reference only).
-    "VLLM_ASCEND_ROUTING_TARGET_DEVICE": _choice(
-        "VLLM_ASCEND_ROUTING_TARGET_DEVICE", "", ("", "empty", "cuda", "npu")
-    ),
+    "VLLM_ASCEND_ROUTING_TARGET_DEVICE": _choice("VLLM_ASCEND_ROUTING_TARGET_DEVICE", "", ("", "empty", "cuda", "npu")),
     # ---- tooling (scripts/venv.py, tests, demo) ----
     # Where per-release virtual environments and downloaded wheels are cached.
     "VLLM_ASCEND_ROUTING_CACHE": lambda: os.path.expanduser(
         os.getenv("VLLM_ASCEND_ROUTING_CACHE") or "~/.cache/vllm_ascend_routing"
     ),
     # Where the tiny test models are built (reused while their recipe is unchanged).
-    "VLLM_ASCEND_ROUTING_MODELS": lambda: os.getenv("VLLM_ASCEND_ROUTING_MODELS")
-    or os.path.join(tempfile.gettempdir(), "vllm_ascend_routing_models"),
+    "VLLM_ASCEND_ROUTING_MODELS": lambda: (
+        os.getenv("VLLM_ASCEND_ROUTING_MODELS") or os.path.join(tempfile.gettempdir(), "vllm_ascend_routing_models")
+    ),
     # Comma-separated test resources (e.g. "vllm") whose absence fails the run instead of skipping.
     "VLLM_ASCEND_ROUTING_TEST_REQUIRE": lambda: os.getenv("VLLM_ASCEND_ROUTING_TEST_REQUIRE", ""),
     # Seed of the random kernel test vectors (default: a fresh one per run, printed).

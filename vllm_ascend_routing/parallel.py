@@ -48,8 +48,13 @@ class Span:
     gather_tp: bool = False
 
 
-def place(n: int, layout: RankLayout, counts: list[int] | None, shard_sizes: list[int] | None = None,
-          capacity: int | None = None) -> Span:
+def place(
+    n: int,
+    layout: RankLayout,
+    counts: list[int] | None,
+    shard_sizes: list[int] | None = None,
+    capacity: int | None = None,
+) -> Span:
     """Where this rank's rows are among ``n`` routed tokens.
 
     Args:

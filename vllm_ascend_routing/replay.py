@@ -26,8 +26,16 @@ from vllm_ascend_routing.contract import check as _check
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Aligned", "MegatronReplay", "UnknownMoELayersError", "Violation", "align", "check", "moe_layers",
-           "to_megatron"]
+__all__ = [
+    "Aligned",
+    "MegatronReplay",
+    "UnknownMoELayersError",
+    "Violation",
+    "align",
+    "check",
+    "moe_layers",
+    "to_megatron",
+]
 
 # vLLM's array dtype per generation: 0.20.x int32 (rows from token 0), 0.22+ uint8 / uint16 (from prompt_start).
 _V020_DTYPES = (np.dtype(np.int32),)
@@ -77,14 +85,18 @@ def align(routed: np.ndarray, prompt_len: int, output_len: int, prompt_start: in
     if not 0 <= prompt_start < num_tokens:
         raise ValueError(f"prompt_start={prompt_start} outside [0, {num_tokens}) for {num_tokens} tokens")
     new_rows = num_tokens - 1 - prompt_start
-    expected = (f"vLLM 0.20.x: int32 with T-1 = {num_tokens - 1} rows, or vLLM 0.22+: uint8/uint16 with "
-                f"T-1-prompt_start = {new_rows} rows (T = {prompt_len} prompt + {output_len} output tokens)")
+    expected = (
+        f"vLLM 0.20.x: int32 with T-1 = {num_tokens - 1} rows, or vLLM 0.22+: uint8/uint16 with "
+        f"T-1-prompt_start = {new_rows} rows (T = {prompt_len} prompt + {output_len} output tokens)"
+    )
     if routed.ndim != 3:
         raise ValueError(f"routed_experts of shape {routed.shape}: expected [rows, num_layers, top_k]; {expected}")
     if routed.dtype in _V020_DTYPES:
         if prompt_start:
-            raise ValueError(f"an int32 array is vLLM 0.20.x's, which has no prompt_start (got {prompt_start}): "
-                             f"expected T-1 = {num_tokens - 1} rows from token 0")
+            raise ValueError(
+                f"an int32 array is vLLM 0.20.x's, which has no prompt_start (got {prompt_start}): "
+                f"expected T-1 = {num_tokens - 1} rows from token 0"
+            )
         first, rows = 0, num_tokens - 1
     elif routed.dtype in _V022_DTYPES:
         first, rows = prompt_start, new_rows
@@ -93,15 +105,20 @@ def align(routed: np.ndarray, prompt_len: int, output_len: int, prompt_start: in
     if routed.shape[0] != rows:
         raise ValueError(f"routed_experts has {routed.shape[0]} rows of dtype {routed.dtype}; {expected}")
     routes = np.full((num_tokens, *routed.shape[1:]), INVALID, dtype=np.int64)
-    routes[first:first + rows] = routed
+    routes[first : first + rows] = routed
     valid = np.zeros(num_tokens, dtype=bool)
-    valid[first:first + rows] = True
+    valid[first : first + rows] = True
     return Aligned(routes, valid)
 
 
 def check(
-    routed: np.ndarray, num_experts: int, moe_layers: Sequence[int] | None, *, valid: np.ndarray | None = None,
-    expected_rows: int | None = None, limit: int = 5,
+    routed: np.ndarray,
+    num_experts: int,
+    moe_layers: Sequence[int] | None,
+    *,
+    valid: np.ndarray | None = None,
+    expected_rows: int | None = None,
+    limit: int = 5,
 ) -> list[Violation]:
     """Rows that break the contract: validation mode's rules (``contract.check``), for a trainer.
 
@@ -109,12 +126,20 @@ def check(
     all zero across the rows. Works on vLLM's array or on :func:`align`'s ``routes`` (pass its ``valid``:
     rows without recorded routing are not checked). Empty list: the rows are fit to replay.
     """
-    return _check(np.asarray(routed), num_experts=num_experts, moe_layers=moe_layers, valid=valid,
-                  expected_rows=expected_rows, limit=limit)
+    return _check(
+        np.asarray(routed),
+        num_experts=num_experts,
+        moe_layers=moe_layers,
+        valid=valid,
+        expected_rows=expected_rows,
+        limit=limit,
+    )
 
 
 def to_megatron(
-    samples: Sequence[tuple[np.ndarray, np.ndarray]], moe_layers: Sequence[int], num_experts: int,
+    samples: Sequence[tuple[np.ndarray, np.ndarray]],
+    moe_layers: Sequence[int],
+    num_experts: int,
     pad_to: int | None = None,
 ) -> MegatronReplay:
     """Pack aligned samples into Megatron-Core's replay tensors: one per MoE layer, dense layers dropped.
@@ -160,9 +185,9 @@ def to_megatron(
             raise ValueError(f"sample {i} breaks the routed-experts contract: " + "; ".join(map(str, problems)))
         length = routes.shape[0] if pad_to is None else -(-routes.shape[0] // pad_to) * pad_to
         block = np.zeros((length, len(layers), top_k), dtype=np.int64)
-        block[:routes.shape[0]] = routes[:, layers]
+        block[: routes.shape[0]] = routes[:, layers]
         mask = np.zeros(length, dtype=bool)
-        mask[:routes.shape[0]] = valid
+        mask[: routes.shape[0]] = valid
         blocks.append(block)
         masks.append(mask)
     packed, valid_all = np.concatenate(blocks), np.concatenate(masks)

@@ -37,17 +37,27 @@ _LOAD = RunnerHook("load_model", ("self",), "bind MoE layers to the static buffe
 CAPTURER_HOOKS: tuple[RunnerHook, ...] = (
     _LOAD,
     RunnerHook("execute_model", ("self", "scheduler_output"), "start moving the step's rows off the device"),
-    RunnerHook("init_routed_experts_capturer", ("self",),
-               "vLLM creates its capturer here; the runner is the binding runner meanwhile"),
-    RunnerHook("_bind_routed_experts_capturer", ("self", "capturer"),
-               "hand vLLM's capturer the prepared buffer (added where vLLM binds through a module function)",
-               added_if_absent=True, one_of=CAPTURER_BINDER),
+    RunnerHook(
+        "init_routed_experts_capturer",
+        ("self",),
+        "vLLM creates its capturer here; the runner is the binding runner meanwhile",
+    ),
+    RunnerHook(
+        "_bind_routed_experts_capturer",
+        ("self", "capturer"),
+        "hand vLLM's capturer the prepared buffer (added where vLLM binds through a module function)",
+        added_if_absent=True,
+        one_of=CAPTURER_BINDER,
+    ),
 )
 # 0.31+: the hooks drive vLLM's AuxOutput connector on runners without connector code of their own.
 CONNECTOR_HOOKS: tuple[RunnerHook, ...] = (
     _LOAD,
-    RunnerHook("initialize_kv_cache", ("self", "kv_cache_config"),
-               "create vLLM's AuxOutput worker connector (Model Runner V2 binds in here)"),
+    RunnerHook(
+        "initialize_kv_cache",
+        ("self", "kv_cache_config"),
+        "create vLLM's AuxOutput worker connector (Model Runner V2 binds in here)",
+    ),
     RunnerHook("execute_model", ("self", "scheduler_output"), "connector.begin_step before the batch is updated"),
     RunnerHook("sample_tokens", ("self",), "prepare_output / process_output around sampling; set the output field"),
 )
@@ -84,18 +94,32 @@ def runner_patches(hooks: tuple[RunnerHook, ...], generations: tuple[Generation,
     rows: list[Patch] = []
     for cls_path, cls_required in RUNNER_CLASSES[platform]:
         if cls_path in _INHERITED:
-            rows.append(Patch(cls_path, "the platform's runner (hooks on its own overrides)", "never",
-                              generations, platform=platform, required=cls_required))
+            rows.append(
+                Patch(
+                    cls_path,
+                    "the platform's runner (hooks on its own overrides)",
+                    "never",
+                    generations,
+                    platform=platform,
+                    required=cls_required,
+                )
+            )
             continue
         # vllm-ascend's runners define every hooked method themselves in the releases it supports.
         own_methods = cls_path.startswith("vllm_ascend")
         for hook in hooks:
-            rows.append(Patch(
-                f"{cls_path}.{hook.name}", hook.why, "never (the runner mixin's hook points)", generations,
-                hook.params, platform=platform,
-                required=cls_required and (own_methods or not hook.added_if_absent),
-                one_of=hook.one_of if cls_required and not own_methods else "",
-            ))
+            rows.append(
+                Patch(
+                    f"{cls_path}.{hook.name}",
+                    hook.why,
+                    "never (the runner mixin's hook points)",
+                    generations,
+                    hook.params,
+                    platform=platform,
+                    required=cls_required and (own_methods or not hook.added_if_absent),
+                    one_of=hook.one_of if cls_required and not own_methods else "",
+                )
+            )
     return rows
 
 

@@ -36,17 +36,35 @@ _PROMPT_START = "_vllm_ascend_routing_prompt_start"
 _KEEP = "never while validation mode exists"
 _ENGINE_WHY = "validation mode: remember the engine's model (experts, MoE layers)"
 ENGINE_INITS = (
-    Patch("vllm.v1.engine.llm_engine:LLMEngine.__init__", _ENGINE_WHY, _KEEP, params=("self", "vllm_config"),
-          feature=VALIDATION),
-    Patch("vllm.v1.engine.async_llm:AsyncLLM.__init__", _ENGINE_WHY, _KEEP, params=("self", "vllm_config"),
-          feature=VALIDATION),
+    Patch(
+        "vllm.v1.engine.llm_engine:LLMEngine.__init__",
+        _ENGINE_WHY,
+        _KEEP,
+        params=("self", "vllm_config"),
+        feature=VALIDATION,
+    ),
+    Patch(
+        "vllm.v1.engine.async_llm:AsyncLLM.__init__",
+        _ENGINE_WHY,
+        _KEEP,
+        params=("self", "vllm_config"),
+        feature=VALIDATION,
+    ),
 )
-FROM_NEW_REQUEST = Patch("vllm.v1.engine.output_processor:RequestState.from_new_request",
-                         "validation mode: remember the request's routed_experts_prompt_start", _KEEP,
-                         params=("tokenizer", "request"), feature=VALIDATION)
-NEW_COMPLETION_OUTPUT = Patch("vllm.v1.engine.output_processor:RequestState._new_completion_output",
-                              "validation mode (VLLM_ASCEND_ROUTING_VALIDATE): check each finished request's array",
-                              _KEEP, params=("self", "token_ids", "finish_reason"), feature=VALIDATION)
+FROM_NEW_REQUEST = Patch(
+    "vllm.v1.engine.output_processor:RequestState.from_new_request",
+    "validation mode: remember the request's routed_experts_prompt_start",
+    _KEEP,
+    params=("tokenizer", "request"),
+    feature=VALIDATION,
+)
+NEW_COMPLETION_OUTPUT = Patch(
+    "vllm.v1.engine.output_processor:RequestState._new_completion_output",
+    "validation mode (VLLM_ASCEND_ROUTING_VALIDATE): check each finished request's array",
+    _KEEP,
+    params=("self", "token_ids", "finish_reason"),
+    feature=VALIDATION,
+)
 PATCHES = (*ENGINE_INITS, FROM_NEW_REQUEST, NEW_COMPLETION_OUTPUT)
 
 
@@ -87,8 +105,14 @@ def check(
     routed: np.ndarray, *, request_id: str, expected_rows: int, model: ModelRouting, limit: int = 5
 ) -> list[Violation]:
     """Contract violations of one request's array (at most ``limit`` per kind): ``contract.check``'s rules."""
-    found = contract.check(routed, num_experts=model.num_experts, moe_layers=model.moe_layers,
-                           num_layers=model.num_layers, expected_rows=expected_rows, limit=limit)
+    found = contract.check(
+        routed,
+        num_experts=model.num_experts,
+        moe_layers=model.moe_layers,
+        num_layers=model.num_layers,
+        expected_rows=expected_rows,
+        limit=limit,
+    )
     return [dataclasses.replace(violation, request_id=request_id) for violation in found]
 
 
@@ -134,8 +158,15 @@ def check_recorded_ids(prepared: PreparedCapture) -> None:
     new = count - _reported_errors.get(key, 0)
     if new > 0:
         _reported_errors[key] = count
-        report([Violation(f"{new} routed expert id(s) outside [0, {prepared.num_experts}) recorded by the "
-                          f"capture (stored as -1, {count} in this engine so far)")], _strict)
+        report(
+            [
+                Violation(
+                    f"{new} routed expert id(s) outside [0, {prepared.num_experts}) recorded by the "
+                    f"capture (stored as -1, {count} in this engine so far)"
+                )
+            ],
+            _strict,
+        )
 
 
 def _recording_config(init: Callable[..., Any]) -> Callable[..., Any]:
@@ -168,8 +199,9 @@ def _validating(new_completion_output: Callable[..., Any], strict: bool) -> Call
         if routed is not None and _model is not None:
             num_tokens = int(self.prompt_len) + len(self.detokenizer.output_token_ids)
             expected = num_tokens - 1 - int(getattr(self, _PROMPT_START, 0))
-            report(check(np.asarray(routed), request_id=str(self.request_id), expected_rows=expected,
-                         model=_model), strict)
+            report(
+                check(np.asarray(routed), request_id=str(self.request_id), expected_rows=expected, model=_model), strict
+            )
         return output
 
     return wrapper

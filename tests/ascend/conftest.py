@@ -39,8 +39,11 @@ def native_routing(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(autouse=True)
 def restore_selectors() -> Iterator[None]:
     """Binding replaces ``select_experts`` in vllm-ascend modules: put the originals back after each test."""
-    before = {name: vars(module).get("select_experts") for name, module in list(sys.modules.items())
-              if name.startswith("vllm_ascend.") and module is not None}
+    before = {
+        name: vars(module).get("select_experts")
+        for name, module in list(sys.modules.items())
+        if name.startswith("vllm_ascend.") and module is not None
+    }
     yield
     for name, selector in before.items():
         if selector is not None:

@@ -75,12 +75,20 @@ def vllm_config() -> Any:
         model_config=SimpleNamespace(enable_return_routed_experts=True, hf_text_config=hf, get_num_experts=lambda: 8),
         scheduler_config=SimpleNamespace(max_num_batched_tokens=MAX_TOKENS),
         parallel_config=SimpleNamespace(
-            tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1, data_parallel_rank=0,
-            enable_expert_parallel=False, decode_context_parallel_size=1, prefill_context_parallel_size=1,
+            tensor_parallel_size=1,
+            pipeline_parallel_size=1,
+            data_parallel_size=1,
+            data_parallel_rank=0,
+            enable_expert_parallel=False,
+            decode_context_parallel_size=1,
+            prefill_context_parallel_size=1,
         ),
-        kv_transfer_config=None, speculative_config=None, instance_id=f"npu-runner-test-{os.getpid()}",
-        compilation_config=SimpleNamespace(pass_config=SimpleNamespace(enable_sequence_parallelism=False),
-                                           static_forward_context={}),
+        kv_transfer_config=None,
+        speculative_config=None,
+        instance_id=f"npu-runner-test-{os.getpid()}",
+        compilation_config=SimpleNamespace(
+            pass_config=SimpleNamespace(enable_sequence_parallelism=False), static_forward_context={}
+        ),
     )
 
 
@@ -119,9 +127,14 @@ def main() -> None:
     config = vllm_config()
     runner = object.__new__(runner_cls)
     for name, value in {
-        "vllm_config": config, "model_config": config.model_config, "scheduler_config": config.scheduler_config,
-        "compilation_config": config.compilation_config, "device": torch.device("cpu"), "pin_memory": False,
-        "use_async_scheduling": False, "speculative_config": None,
+        "vllm_config": config,
+        "model_config": config.model_config,
+        "scheduler_config": config.scheduler_config,
+        "compilation_config": config.compilation_config,
+        "device": torch.device("cpu"),
+        "pin_memory": False,
+        "use_async_scheduling": False,
+        "speculative_config": None,
         "kv_cache_config": SimpleNamespace(
             num_blocks=NUM_KV_BLOCKS,
             kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=BLOCK_SIZE))],
@@ -158,15 +171,23 @@ def main() -> None:
     own = getattr(fused_moe, "RoutedExpertsCapturer", None)  # 0.20.x: vllm-ascend's own capture asks this
     result["vllm_ascend_own_capturer"] = None if own is None else repr(own.get_instance())
 
-    blocks = [b for b in routed_experts_blocks(runner_cls)
-              if "init_routed_experts_capturer()" not in b.text and "RoutedExpertsTensors(" not in b.text]
+    blocks = [
+        b
+        for b in routed_experts_blocks(runner_cls)
+        if "init_routed_experts_capturer()" not in b.text and "RoutedExpertsTensors(" not in b.text
+    ]
     start = [b for b in blocks if "clear_buffer" in b.text]
     slots_snapshot = [b for b in blocks if "slot_mapping_device[:n]" in b.text]
     # The device-to-host copy (or the 0.20.x shared-memory save) before the hand-off that reads it.
-    after = sorted((b for b in blocks if b not in start and b not in slots_snapshot),
-                   key=lambda b: "RoutedExpertsLists(" in b.text and ".copy_(" not in b.text)
-    result["blocks"] = {"start": [b.method for b in start], "slots": [b.method for b in slots_snapshot],
-                        "after": [b.method for b in after]}
+    after = sorted(
+        (b for b in blocks if b not in start and b not in slots_snapshot),
+        key=lambda b: "RoutedExpertsLists(" in b.text and ".copy_(" not in b.text,
+    )
+    result["blocks"] = {
+        "start": [b.method for b in start],
+        "slots": [b.method for b in slots_snapshot],
+        "after": [b.method for b in after],
+    }
 
     steps = [run_step(runner, module, layers, start + slots_snapshot, after, config, *step) for step in STEPS]
     result["steps"] = steps
@@ -174,8 +195,14 @@ def main() -> None:
 
 
 def run_step(
-    runner: Any, module: Any, layers: dict[int, Any], before: list[Block], after: list[Block], config: Any,
-    num_tokens: int, slots: list[int],
+    runner: Any,
+    module: Any,
+    layers: dict[int, Any],
+    before: list[Block],
+    after: list[Block],
+    config: Any,
+    num_tokens: int,
+    slots: list[int],
 ) -> dict[str, Any]:
     """One step: the runner's statements before the forward, real MoE forwards, the hand-off."""
     from tests.ascend import real_moe
@@ -185,8 +212,13 @@ def run_step(
     slot_mapping = torch.tensor(slots + [-1] * (MAX_TOKENS - num_tokens))  # padded, like vllm-ascend's
     runner.cpu_slot_mapping = slot_mapping.numpy()
     scheduler_output = SimpleNamespace(total_num_scheduled_tokens=num_tokens)
-    scope = {"self": runner, "scheduler_output": scheduler_output, "slot_mapping": slot_mapping,
-             "kv_cache_gid": 0, "model_runner_output": SimpleNamespace(routed_experts=None)}
+    scope = {
+        "self": runner,
+        "scheduler_output": scheduler_output,
+        "slot_mapping": slot_mapping,
+        "kv_cache_gid": 0,
+        "model_runner_output": SimpleNamespace(routed_experts=None),
+    }
     expected = np.zeros((num_tokens, NUM_LAYERS, 2), dtype=np.int64)
     generator = torch.Generator().manual_seed(num_tokens)
 

@@ -72,8 +72,11 @@ class StubCommMethod:
 
     def prepare(self, hidden_states: torch.Tensor, router_logits: torch.Tensor, **_: Any) -> Any:
         return SimpleNamespace(
-            hidden_states=hidden_states, router_logits=router_logits, mc2_mask=None,
-            padded_hidden_states_shape=None, pertoken_scale=None,
+            hidden_states=hidden_states,
+            router_logits=router_logits,
+            mc2_mask=None,
+            padded_hidden_states_shape=None,
+            pertoken_scale=None,
         )
 
     def fused_experts(self, fused_experts_input: Any = None, **kwargs: Any) -> Any:
@@ -121,8 +124,13 @@ class RealMoE:
 
 
 def build(
-    monkeypatch: pytest.MonkeyPatch, method: Any, *, layer_id: int = 2, gate: bool = False,
-    layer_cls: type | None = None, profile_run: bool = False,
+    monkeypatch: pytest.MonkeyPatch,
+    method: Any,
+    *,
+    layer_id: int = 2,
+    gate: bool = False,
+    layer_cls: type | None = None,
+    profile_run: bool = False,
 ) -> RealMoE:
     """A real ``AscendFusedMoE`` (``multistream_overlap_gate`` = ``gate``) around ``method``."""
     fused_moe = importlib.import_module(FUSED_MOE)
@@ -130,17 +138,36 @@ def build(
     layer = probe_instance(cls, weights=True)
     generator = torch.Generator().manual_seed(layer_id)
     attributes: dict[str, Any] = {
-        "quant_method": method, "layer_name": f"model.layers.{layer_id}.mlp.experts", "layer_id": layer_id,
-        "top_k": TOP_K, "use_grouped_topk": False, "renormalize": True, "topk_group": None,
-        "num_expert_group": None, "custom_routing_function": None, "scoring_func": "softmax",
-        "_original_routed_scaling_factor": 1.0, "routed_scaling_factor": 1.0, "e_score_correction_bias": None,
-        "moe_config": SimpleNamespace(num_experts=NUM_EXPERTS, has_bias=False), "tid2eid": None,
-        "activation": "silu", "apply_router_weight_on_input": False, "_expert_map": None,
+        "quant_method": method,
+        "layer_name": f"model.layers.{layer_id}.mlp.experts",
+        "layer_id": layer_id,
+        "top_k": TOP_K,
+        "use_grouped_topk": False,
+        "renormalize": True,
+        "topk_group": None,
+        "num_expert_group": None,
+        "custom_routing_function": None,
+        "scoring_func": "softmax",
+        "_original_routed_scaling_factor": 1.0,
+        "routed_scaling_factor": 1.0,
+        "e_score_correction_bias": None,
+        "moe_config": SimpleNamespace(num_experts=NUM_EXPERTS, has_bias=False),
+        "tid2eid": None,
+        "activation": "silu",
+        "apply_router_weight_on_input": False,
+        "_expert_map": None,
         # EPLB's logical -> physical map: a permutation that moves ids, so physical ids differ from logical.
         "log2phy": torch.randperm(NUM_EXPERTS, generator=generator).to(torch.int32),
-        "global_redundant_expert_num": 0, "dynamic_eplb": False, "multistream_overlap_gate": gate,
-        "enable_shared_expert_dp": False, "quant_type": None, "enable_npugraph_ex_static_kernel": False,
-        "swiglu_limit": 0.0, "n_shared_experts": 0, "zero_expert_num": 0, "zero_expert_type": None,
+        "global_redundant_expert_num": 0,
+        "dynamic_eplb": False,
+        "multistream_overlap_gate": gate,
+        "enable_shared_expert_dp": False,
+        "quant_type": None,
+        "enable_npugraph_ex_static_kernel": False,
+        "swiglu_limit": 0.0,
+        "n_shared_experts": 0,
+        "zero_expert_num": 0,
+        "zero_expert_type": None,
         # routed experts on: vllm-ascend's own capture branch runs (and finds no capturer: the plugin's binder
         # replaced the one that would set it)
         "vllm_config": SimpleNamespace(model_config=SimpleNamespace(enable_return_routed_experts=True)),
@@ -149,8 +176,11 @@ def build(
         if not isinstance(getattr(cls, name, None), property):  # e.g. layer_id: derived from layer_name
             setattr(layer, name, value)
     method_attributes = {
-        "moe": SimpleNamespace(has_bias=False), "multistream_overlap_gate": gate, "dynamic_eplb": False,
-        "in_dtype": torch.float32, "tid2eid": None,
+        "moe": SimpleNamespace(has_bias=False),
+        "multistream_overlap_gate": gate,
+        "dynamic_eplb": False,
+        "in_dtype": torch.float32,
+        "tid2eid": None,
     }
     wrapped = method
     while wrapped is not None:  # the adapter, and the scheme it delegates to
@@ -169,8 +199,13 @@ def build(
 def _forward_context(monkeypatch: pytest.MonkeyPatch, comm: StubCommMethod, gate: bool, profile_run: bool) -> None:
     forward_context = importlib.import_module(FORWARD_CONTEXT)
     context = SimpleNamespace(
-        moe_comm_method=comm, moe_comm_type=forward_context.MoECommType.ALLGATHER, in_profile_run=profile_run,
-        flash_comm_v1_enabled=False, input_ids=None, all_moe_layers=None, moe_layer_index=0,
+        moe_comm_method=comm,
+        moe_comm_type=forward_context.MoECommType.ALLGATHER,
+        in_profile_run=profile_run,
+        flash_comm_v1_enabled=False,
+        input_ids=None,
+        all_moe_layers=None,
+        moe_layer_index=0,
         eplb_heat_collection_status=False,
     )
     # vLLM's own forward context, which vllm-ascend's _EXTRA_CTX proxy and get_forward_context read.

@@ -32,8 +32,11 @@ def bind_every_method(monkeypatch: pytest.MonkeyPatch, gate: bool = False) -> li
             monkeypatch, moe_methods.method_instance(cls), layer_cls=moe_methods.layer_class(cls), gate=gate
         )
         buffer = new_capture_buffer(4, 4, real_moe.TOP_K, real_moe.NUM_EXPERTS, "cpu")
-        ascend.bind(moe.layer, LayerCapture(buffer, moe.layer_id, real_moe.NUM_EXPERTS, new_error_counter("cpu")),
-                    moe.layer.layer_name)
+        ascend.bind(
+            moe.layer,
+            LayerCapture(buffer, moe.layer_id, real_moe.NUM_EXPERTS, new_error_counter("cpu")),
+            moe.layer.layer_name,
+        )
         layers.append(moe)
     return layers
 
@@ -93,6 +96,8 @@ def test_an_unwrapped_gate_call_site_fails_loudly(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setitem(gate_namespace, SELECTOR, getattr(gate_namespace[SELECTOR], WRAPPED))
     generator = torch.Generator().manual_seed(3)
     with pytest.raises(ascend.RoutingNotRecordedError, match="without calling select_experts"):
-        moe.forward(torch.randn(6, real_moe.HIDDEN, generator=generator),
-                    torch.randn(6, real_moe.NUM_EXPERTS, generator=generator))
+        moe.forward(
+            torch.randn(6, real_moe.HIDDEN, generator=generator),
+            torch.randn(6, real_moe.NUM_EXPERTS, generator=generator),
+        )
     assert (buffer == 0).all()

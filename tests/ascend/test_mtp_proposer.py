@@ -38,8 +38,9 @@ class Decoder(torch.nn.Module):
 
 def moe_layer(monkeypatch: pytest.MonkeyPatch, layer_id: int) -> real_moe.RealMoE:
     fused_moe = importlib.import_module(real_moe.FUSED_MOE)
-    moe = real_moe.build(monkeypatch, real_moe.probe_instance(fused_moe.AscendUnquantizedFusedMoEMethod),
-                         layer_id=layer_id)
+    moe = real_moe.build(
+        monkeypatch, real_moe.probe_instance(fused_moe.AscendUnquantizedFusedMoEMethod), layer_id=layer_id
+    )
     moe.layer.router = SimpleNamespace()  # vLLM's FusedMoE owns one; what the plugin's layer walk looks for
     return moe
 
@@ -60,8 +61,11 @@ def load_drafter(monkeypatch: pytest.MonkeyPatch, target: torch.nn.Module, draft
     base = importlib.import_module(BASE)
     attention = {"model.layers.0.self_attn.attn": Attention()}
     monkeypatch.setattr(base, "get_pp_group", lambda: SimpleNamespace(is_last_rank=True, world_size=1))
-    monkeypatch.setattr(base, "get_layers_from_vllm_config", lambda config, cls: dict(attention) if cls is
-                        base.AttentionLayerBase else {})
+    monkeypatch.setattr(
+        base,
+        "get_layers_from_vllm_config",
+        lambda config, cls: dict(attention) if cls is base.AttentionLayerBase else {},
+    )
     proposer = object.__new__(importlib.import_module(PROPOSER).AscendEagleProposer)
 
     def get_model() -> torch.nn.Module:
@@ -69,8 +73,13 @@ def load_drafter(monkeypatch: pytest.MonkeyPatch, target: torch.nn.Module, draft
         return drafter
 
     for name, value in {
-        "method": "mtp", "num_speculative_tokens": 1, "maybe_eager_context": contextlib.nullcontext(),
-        "parallel_drafting": False, "use_compress": False, "use_cuda_graph": False, "_get_model": get_model,
+        "method": "mtp",
+        "num_speculative_tokens": 1,
+        "maybe_eager_context": contextlib.nullcontext(),
+        "parallel_drafting": False,
+        "use_compress": False,
+        "use_cuda_graph": False,
+        "_get_model": get_model,
         "vllm_config": SimpleNamespace(
             model_config=SimpleNamespace(is_deepseek_mla=False),
             compilation_config=SimpleNamespace(cudagraph_mode=SimpleNamespace(has_full_cudagraphs=lambda: False)),
@@ -104,8 +113,10 @@ def test_mtp_layers_stay_unbound_and_write_nothing(monkeypatch: pytest.MonkeyPat
         expected[moe.layer_id] = real_moe.reference_top_k(logits, real_moe.TOP_K)
     recorded = buffer.clone()
     for moe in mtp_moe.values():  # the proposer runs its layers after the target, in the same step
-        moe.forward(torch.randn(NUM_TOKENS, real_moe.HIDDEN, generator=generator),
-                    torch.randn(NUM_TOKENS, real_moe.NUM_EXPERTS, generator=generator))
+        moe.forward(
+            torch.randn(NUM_TOKENS, real_moe.HIDDEN, generator=generator),
+            torch.randn(NUM_TOKENS, real_moe.NUM_EXPERTS, generator=generator),
+        )
     # every layer really routed and dispatched (one forward context, the last one built: its stub)
     assert len(mtp_moe["0"].comm.dispatched) == 4
     assert torch.equal(buffer, recorded)

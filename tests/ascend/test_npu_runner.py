@@ -26,8 +26,12 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def steps() -> dict[str, Any]:
     done = subprocess.run(
-        [sys.executable, "-m", "tests.ascend.npu_runner_step"], cwd=ROOT, capture_output=True, text=True,
-        timeout=300, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        [sys.executable, "-m", "tests.ascend.npu_runner_step"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-6000:]

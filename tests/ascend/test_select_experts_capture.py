@@ -73,7 +73,8 @@ def test_real_forward_records_the_router_top_k(monkeypatch: pytest.MonkeyPatch, 
 
 
 @pytest.mark.parametrize(
-    "cls", [c for c in METHODS if c.__name__ in {"AscendUnquantizedFusedMoEMethod", "AscendW8A8DynamicFusedMoEMethod"}],
+    "cls",
+    [c for c in METHODS if c.__name__ in {"AscendUnquantizedFusedMoEMethod", "AscendW8A8DynamicFusedMoEMethod"}],
     ids=moe_methods.method_id,
 )
 def test_forced_load_balancing_is_not_recorded(monkeypatch: pytest.MonkeyPatch, cls: type) -> None:
@@ -164,8 +165,11 @@ def syncing(ops: list[str]) -> list[str]:
     return [op for op in ops if op.split("::")[-1].split(".")[0] in SYNCING]
 
 
-@pytest.mark.parametrize("draft_layer_name", ["model.layers.2.mlp.experts", "model.layers.4.mlp.experts"],
-                         ids=["draft-aliases-target-id", "mtp-id-past-the-target"])
+@pytest.mark.parametrize(
+    "draft_layer_name",
+    ["model.layers.2.mlp.experts", "model.layers.4.mlp.experts"],
+    ids=["draft-aliases-target-id", "mtp-id-past-the-target"],
+)
 def test_a_draft_or_mtp_layer_neither_writes_nor_trips_the_guard(
     monkeypatch: pytest.MonkeyPatch, draft_layer_name: str
 ) -> None:
@@ -190,7 +194,8 @@ def test_a_draft_or_mtp_layer_neither_writes_nor_trips_the_guard(
 
 
 @pytest.mark.parametrize(
-    "cls", [c for c in METHODS if c.__name__ in {"AscendUnquantizedFusedMoEMethod", "AscendW8A8DynamicFusedMoEMethod"}],
+    "cls",
+    [c for c in METHODS if c.__name__ in {"AscendUnquantizedFusedMoEMethod", "AscendW8A8DynamicFusedMoEMethod"}],
     ids=moe_methods.method_id,
 )
 def test_zero_experts_run_after_recording(monkeypatch: pytest.MonkeyPatch, cls: type) -> None:

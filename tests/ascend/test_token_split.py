@@ -26,9 +26,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def run_ranks(world: int) -> list[dict[str, Any]]:
     port = free_port()
     procs = [
-        subprocess.Popen([sys.executable, "-m", "tests.ascend.token_split_rank", str(rank), str(world), str(port)],
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.ascend.token_split_rank", str(rank), str(world), str(port)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        )
         for rank in range(world)
     ]
     results = []

@@ -62,13 +62,17 @@ def run_mode(mode: str, cls: type, rank: int, world: int) -> dict[str, bool]:
         conftest.native_routing.__wrapped__(patch)  # type: ignore[attr-defined]
         moe = real_moe.build(patch, moe_methods.method_instance(cls), layer_cls=moe_methods.layer_class(cls))
         prepare = real_prepare_finalize(
-            "PrepareAndFinalizeWithMC2" if mode == "mc2" else "PrepareAndFinalizeWithAll2All")
+            "PrepareAndFinalizeWithMC2" if mode == "mc2" else "PrepareAndFinalizeWithAll2All"
+        )
         moe.comm.prepare = SplittingComm(prepare).prepare  # type: ignore[method-assign]
         context = importlib.import_module("vllm.forward_context")._forward_context
         buffer = new_capture_buffer(BUFFER_ROWS, NUM_LAYERS, real_moe.TOP_K, real_moe.NUM_EXPERTS, "cpu")
         errors = new_error_counter("cpu")
-        ascend.bind(moe.layer, LayerCapture(buffer, moe.layer_id, real_moe.NUM_EXPERTS, errors,
-                                            RankLayout(0, world, split_over_tp=True)), moe.layer.layer_name)
+        ascend.bind(
+            moe.layer,
+            LayerCapture(buffer, moe.layer_id, real_moe.NUM_EXPERTS, errors, RankLayout(0, world, split_over_tp=True)),
+            moe.layer.layer_name,
+        )
         for tokens in TOKEN_COUNTS:
             generator = torch.Generator().manual_seed(tokens)  # the same step on every rank
             hidden = torch.randn(tokens, real_moe.HIDDEN, generator=generator)
@@ -98,13 +102,20 @@ def main() -> None:
 
     with set_current_vllm_config(VllmConfig()):
         parallel_state.init_distributed_environment(
-            world_size=world, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}", local_rank=rank,
-            backend="gloo")
+            world_size=world,
+            rank=rank,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            local_rank=rank,
+            backend="gloo",
+        )
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
         result: dict[str, Any] = {"rank": rank, "world": world}
         for mode in ("mc2", "alltoall", "flashcomm"):
-            result[mode] = {moe_methods.method_id(cls): run_mode(mode, cls, rank, world)
-                            for cls in moe_methods.method_classes() if moe_methods.layer_class(cls) is None}
+            result[mode] = {
+                moe_methods.method_id(cls): run_mode(mode, cls, rank, world)
+                for cls in moe_methods.method_classes()
+                if moe_methods.layer_class(cls) is None
+            }
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -18,8 +18,13 @@ from vllm_ascend_routing.parallel import RankLayout
 
 def config(tp: int, ep: bool = False, sp: bool = False, dp: int = 1, dp_rank: int = 0, sp_moe: bool = False) -> Any:
     return SimpleNamespace(
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp, enable_expert_parallel=ep, data_parallel_size=dp,
-                                        data_parallel_rank=dp_rank, use_sequence_parallel_moe=sp_moe),
+        parallel_config=SimpleNamespace(
+            tensor_parallel_size=tp,
+            enable_expert_parallel=ep,
+            data_parallel_size=dp,
+            data_parallel_rank=dp_rank,
+            use_sequence_parallel_moe=sp_moe,
+        ),
         compilation_config=SimpleNamespace(pass_config=SimpleNamespace(enable_sequence_parallelism=sp)),
         kv_transfer_config=None,
     )

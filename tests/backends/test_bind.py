@@ -69,8 +69,13 @@ def test_shared_router_is_bound_once() -> None:
     runner.router = model.layers[0].router  # type: ignore[assignment]
     model.layers[0].add_module("runner", runner)
     calls: list[int] = []
-    backends.bind_model(model, lambda layer_id: calls.append(layer_id) or LayerCapture(
-        new_capture_buffer(1, 3, 2, 8, "cpu"), layer_id, 8, new_error_counter("cpu")))
+    backends.bind_model(
+        model,
+        lambda layer_id: (
+            calls.append(layer_id)
+            or LayerCapture(new_capture_buffer(1, 3, 2, 8, "cpu"), layer_id, 8, new_error_counter("cpu"))
+        ),
+    )
     assert calls == [0, 2]
 
 
@@ -98,10 +103,14 @@ def test_too_many_experts_for_storage_is_refused() -> None:
         new_capture_buffer(1, 1, 1, 40000, "cpu")
 
 
-@pytest.mark.parametrize(("model", "backend"), [
-    (FakeModel(cpu=False), "router"), (FakeModel(cpu=True), "cpu_moe"),
-    (FakeModel(cpu=False, cpu_experts=True), "cpu_experts"),
-])
+@pytest.mark.parametrize(
+    ("model", "backend"),
+    [
+        (FakeModel(cpu=False), "router"),
+        (FakeModel(cpu=True), "cpu_moe"),
+        (FakeModel(cpu=False, cpu_experts=True), "cpu_experts"),
+    ],
+)
 def test_bind_model_reports_the_backend_of_each_layer(model: FakeModel, backend: str) -> None:
     # The count per backend goes into the start-up log line: which interception serves a model is a fact
     # users and the compatibility notes need, not a guess.

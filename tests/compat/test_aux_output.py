@@ -49,8 +49,9 @@ class V1Runner:
     """The parts of vLLM 0.31's V1 runner the driver touches."""
 
     def __init__(self, **config: Any) -> None:
-        self.vllm_config = SimpleNamespace(speculative_config=None,
-                                           scheduler_config=SimpleNamespace(async_scheduling=False), **config)
+        self.vllm_config = SimpleNamespace(
+            speculative_config=None, scheduler_config=SimpleNamespace(async_scheduling=False), **config
+        )
         self.model = object()
         self.input_batch = SimpleNamespace(req_ids=[], num_computed_tokens_cpu=np.zeros(8, dtype=np.int32))
         self.events: list[str] = []
@@ -73,8 +74,9 @@ class V1Runner:
         self.events.append("sample")
         # vLLM's output may list requests in its own order
         ids = list(reversed(self.input_batch.req_ids))
-        return SimpleNamespace(req_ids=ids, sampled_token_ids=[self.next_sampled[r] for r in ids],
-                               aux_output_connector_output=None)
+        return SimpleNamespace(
+            req_ids=ids, sampled_token_ids=[self.next_sampled[r] for r in ids], aux_output_connector_output=None
+        )
 
 
 @pytest.fixture
@@ -89,9 +91,13 @@ def runner(monkeypatch: pytest.MonkeyPatch) -> V1Runner:
 
 
 def step(order: list[str], scheduled: dict[str, int], computed: list[int]) -> SimpleNamespace:
-    return SimpleNamespace(order=order, num_scheduled_tokens=scheduled, computed=computed,
-                           total_num_scheduled_tokens=sum(scheduled.values()),
-                           aux_output_connector_metadata=f"m{order}")
+    return SimpleNamespace(
+        order=order,
+        num_scheduled_tokens=scheduled,
+        computed=computed,
+        total_num_scheduled_tokens=sum(scheduled.values()),
+        aux_output_connector_metadata=f"m{order}",
+    )
 
 
 def test_drives_the_connector_like_model_runner_v2(runner: V1Runner) -> None:
@@ -154,8 +160,7 @@ def test_speculative_steps_report_the_rejected_drafts(runner: V1Runner, k: int) 
     runner.sample_tokens(None)
     copy = next(entry for entry in connector.log if entry[0] == "copy")
     assert copy == ("copy", [k + 1, 1, accepted_c + 1, 0, 1], [0, k, k - accepted_c, 0, 0])
-    assert connector.batches[0].query_start_loc_np.tolist() == [0, 1 + k, 2 + 2 * k, 3 + 3 * k, 67 + 3 * k,
-                                                                 76 + 3 * k]
+    assert connector.batches[0].query_start_loc_np.tolist() == [0, 1 + k, 2 + 2 * k, 3 + 3 * k, 67 + 3 * k, 76 + 3 * k]
 
 
 def test_more_samples_than_drafts_is_an_error_not_a_guess(runner: V1Runner) -> None:
@@ -190,9 +195,13 @@ def test_config_check_exempts_only_the_v1_runner_on_cpu() -> None:
     saved = sys.modules.get("vllm.platforms")
     sys.modules["vllm.platforms"] = fake_platforms  # type: ignore[assignment]
     try:
+
         def config(enabled: bool, v2: bool, runner_type: str = "generate") -> SimpleNamespace:
-            return SimpleNamespace(aux_output_config=SimpleNamespace(enabled=enabled), use_v2_model_runner=v2,
-                                   model_config=SimpleNamespace(runner_type=runner_type))
+            return SimpleNamespace(
+                aux_output_config=SimpleNamespace(enabled=enabled),
+                use_v2_model_runner=v2,
+                model_config=SimpleNamespace(runner_type=runner_type),
+            )
 
         check(config(enabled=True, v2=False))
         check(config(enabled=True, v2=True))

@@ -15,8 +15,9 @@ from vllm_ascend_routing.compat.base import SUPPORTED_RELEASES, Generation, Unsu
 CAPTURER = "vllm.model_executor.layers.fused_moe.routed_experts_capturer"
 
 
-def fake_vllm(monkeypatch: pytest.MonkeyPatch, version: str, capturer: list[str], outputs: list[str],
-              aux: bool = False) -> None:
+def fake_vllm(
+    monkeypatch: pytest.MonkeyPatch, version: str, capturer: list[str], outputs: list[str], aux: bool = False
+) -> None:
     for name in list(sys.modules):
         if name == "vllm" or name.startswith("vllm."):
             monkeypatch.delitem(sys.modules, name)
@@ -32,8 +33,11 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch, version: str, capturer: list[str]
         setattr(out, name, object())
     monkeypatch.setitem(sys.modules, "vllm.v1.outputs", out)
     if aux:
-        monkeypatch.setitem(sys.modules, "vllm.distributed.aux_output_connector",
-                            types.ModuleType("vllm.distributed.aux_output_connector"))
+        monkeypatch.setitem(
+            sys.modules,
+            "vllm.distributed.aux_output_connector",
+            types.ModuleType("vllm.distributed.aux_output_connector"),
+        )
     else:  # make the import fail like on a release without it
         monkeypatch.setitem(sys.modules, "vllm.distributed.aux_output_connector", None)
     monkeypatch.setenv("VLLM_ASCEND_ROUTING_VLLM_API", "auto")
@@ -43,10 +47,20 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch, version: str, capturer: list[str]
     ("version", "capturer", "outputs", "aux", "expected"),
     [
         ("0.20.2", ["RoutedExpertsCapturer", "RoutedExpertsReader"], [], False, Generation.SHM),
-        ("0.23.0", ["RoutedExpertsCapturer", "RoutedExpertsManager"], ["RoutedExpertsLists"], False,
-         Generation.RUNNER_OUTPUT),
-        ("0.30.0", ["RoutedExpertsManager", "bind_routed_experts_capturer"], ["RoutedExpertsLists"], False,
-         Generation.RUNNER_OUTPUT),
+        (
+            "0.23.0",
+            ["RoutedExpertsCapturer", "RoutedExpertsManager"],
+            ["RoutedExpertsLists"],
+            False,
+            Generation.RUNNER_OUTPUT,
+        ),
+        (
+            "0.30.0",
+            ["RoutedExpertsManager", "bind_routed_experts_capturer"],
+            ["RoutedExpertsLists"],
+            False,
+            Generation.RUNNER_OUTPUT,
+        ),
         ("0.32.0", ["RoutedExpertsCapturer"], [], True, Generation.AUX_OUTPUT),
         # Features win over the version string (a source build of main calling itself 0.23.0).
         ("0.23.0+dev", ["RoutedExpertsCapturer"], [], True, Generation.AUX_OUTPUT),
@@ -55,8 +69,14 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch, version: str, capturer: list[str]
     ],
     ids=["0.20.2-shm", "0.23-runner-output", "0.30-runner-output", "0.32-aux", "features-win", "version-tiebreak"],
 )
-def test_detection(monkeypatch: pytest.MonkeyPatch, version: str, capturer: list[str], outputs: list[str],
-                   aux: bool, expected: Generation) -> None:
+def test_detection(
+    monkeypatch: pytest.MonkeyPatch,
+    version: str,
+    capturer: list[str],
+    outputs: list[str],
+    aux: bool,
+    expected: Generation,
+) -> None:
     fake_vllm(monkeypatch, version, capturer, outputs, aux)
     assert _detect.detect_generation() is expected
 

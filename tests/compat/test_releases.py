@@ -15,8 +15,11 @@ from vllm_ascend_routing.compat.releases import GENERATIONS, Generation, version
 
 COMPAT = Path(releases.__file__).parent
 # The adapter module of each generation, deleted together with its manifest rows.
-ADAPTER_MODULES = {Generation.SHM: ("shm.py", "_shm_store.py"), Generation.RUNNER_OUTPUT: ("runner_output.py",),
-                   Generation.AUX_OUTPUT: ("aux_output.py",)}
+ADAPTER_MODULES = {
+    Generation.SHM: ("shm.py", "_shm_store.py"),
+    Generation.RUNNER_OUTPUT: ("runner_output.py",),
+    Generation.AUX_OUTPUT: ("aux_output.py",),
+}
 
 
 def test_spans_are_ordered_and_cover_every_listed_release() -> None:

@@ -29,8 +29,15 @@ class Scenarios:
         env["VLLM_CACHE_ROOT"] = str(self.cache_root)
         cmd = [sys.executable, "-m", "vllm_ascend_routing.testing.scenarios", *args]
         # Own session: a test can kill the engine's whole process tree.
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                cwd=Path.home(), start_new_session=True)
+        return subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=Path.home(),
+            start_new_session=True,
+        )
 
     @staticmethod
     def finish(proc: subprocess.Popen[str], timeout: int = 900) -> dict[str, Any]:

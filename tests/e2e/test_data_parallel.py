@@ -33,8 +33,10 @@ def test_data_parallel_rows_exact(scenario: Any, generation: str, layout: str) -
     if layout not in layouts_for(generation):
         pytest.skip(f"{layout} DP is tested on another generation ({generation} runs {layouts_for(generation)})")
     result = scenario("data-parallel", "--layout", layout, in_process=False)
-    print(f"DP=2 {layout}: {result['matched']}/{result['rows']} rows, requests per rank "
-          f"{result['requests_per_rank']}, dummy batches per rank {result['dummy_batches_per_rank']}")
+    print(
+        f"DP=2 {layout}: {result['matched']}/{result['rows']} rows, requests per rank "
+        f"{result['requests_per_rank']}, dummy batches per rank {result['dummy_batches_per_rank']}"
+    )
     assert result["ok"], result["problems"]
     assert result["requests"] == len(data_parallel.REQUESTS)
     moe_layers = len(models.build_tiny_moe("qwen3_moe", scenarios.model_dir() / "qwen3_moe").moe_layers)

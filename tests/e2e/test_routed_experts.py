@@ -106,8 +106,9 @@ def _has_avx512() -> bool:
 
 def test_tensor_parallel_2_exact(scenario: Any, generation: str) -> None:
     """Two CPU workers (TP=2, multiprocess executor): rank 0's rows reach the user, exact."""
-    result = scenario("offline", "--arch", "qwen3_moe", "--mode", "eager", "--prompts", "4", "--tp", "2",
-                      in_process=False)
+    result = scenario(
+        "offline", "--arch", "qwen3_moe", "--mode", "eager", "--prompts", "4", "--tp", "2", in_process=False
+    )
     assert result["tensor_parallel"] == 2
     for name in ("batch", "chunked_prefill", "prefix_repeat"):
         assert result[name]["ok"] and result[name]["matched"] == result[name]["rows"] > 0, (name, result[name])

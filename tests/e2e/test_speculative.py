@@ -21,6 +21,7 @@ from vllm_ascend_routing.testing import scenarios
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.spec]
 
+
 def run(scenario: Any, *args: str, in_process: bool = True) -> dict[str, Any]:
     """The scenario's verdict, or a skip when vLLM's own CPU speculative path crashed (the scenario
     recognises that crash: ``scenarios.upstream_spec_crash``)."""
@@ -55,8 +56,10 @@ def test_ngram_offline_exact(scenario: Any, baseline: dict[str, Any]) -> None:
     # drafts proposed, some accepted and some rejected: the rejected rows had to be dropped
     assert counts["drafts"] > 0 and 0 < counts["accepted_tokens"] < counts["draft_tokens"], counts
     assert baseline["spec_decode"]["drafts"] == 0
-    print(f"ngram k=3: {counts}, rows {result['batch']['rows']} + {result['chunked_prefill']['rows']} + "
-          f"{result['prefix_repeat']['rows']} exact")
+    print(
+        f"ngram k=3: {counts}, rows {result['batch']['rows']} + {result['chunked_prefill']['rows']} + "
+        f"{result['prefix_repeat']['rows']} exact"
+    )
 
 
 def test_draft_model_offline_exact(scenario: Any, baseline: dict[str, Any]) -> None:

@@ -18,10 +18,25 @@ pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 def test_exact_routing_under_load(generation: str, tmp_path: Path) -> None:
     if generation == "shm":
         pytest.skip("vLLM 0.20.x has no routed-experts field in its OpenAI server (the offline suite covers it)")
-    env = {**os.environ, "VLLM_ASCEND_ROUTING": "1", "VLLM_ASCEND_ROUTING_VALIDATE": "strict",
-           "VLLM_CACHE_ROOT": str(tmp_path)}
-    cmd = [sys.executable, "-m", "vllm_ascend_routing.testing.stress", "--requests", "96", "--concurrency", "32",
-           "--abort-every", "8", "--deadline", "600"]
+    env = {
+        **os.environ,
+        "VLLM_ASCEND_ROUTING": "1",
+        "VLLM_ASCEND_ROUTING_VALIDATE": "strict",
+        "VLLM_CACHE_ROOT": str(tmp_path),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_ascend_routing.testing.stress",
+        "--requests",
+        "96",
+        "--concurrency",
+        "32",
+        "--abort-every",
+        "8",
+        "--deadline",
+        "600",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
     lines = [line for line in done.stdout.splitlines() if line.startswith("STRESS_RESULT ")]
     assert lines, done.stdout[-3000:] + done.stderr[-3000:]

@@ -44,8 +44,21 @@ def compile_shared(source: Path, lib: Path, includes: list[Path], opt: str = "-O
     assert compiler, "g++ is required to compile the AscendC kernel source under emulation"
     subprocess.run(
         # Hidden visibility: each library keeps its own emulation state though several share this process.
-        [compiler, opt, "-std=c++17", "-shared", "-fPIC", "-Wall", "-Werror", "-fvisibility=hidden",
-         "-fvisibility-inlines-hidden", *(f"-I{path}" for path in includes), str(source), "-o", str(lib)],
+        [
+            compiler,
+            opt,
+            "-std=c++17",
+            "-shared",
+            "-fPIC",
+            "-Wall",
+            "-Werror",
+            "-fvisibility=hidden",
+            "-fvisibility-inlines-hidden",
+            *(f"-I{path}" for path in includes),
+            str(source),
+            "-o",
+            str(lib),
+        ],
         check=True,
     )
     return ctypes.CDLL(str(lib))
@@ -53,8 +66,9 @@ def compile_shared(source: Path, lib: Path, includes: list[Path], opt: str = "-O
 
 def compile_harness(ascend: Path, lib: Path, opt: str = "-O2") -> ctypes.CDLL:
     """The harness around the kernel and host tiling found under `ascend` (csrc/ascend or a mutated copy)."""
-    return compile_shared(NATIVE / "ascendc_harness.cpp", lib,
-                          [EMULATION, ascend / "op_kernel", ascend / "op_host"], opt)
+    return compile_shared(
+        NATIVE / "ascendc_harness.cpp", lib, [EMULATION, ascend / "op_kernel", ascend / "op_host"], opt
+    )
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +95,21 @@ def launch(kernel: ctypes.CDLL, case: Case, max_cores: int) -> tuple[int, str, i
         None if rows is None else rows.ctypes.data_as(ctypes.c_void_p),
         out.ctypes.data_as(ctypes.c_void_p),
         ctypes.c_int(int(case.out.dtype == torch.uint8)),
-        *(ctypes.c_int64(v) for v in (n, k, out.shape[0], out.shape[1], case.layer_id,
-                                       -1 if case.num_experts is None else case.num_experts, max_cores)),
-        ctypes.byref(errors), message, ctypes.c_int64(len(message)),
+        *(
+            ctypes.c_int64(v)
+            for v in (
+                n,
+                k,
+                out.shape[0],
+                out.shape[1],
+                case.layer_id,
+                -1 if case.num_experts is None else case.num_experts,
+                max_cores,
+            )
+        ),
+        ctypes.byref(errors),
+        message,
+        ctypes.c_int64(len(message)),
     )
     return status, message.value.decode(), errors.value
 
@@ -95,8 +121,16 @@ def run_emulated(kernel: ctypes.CDLL, case: Case, max_cores: int) -> int:
 
 
 @pytest.mark.parametrize(("n", "k", "id_dtype", "with_rows", "out_dtype", "checked"), case_ids())
-def test_matches_oracle(kernel: ctypes.CDLL, n: int, k: int, id_dtype: torch.dtype, with_rows: bool,
-                        out_dtype: torch.dtype, checked: bool, run_seed: int) -> None:
+def test_matches_oracle(
+    kernel: ctypes.CDLL,
+    n: int,
+    k: int,
+    id_dtype: torch.dtype,
+    with_rows: bool,
+    out_dtype: torch.dtype,
+    checked: bool,
+    run_seed: int,
+) -> None:
     case = make_case(n, k, id_dtype, with_rows, out_dtype, checked, run_seed + n * 7 + k)
     expected, bad = case.expected()
     max_cores = 1 + (run_seed + n + k) % 48  # 1 .. 48 AI cores: uneven per-core splits included
@@ -133,80 +167,150 @@ class Mutation:
 MUTATIONS = [
     # (a) bad tiling. The tail tile of a core is copied out as a full tile: its store runs past the output
     # (N = 7 tokens, one tile of up to 1024 tokens).
-    Mutation("tail_tile_written_in_full", "op_kernel/record_topk_ids_kernel.cpp",
-             "      CopyOut(first_ + done, tokens);", "      CopyOut(first_ + done, tiling_.tile_tokens);",
-             simple_case(7, 8, 1), 1,
-             ("core 0 of 1: AscendC emulation: DataCopyPad: GM write out of bounds: bytes [112, 128) of 'out' "
-              "(112 bytes registered)",)),
+    Mutation(
+        "tail_tile_written_in_full",
+        "op_kernel/record_topk_ids_kernel.cpp",
+        "      CopyOut(first_ + done, tokens);",
+        "      CopyOut(first_ + done, tiling_.tile_tokens);",
+        simple_case(7, 8, 1),
+        1,
+        (
+            "core 0 of 1: AscendC emulation: DataCopyPad: GM write out of bounds: bytes [112, 128) of 'out' "
+            "(112 bytes registered)",
+        ),
+    ),
     # (a) bad tiling. The host no longer keeps shapes whose adjacent tokens share a 32-byte GM block on one core:
     # with L = 1 and K = 8 int16, a token is 16 bytes, so cores 0 and 1 (one token each) split one block.
-    Mutation("block_dim_ignores_shared_blocks", "op_host/record_topk_ids_tiling.h",
-             "tiling.top_k * out_bytes < 32) return 1;", "tiling.top_k * out_bytes < 0) return 1;",
-             simple_case(7, 8, 1), 8,
-             ("core 1 of 7: AscendC emulation: two cores store into one 32-byte GM block (cores 0 and 1)",)),
+    Mutation(
+        "block_dim_ignores_shared_blocks",
+        "op_host/record_topk_ids_tiling.h",
+        "tiling.top_k * out_bytes < 32) return 1;",
+        "tiling.top_k * out_bytes < 0) return 1;",
+        simple_case(7, 8, 1),
+        8,
+        ("core 1 of 7: AscendC emulation: two cores store into one 32-byte GM block (cores 0 and 1)",),
+    ),
     # (a) bad tiling. Error counts one int32 apart instead of one 32-byte block per core.
-    Mutation("error_slots_share_a_block", "op_kernel/record_topk_ids_tiling_data.h",
-             "constexpr int64_t kErrorsStride = 8;", "constexpr int64_t kErrorsStride = 1;",
-             simple_case(64, 8, 48), 4,
-             ("core 1 of 4: AscendC emulation: two cores store into one 32-byte GM block (cores 0 and 1)",)),
+    Mutation(
+        "error_slots_share_a_block",
+        "op_kernel/record_topk_ids_tiling_data.h",
+        "constexpr int64_t kErrorsStride = 8;",
+        "constexpr int64_t kErrorsStride = 1;",
+        simple_case(64, 8, 48),
+        4,
+        ("core 1 of 4: AscendC emulation: two cores store into one 32-byte GM block (cores 0 and 1)",),
+    ),
     # GM write bounds: DataCopyExtParams.dstStride is the GAP between GM blocks; passing the row stride spreads
     # the rows (L+1)*K apart and the last ones land past the output.
-    Mutation("dst_stride_as_row_stride", "op_kernel/record_topk_ids_kernel.cpp",
-             "static_cast<uint32_t>((row_stride - tiling_.top_k) * sizeof(OutT));",
-             "static_cast<uint32_t>(row_stride * sizeof(OutT));",
-             simple_case(7, 8, 1), 1,
-             ("core 0 of 1: AscendC emulation: DataCopyPad: GM write out of bounds: bytes [128, 144) of 'out' "
-              "(112 bytes registered)",)),
+    Mutation(
+        "dst_stride_as_row_stride",
+        "op_kernel/record_topk_ids_kernel.cpp",
+        "static_cast<uint32_t>((row_stride - tiling_.top_k) * sizeof(OutT));",
+        "static_cast<uint32_t>(row_stride * sizeof(OutT));",
+        simple_case(7, 8, 1),
+        1,
+        (
+            "core 0 of 1: AscendC emulation: DataCopyPad: GM write out of bounds: bytes [128, 144) of 'out' "
+            "(112 bytes registered)",
+        ),
+    ),
     # (b) unaligned copy. Per-row copy-out from an unpadded UB row: token 1 starts 16 bytes into the buffer.
-    Mutation("ub_rows_not_32b_padded", "op_kernel/record_topk_ids_kernel.cpp",
-             "out[t * padded_k_]", "out[t * tiling_.top_k]",
-             simple_case(7, 8, 2, rows=True), 1,
-             ("core 0 of 1: AscendC emulation: DataCopyPad: UB src not 32B aligned",)),
+    Mutation(
+        "ub_rows_not_32b_padded",
+        "op_kernel/record_topk_ids_kernel.cpp",
+        "out[t * padded_k_]",
+        "out[t * tiling_.top_k]",
+        simple_case(7, 8, 2, rows=True),
+        1,
+        ("core 0 of 1: AscendC emulation: DataCopyPad: UB src not 32B aligned",),
+    ),
     # (b) unaligned copy. ids loaded with DataCopy, which moves whole 32-byte blocks: 7 tokens x 1 id = 28 bytes.
-    Mutation("ids_loaded_with_datacopy", "op_kernel/record_topk_ids_kernel.cpp",
-             "    DataCopyPad(ids, ids_gm_[token * tiling_.top_k],\n"
-             "                DataCopyExtParams(1, static_cast<uint32_t>(tokens * tiling_.top_k * sizeof(int32_t)),"
-             " 0, 0, 0),\n"
-             "                DataCopyPadExtParams<int32_t>(false, 0, 0, 0));",
-             "    DataCopy(ids, ids_gm_[token * tiling_.top_k], static_cast<uint32_t>(tokens * tiling_.top_k));",
-             simple_case(7, 1, 2), 1,
-             ("core 0 of 1: AscendC emulation: DataCopy: 28 bytes is not a multiple of 32 "
-              "(use DataCopyPad for unaligned lengths)",)),
+    Mutation(
+        "ids_loaded_with_datacopy",
+        "op_kernel/record_topk_ids_kernel.cpp",
+        "    DataCopyPad(ids, ids_gm_[token * tiling_.top_k],\n"
+        "                DataCopyExtParams(1, static_cast<uint32_t>(tokens * tiling_.top_k * sizeof(int32_t)),"
+        " 0, 0, 0),\n"
+        "                DataCopyPadExtParams<int32_t>(false, 0, 0, 0));",
+        "    DataCopy(ids, ids_gm_[token * tiling_.top_k], static_cast<uint32_t>(tokens * tiling_.top_k));",
+        simple_case(7, 1, 2),
+        1,
+        (
+            "core 0 of 1: AscendC emulation: DataCopy: 28 bytes is not a multiple of 32 "
+            "(use DataCopyPad for unaligned lengths)",
+        ),
+    ),
     # Queue discipline: the ids tile is freed right after DeQue, before Compute reads it.
-    Mutation("ids_freed_before_use", "op_kernel/record_topk_ids_kernel.cpp",
-             "    LocalTensor<int32_t> ids = ids_queue_.DeQue<int32_t>();\n",
-             "    LocalTensor<int32_t> ids = ids_queue_.DeQue<int32_t>();\n    ids_queue_.FreeTensor(ids);\n",
-             simple_case(7, 8, 2), 1,
-             ("core 0 of 1: AscendC emulation: LocalTensor::GetValue: LocalTensor used after FreeTensor",)),
+    Mutation(
+        "ids_freed_before_use",
+        "op_kernel/record_topk_ids_kernel.cpp",
+        "    LocalTensor<int32_t> ids = ids_queue_.DeQue<int32_t>();\n",
+        "    LocalTensor<int32_t> ids = ids_queue_.DeQue<int32_t>();\n    ids_queue_.FreeTensor(ids);\n",
+        simple_case(7, 8, 2),
+        1,
+        ("core 0 of 1: AscendC emulation: LocalTensor::GetValue: LocalTensor used after FreeTensor",),
+    ),
     # The per-core error count is computed but never stored: the harness's poisoned slot stays.
-    Mutation("error_count_never_stored", "op_kernel/record_topk_ids_kernel.cpp",
-             "    DataCopyPad(errors_gm_, count, DataCopyExtParams(1, sizeof(int32_t), 0, 0, 0));\n", "",
-             simple_case(7, 8, 2), 1, ("AscendC emulation: core 0 never wrote its error count",)),
+    Mutation(
+        "error_count_never_stored",
+        "op_kernel/record_topk_ids_kernel.cpp",
+        "    DataCopyPad(errors_gm_, count, DataCopyExtParams(1, sizeof(int32_t), 0, 0, 0));\n",
+        "",
+        simple_case(7, 8, 2),
+        1,
+        ("AscendC emulation: core 0 never wrote its error count",),
+    ),
     # Last line of defence: a raw store through the GM pointer bypasses every emulated copy; the guard bytes the
     # harness puts around each GM buffer catch it.
-    Mutation("raw_store_before_errors_ws", "op_kernel/record_topk_ids_kernel.cpp",
-             "    count.SetValue(0, errors);\n",
-             "    count.SetValue(0, errors);\n    if (GetBlockIdx() == 0) errors_gm_.data()[-1] = 0;\n",
-             simple_case(7, 8, 2), 1, ("AscendC emulation: guard bytes around GM 'errors_ws' were overwritten",)),
+    Mutation(
+        "raw_store_before_errors_ws",
+        "op_kernel/record_topk_ids_kernel.cpp",
+        "    count.SetValue(0, errors);\n",
+        "    count.SetValue(0, errors);\n    if (GetBlockIdx() == 0) errors_gm_.data()[-1] = 0;\n",
+        simple_case(7, 8, 2),
+        1,
+        ("AscendC emulation: guard bytes around GM 'errors_ws' were overwritten",),
+    ),
     # (c) leaked tensor. The output tile is never freed: with one tile per core, only the end-of-kernel balance
     # check can see it.
-    Mutation("out_tile_never_freed", "op_kernel/record_topk_ids_kernel.cpp",
-             "    out_queue_.FreeTensor(out);\n", "",
-             simple_case(7, 8, 2), 1,
-             ("core 0 of 1: AscendC emulation: unbalanced queues at kernel end: TQue #2 (VECOUT, 2 x ",
-              " B): 1 tensor(s) from AllocTensor never passed to FreeTensor (leaked)")),
+    Mutation(
+        "out_tile_never_freed",
+        "op_kernel/record_topk_ids_kernel.cpp",
+        "    out_queue_.FreeTensor(out);\n",
+        "",
+        simple_case(7, 8, 2),
+        1,
+        (
+            "core 0 of 1: AscendC emulation: unbalanced queues at kernel end: TQue #2 (VECOUT, 2 x ",
+            " B): 1 tensor(s) from AllocTensor never passed to FreeTensor (leaked)",
+        ),
+    ),
     # (c) leaked tensor, rows path.
-    Mutation("rows_tile_never_freed", "op_kernel/record_topk_ids_kernel.cpp",
-             "      rows_queue_.FreeTensor(rows);\n", "",
-             simple_case(7, 8, 2, rows=True), 1,
-             ("core 0 of 1: AscendC emulation: unbalanced queues at kernel end: TQue #1 (VECIN, 2 x ",
-              " B): 1 tensor(s) from AllocTensor never passed to FreeTensor (leaked)")),
+    Mutation(
+        "rows_tile_never_freed",
+        "op_kernel/record_topk_ids_kernel.cpp",
+        "      rows_queue_.FreeTensor(rows);\n",
+        "",
+        simple_case(7, 8, 2, rows=True),
+        1,
+        (
+            "core 0 of 1: AscendC emulation: unbalanced queues at kernel end: TQue #1 (VECIN, 2 x ",
+            " B): 1 tensor(s) from AllocTensor never passed to FreeTensor (leaked)",
+        ),
+    ),
     # (c) leaked tensor over many tiles: the third AllocTensor finds both buffers still held.
-    Mutation("out_tiles_never_freed_many_tiles", "op_kernel/record_topk_ids_kernel.cpp",
-             "    out_queue_.FreeTensor(out);\n", "",
-             simple_case(4096, 8, 2), 1,
-             ("core 0 of 1: AscendC emulation: TQue #2 (VECOUT, 2 x ",
-              " B): AllocTensor with all 2 buffers in use (missing FreeTensor?)")),
+    Mutation(
+        "out_tiles_never_freed_many_tiles",
+        "op_kernel/record_topk_ids_kernel.cpp",
+        "    out_queue_.FreeTensor(out);\n",
+        "",
+        simple_case(4096, 8, 2),
+        1,
+        (
+            "core 0 of 1: AscendC emulation: TQue #2 (VECOUT, 2 x ",
+            " B): AllocTensor with all 2 buffers in use (missing FreeTensor?)",
+        ),
+    ),
 ]
 
 
@@ -224,8 +328,13 @@ def mutated_tree(mutation: Mutation, root: Path) -> Path:
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=lambda m: m.name)
 def test_mutated_kernel_is_rejected(kernel: ctypes.CDLL, mutation: Mutation, tmp_path: Path) -> None:
     # The input is valid: the real kernel passes it and matches the oracle.
-    control = Case(mutation.case.ids, mutation.case.out.clone(), mutation.case.layer_id, mutation.case.rows,
-                   mutation.case.num_experts)
+    control = Case(
+        mutation.case.ids,
+        mutation.case.out.clone(),
+        mutation.case.layer_id,
+        mutation.case.rows,
+        mutation.case.num_experts,
+    )
     expected, bad = control.expected()
     assert run_emulated(kernel, control, mutation.max_cores) == bad
     np.testing.assert_array_equal(control.out.numpy(), expected)
@@ -254,9 +363,9 @@ PROBES = {
     "ub_misaligned_pad": "DataCopyPad: UB src not 32B aligned (UB byte 6)",
     "datacopy_partial_block": "DataCopy: 20 bytes is not a multiple of 32",
     "leaked_alloc": "unbalanced queues at kernel end: TQue #0 (VECOUT, 2 x 32 B): 1 tensor(s) from AllocTensor "
-                    "never passed to FreeTensor (leaked)",
+    "never passed to FreeTensor (leaked)",
     "enque_never_dequeued": "unbalanced queues at kernel end: TQue #0 (VECIN, 2 x 32 B): 1 tensor(s) EnQue'd and "
-                            "never DeQue'd",
+    "never DeQue'd",
     "double_free": "FreeTensor of a tensor that is not allocated (double free?)",
     "free_while_enqueued": "FreeTensor of a tensor still EnQue'd (DeQue it first)",
     "use_after_free": "LocalTensor::SetValue: LocalTensor used after FreeTensor",
@@ -269,8 +378,12 @@ PROBES = {
 
 @pytest.fixture(scope="module")
 def probes(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    lib = compile_shared(NATIVE / "ascendc_emulation_probes.cpp",
-                         tmp_path_factory.mktemp("ascendc_probes") / "probes.so", [EMULATION], "-O0")
+    lib = compile_shared(
+        NATIVE / "ascendc_emulation_probes.cpp",
+        tmp_path_factory.mktemp("ascendc_probes") / "probes.so",
+        [EMULATION],
+        "-O0",
+    )
     lib.probe_count.restype = ctypes.c_int64
     assert lib.probe_count() == len(PROBES), "every probe in the C++ file has an expectation here"
     return lib

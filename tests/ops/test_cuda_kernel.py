@@ -23,8 +23,17 @@ def test_kernel_compiles_with_nvcc(tmp_path: Path) -> None:
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not installed here")
-    subprocess.run([nvcc, "-c", f"-I{ROOT / 'csrc/cuda'}", str(ROOT / "tests/ops/native/cuda_compile_check.cu"),
-                    "-o", str(tmp_path / "check.o")], check=True)
+    subprocess.run(
+        [
+            nvcc,
+            "-c",
+            f"-I{ROOT / 'csrc/cuda'}",
+            str(ROOT / "tests/ops/native/cuda_compile_check.cu"),
+            "-o",
+            str(tmp_path / "check.o"),
+        ],
+        check=True,
+    )
 
 
 @pytest.fixture
@@ -36,8 +45,16 @@ def cuda_native() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize(("n", "k", "id_dtype", "with_rows", "out_dtype", "checked"), case_ids())
-def test_matches_oracle_on_gpu(cuda_native: None, n: int, k: int, id_dtype: torch.dtype, with_rows: bool,
-                               out_dtype: torch.dtype, checked: bool, run_seed: int) -> None:
+def test_matches_oracle_on_gpu(
+    cuda_native: None,
+    n: int,
+    k: int,
+    id_dtype: torch.dtype,
+    with_rows: bool,
+    out_dtype: torch.dtype,
+    checked: bool,
+    run_seed: int,
+) -> None:
     case = make_case(n, k, id_dtype, with_rows, out_dtype, checked, run_seed + n * 7 + k)
     expected, bad = case.expected()
     out = case.out.cuda()

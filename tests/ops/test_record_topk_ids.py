@@ -34,8 +34,16 @@ def test_cpu_tensors_dispatch_to_the_host_kernel(monkeypatch: pytest.MonkeyPatch
 
 @pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize(("n", "k", "id_dtype", "with_rows", "out_dtype", "checked"), case_ids())
-def test_matches_oracle(kernel: str, n: int, k: int, id_dtype: torch.dtype, with_rows: bool,
-                        out_dtype: torch.dtype, checked: bool, run_seed: int) -> None:
+def test_matches_oracle(
+    kernel: str,
+    n: int,
+    k: int,
+    id_dtype: torch.dtype,
+    with_rows: bool,
+    out_dtype: torch.dtype,
+    checked: bool,
+    run_seed: int,
+) -> None:
     case = make_case(n, k, id_dtype, with_rows, out_dtype, checked, run_seed + n * 7 + k)
     expected, bad = case.expected()
     assert run_op(case, kernel) == bad

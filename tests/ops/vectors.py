@@ -48,8 +48,9 @@ def case_ids() -> list[tuple[int, int, torch.dtype, bool, torch.dtype, bool]]:
     return combos
 
 
-def make_case(n: int, k: int, id_dtype: torch.dtype, with_rows: bool, out_dtype: torch.dtype, checked: bool,
-              seed: int) -> Case:
+def make_case(
+    n: int, k: int, id_dtype: torch.dtype, with_rows: bool, out_dtype: torch.dtype, checked: bool, seed: int
+) -> Case:
     """Fresh random inputs (seeded per run by the caller). Out-of-range ids on both sides when checked."""
     gen = torch.Generator().manual_seed(seed)
     num_layers = NUM_LAYERS[seed % len(NUM_LAYERS)]

@@ -16,8 +16,15 @@ from vllm_ascend_routing.testing import replay_check
 
 
 def mode(agreement: float, mean_abs: float, k3: float) -> dict[str, Any]:
-    return {"routing_agreement": agreement, "rows": 100, "tokens": 50, "mean_abs_delta": mean_abs,
-            "max_abs_delta": 3 * mean_abs, "k3": k3, "share_abs_delta_over_ln2": 0.0}
+    return {
+        "routing_agreement": agreement,
+        "rows": 100,
+        "tokens": 50,
+        "mean_abs_delta": mean_abs,
+        "max_abs_delta": 3 * mean_abs,
+        "k3": k3,
+        "share_abs_delta_over_ln2": 0.0,
+    }
 
 
 def test_passes_only_on_full_agreement_and_strictly_lower_mismatch() -> None:
@@ -32,9 +39,20 @@ def test_passes_only_on_full_agreement_and_strictly_lower_mismatch() -> None:
 
 
 def test_report_prints_both_modes() -> None:
-    result = {"arch": "qwen3_moe_dense", "num_layers": 3, "moe_layers": [0, 2], "num_experts": 8, "top_k": 2,
-              "prompts": 8, "max_tokens": 32, "vllm": "0.23.0", "mode": "compiled", "dtype": "bfloat16",
-              "natural": mode(0.984, 0.0186, 6.4e-4), "replay": mode(1.0, 0.0119, 1.1e-4)}
+    result = {
+        "arch": "qwen3_moe_dense",
+        "num_layers": 3,
+        "moe_layers": [0, 2],
+        "num_experts": 8,
+        "top_k": 2,
+        "prompts": 8,
+        "max_tokens": 32,
+        "vllm": "0.23.0",
+        "mode": "compiled",
+        "dtype": "bfloat16",
+        "natural": mode(0.984, 0.0186, 6.4e-4),
+        "replay": mode(1.0, 0.0119, 1.1e-4),
+    }
     rows = [line for line in replay_check.report(result) if line.startswith(("natural", "replay"))]
     assert [row.split()[0] for row in rows] == ["natural", "replay"]
     assert "98.40% (   98/  100 rows)" in rows[0] and "100.00% (  100/  100 rows)" in rows[1]
@@ -46,13 +64,28 @@ def test_report_prints_both_modes() -> None:
 def test_replay_check_passes_on_this_release(tmp_path: Path) -> None:
     env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path)}
     done = subprocess.run(
-        [sys.executable, "-m", "vllm_ascend_routing", "replay-check", "--prompts", "4", "--max-tokens", "16",
-         "--mode", "eager"],
-        capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "vllm_ascend_routing",
+            "replay-check",
+            "--prompts",
+            "4",
+            "--max-tokens",
+            "16",
+            "--mode",
+            "eager",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=tmp_path,
     )
     lines = done.stdout.splitlines()
-    results = [json.loads(line.removeprefix(replay_check.RESULT)) for line in lines
-               if line.startswith(replay_check.RESULT)]
+    results = [
+        json.loads(line.removeprefix(replay_check.RESULT)) for line in lines if line.startswith(replay_check.RESULT)
+    ]
     assert done.returncode == 0 and len(results) == 1, done.stdout[-3000:] + done.stderr[-3000:]
     result = results[0]
     assert result["ok"] and result["moe_layers"] == [0, 2]

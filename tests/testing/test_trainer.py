@@ -22,14 +22,16 @@ RESPONSE = 24
 def requests(count: int = 6) -> list[tuple[list[int], list[int]]]:
     """(prompt, response) token ids; the response is any token sequence (its log-probs are what is compared)."""
     rng = np.random.default_rng(0)
-    return [(p, [int(t) for t in rng.integers(4, models.VOCAB_SIZE, RESPONSE)])
-            for p in models.mixed_prompts(count, seed=3, min_len=8, max_len=40)]
+    return [
+        (p, [int(t) for t in rng.integers(4, models.VOCAB_SIZE, RESPONSE)])
+        for p in models.mixed_prompts(count, seed=3, min_len=8, max_len=40)
+    ]
 
 
 def recorded(inference: TrainerModel, prompt: list[int], response: list[int]) -> tuple[Aligned, np.ndarray]:
     """What vLLM would return (0.22+ contract: uint8 rows of prompt + output[:-1]), aligned, and the log-probs."""
     forward = inference.forward(prompt + response)
-    return align(forward.routes[:-1].astype(np.uint8), len(prompt), len(response)), forward.logprobs[len(prompt) - 1:]
+    return align(forward.routes[:-1].astype(np.uint8), len(prompt), len(response)), forward.logprobs[len(prompt) - 1 :]
 
 
 def shifted_by_one(aligned: Aligned) -> Aligned:
@@ -43,8 +45,9 @@ def dense_misindexed(aligned: Aligned, num_moe_layers: int) -> MegatronReplay:
     """A consumer that gives the j-th MoE layer column j (MoE ordinal taken for the layer number): with a dense
     layer in between, later MoE layers get the wrong layer's rows (here the dense layer's zeros)."""
     columns = np.where(aligned.valid[:, None, None], aligned.routes, 0)
-    return MegatronReplay([torch.from_numpy(columns[:, j].copy()) for j in range(num_moe_layers)],
-                          torch.from_numpy(aligned.valid))
+    return MegatronReplay(
+        [torch.from_numpy(columns[:, j].copy()) for j in range(num_moe_layers)], torch.from_numpy(aligned.valid)
+    )
 
 
 def model(arch: str) -> Any:
@@ -79,8 +82,14 @@ def test_replay_beats_natural_and_the_controls_score_worse() -> None:
             "dense_misindexed": dense_misindexed(aligned, len(info.moe_layers)),
         }
         for name, replay in runs.items():
-            scores[name].add(trainer.forward(tokens, replay), infer_logprobs, aligned.routes, aligned.valid,
-                             info.moe_layers, len(prompt))
+            scores[name].add(
+                trainer.forward(tokens, replay),
+                infer_logprobs,
+                aligned.routes,
+                aligned.valid,
+                info.moe_layers,
+                len(prompt),
+            )
     natural, replay = scores["natural"], scores["replay"]
     assert replay.agreement == 1.0 and replay.rows == natural.rows > 0
     assert natural.agreement < 1.0, "bfloat16 routing should diverge somewhere, or the comparison shows nothing"

@@ -106,4 +106,3 @@ def bind_model(model: torch.nn.Module, make_capture: Callable[[int], LayerCaptur
 def splits_tokens(vllm_config: Any) -> bool:
     """Whether the backend in use splits a step's tokens over the TP ranks before routing (vllm-ascend)."""
     return "vllm_ascend" in sys.modules and ascend.splits_tokens(vllm_config)
-

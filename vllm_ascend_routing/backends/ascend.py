@@ -44,12 +44,18 @@ SELECTOR = Patch(
     "0.23.x renames): records the logical ids it returns (every quant method and the multistream gate path "
     "call it; none goes through BaseRouter)",
     "vllm-ascend routes every method through BaseRouter (its routers, 0.26+): use backend 'router'",
-    _GENERATIONS, ("hidden_states", "router_logits", "top_k"), platform="npu", releases=_ASCEND_RELEASES,
+    _GENERATIONS,
+    ("hidden_states", "router_logits", "top_k"),
+    platform="npu",
+    releases=_ASCEND_RELEASES,
 )
 FORWARD_IMPL = Patch(
     "vllm_ascend.ops.fused_moe.fused_moe:AscendFusedMoE.forward_impl",
     "per bound layer (instance attribute): marks the layer active so select_experts knows its layer id",
-    "as select_experts", _GENERATIONS, ("self", "hidden_states", "router_logits"), platform="npu",
+    "as select_experts",
+    _GENERATIONS,
+    ("self", "hidden_states", "router_logits"),
+    platform="npu",
     releases=_ASCEND_RELEASES,
 )
 PATCHES = (SELECTOR, FORWARD_IMPL)

@@ -42,15 +42,27 @@ logger = get_logger(__name__)
 
 _AUX = (Generation.AUX_OUTPUT,)
 _WORKER = "vllm.distributed.aux_output_connector.worker"
-BINDER = Patch(f"{_WORKER}:bind_routed_experts_capturer",
-               "the connector's capturer is handed the buffer bound at load (vLLM would bind after compiling)",
-               "vLLM binds before its first compile on every platform", _AUX, ("model", "capturer"))
-CONNECTOR = Patch(f"{_WORKER}:AuxOutputWorkerConnector",
-                  "created by the runner hooks on runners without connector code (not replaced)",
-                  "vLLM's V1 runner drives the connector itself", _AUX, ("vllm_config", "model", "kv_cache_config"))
-CONFIG_CHECK = Patch("vllm.config.vllm:VllmConfig._verify_aux_output_compatibility",
-                     "CPU only: accept the V1 runner the plugin drives (vLLM exempts out-of-tree platforms the "
-                     "same way)", "vLLM's CPU build runs Model Runner V2", _AUX, ("self",))
+BINDER = Patch(
+    f"{_WORKER}:bind_routed_experts_capturer",
+    "the connector's capturer is handed the buffer bound at load (vLLM would bind after compiling)",
+    "vLLM binds before its first compile on every platform",
+    _AUX,
+    ("model", "capturer"),
+)
+CONNECTOR = Patch(
+    f"{_WORKER}:AuxOutputWorkerConnector",
+    "created by the runner hooks on runners without connector code (not replaced)",
+    "vLLM's V1 runner drives the connector itself",
+    _AUX,
+    ("vllm_config", "model", "kv_cache_config"),
+)
+CONFIG_CHECK = Patch(
+    "vllm.config.vllm:VllmConfig._verify_aux_output_compatibility",
+    "CPU only: accept the V1 runner the plugin drives (vLLM exempts out-of-tree platforms the same way)",
+    "vLLM's CPU build runs Model Runner V2",
+    _AUX,
+    ("self",),
+)
 PATCHES = (BINDER, CONNECTOR, CONFIG_CHECK)
 _DRIVER = "_vllm_ascend_routing_aux_driver"  # runner attribute: the connector this plugin drives
 
@@ -125,8 +137,11 @@ class AuxOutputAPI:
     def routing_shape(self, vllm_config: Any) -> tuple[int, int, int]:
         """``(num_hidden_layers, top_k, num_experts)`` exactly as the connector's capturer sizes them."""
         model_config = vllm_config.model_config
-        return (int(model_config.get_total_num_hidden_layers()), int(model_config.get_num_experts_per_tok()),
-                int(model_config.get_num_experts()))
+        return (
+            int(model_config.get_total_num_hidden_layers()),
+            int(model_config.get_num_experts_per_tok()),
+            int(model_config.get_num_experts()),
+        )
 
     def prepare(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> PreparedCapture | None:
         if not vllm_config.aux_output_config.enable_return_routed_experts:
@@ -151,9 +166,7 @@ class AuxOutputAPI:
                 "pass --no-async-scheduling or unset VLLM_ASCEND_ROUTING."
             )
         with as_binding_runner(runner):
-            connector = connector_class()(
-                vllm_config=config, model=runner.model, kv_cache_config=kv_cache_config
-            )
+            connector = connector_class()(vllm_config=config, model=runner.model, kv_cache_config=kv_cache_config)
         setattr(runner, _DRIVER, _Driver(connector))
         logger.info("routed experts: driving vLLM's AuxOutput connector from %s", type(runner).__name__)
 

@@ -36,9 +36,7 @@ class CaptureAPI(Protocol):
     def install_ascend(self) -> None:
         """Patch this generation's call sites in vllm-ascend (idempotent; run when its worker imports them)."""
 
-    def prepare(
-        self, model: torch.nn.Module, vllm_config: Any, device: torch.device
-    ) -> PreparedCapture | None:
+    def prepare(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> PreparedCapture | None:
         """At model load, before any forward: check the config, allocate the static capture buffer and
         bind every MoE layer of the target ``model`` (never a draft/MTP model) to it.
 

@@ -39,19 +39,36 @@ logger = get_logger(__name__)
 _SHM = (Generation.SHM,)
 _REMOVE = "the lowest supported vLLM is 0.22.0 or newer"
 # Where vLLM 0.20.x imported the two classes: they are replaced there, by name.
-CAPTURER = Patch("vllm.v1.worker.gpu_model_runner:RoutedExpertsCapturer",
-                 "substituted by the narrow shared-memory capturer (same call sites)", _REMOVE, _SHM)
-READER = Patch("vllm.v1.core.sched.scheduler:RoutedExpertsReader",
-               "substituted by the narrow shared-memory reader (same call sites)", _REMOVE, _SHM)
+CAPTURER = Patch(
+    "vllm.v1.worker.gpu_model_runner:RoutedExpertsCapturer",
+    "substituted by the narrow shared-memory capturer (same call sites)",
+    _REMOVE,
+    _SHM,
+)
+READER = Patch(
+    "vllm.v1.core.sched.scheduler:RoutedExpertsReader",
+    "substituted by the narrow shared-memory reader (same call sites)",
+    _REMOVE,
+    _SHM,
+)
 # vllm-ascend 0.20.2rc1: its NPU runner calls the capturer by its own imported name (clear/save), and its
 # unquantized MoE method captures through the singleton; the plugin records every method itself.
-ASCEND_CAPTURER = Patch("vllm_ascend.worker.model_runner_v1:RoutedExpertsCapturer",
-                        "the NPU runner's clear/save call sites reach the narrow shared-memory capturer",
-                        _REMOVE, _SHM, platform="npu", releases="vllm-ascend 0.20.2rc1 (vLLM 0.20.2)")
-ASCEND_MOE_CAPTURER = Patch("vllm_ascend.ops.fused_moe.fused_moe:RoutedExpertsCapturer",
-                            "vllm-ascend's own capture (unquantized method only) is turned off: the plugin "
-                            "records every method", _REMOVE, _SHM, platform="npu",
-                            releases="vllm-ascend 0.20.2rc1 (vLLM 0.20.2)")
+ASCEND_CAPTURER = Patch(
+    "vllm_ascend.worker.model_runner_v1:RoutedExpertsCapturer",
+    "the NPU runner's clear/save call sites reach the narrow shared-memory capturer",
+    _REMOVE,
+    _SHM,
+    platform="npu",
+    releases="vllm-ascend 0.20.2rc1 (vLLM 0.20.2)",
+)
+ASCEND_MOE_CAPTURER = Patch(
+    "vllm_ascend.ops.fused_moe.fused_moe:RoutedExpertsCapturer",
+    "vllm-ascend's own capture (unquantized method only) is turned off: the plugin records every method",
+    _REMOVE,
+    _SHM,
+    platform="npu",
+    releases="vllm-ascend 0.20.2rc1 (vLLM 0.20.2)",
+)
 PATCHES = (CAPTURER, READER, ASCEND_CAPTURER, ASCEND_MOE_CAPTURER)
 
 

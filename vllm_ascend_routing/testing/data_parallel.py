@@ -35,8 +35,24 @@ from vllm_ascend_routing.testing.server import Server, free_port, post
 STANDIN = Path(__file__).with_name("dp_standin")
 MAX_BATCHED_TOKENS = 128
 # (prompt length, max tokens): chunked prefills beside one-token requests and long decodes.
-REQUESTS = [(300, 6), (3, 24), (57, 1), (12, 17), (190, 3), (5, 9), (96, 12), (33, 2), (140, 20), (8, 1),
-            (71, 5), (4, 30), (260, 8), (21, 11), (46, 4), (9, 16)]
+REQUESTS = [
+    (300, 6),
+    (3, 24),
+    (57, 1),
+    (12, 17),
+    (190, 3),
+    (5, 9),
+    (96, 12),
+    (33, 2),
+    (140, 20),
+    (8, 1),
+    (71, 5),
+    (4, 30),
+    (260, 8),
+    (21, 11),
+    (46, 4),
+    (9, 16),
+]
 
 
 def engine_env(events: str, cores: list[int]) -> dict[str, str]:
@@ -61,33 +77,72 @@ def run_data_parallel(arch: str, layout: str, mode: str, expert_parallel: bool =
     cores = [cores[0], cores[-1]]  # the same core twice on a one-core machine
     env = engine_env(events, cores if layout == "server" else cores[:1])
     port = free_port()
-    common = ["--kv-cache-memory-bytes", str(offline.KV_CACHE_BYTES), "--max-model-len", "1024",
-              "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), "--data-parallel-size", "2"]
+    common = [
+        "--kv-cache-memory-bytes",
+        str(offline.KV_CACHE_BYTES),
+        "--max-model-len",
+        "1024",
+        "--max-num-batched-tokens",
+        str(MAX_BATCHED_TOKENS),
+        "--data-parallel-size",
+        "2",
+    ]
     if mode == "eager":
         common.append("--enforce-eager")
     if expert_parallel:
         common.append("--enable-expert-parallel")
     headless: subprocess.Popen[bytes] | None = None
     if layout == "headless":
-        common += ["--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
-                   "--data-parallel-rpc-port", str(port)]
+        common += [
+            "--data-parallel-size-local",
+            "1",
+            "--data-parallel-address",
+            "127.0.0.1",
+            "--data-parallel-rpc-port",
+            str(port),
+        ]
         log = tempfile.mkstemp(prefix="vllm_headless_", suffix=".log")[1]
         with open(log, "w") as out:
             headless = subprocess.Popen(
-                [sys.executable, "-m", "vllm_ascend_routing.testing.vllm_cli", "serve", str(model.path), "--headless",
-                 "--data-parallel-start-rank", "1", "--dtype", "float32", "--enable-return-routed-experts",
-                 "--seed", "0", *common],
-                env=engine_env(events, cores[1:]), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "vllm_ascend_routing.testing.vllm_cli",
+                    "serve",
+                    str(model.path),
+                    "--headless",
+                    "--data-parallel-start-rank",
+                    "1",
+                    "--dtype",
+                    "float32",
+                    "--enable-return-routed-experts",
+                    "--seed",
+                    "0",
+                    *common,
+                ],
+                env=engine_env(events, cores[1:]),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
     try:
         with Server(model.path, common, env=env) as server:
-            prompts = [models.mixed_prompts(1, seed=40 + i, min_len=n, max_len=n)[0]
-                       for i, (n, _) in enumerate(REQUESTS)]
+            prompts = [
+                models.mixed_prompts(1, seed=40 + i, min_len=n, max_len=n)[0] for i, (n, _) in enumerate(REQUESTS)
+            ]
 
             def complete(i: int) -> offline.Completion:
-                reply = post(f"{server.url}/v1/completions", {
-                    "model": str(model.path), "prompt": prompts[i], "max_tokens": REQUESTS[i][1],
-                    "temperature": 0, "ignore_eos": True, "return_token_ids": True,
-                })
+                reply = post(
+                    f"{server.url}/v1/completions",
+                    {
+                        "model": str(model.path),
+                        "prompt": prompts[i],
+                        "max_tokens": REQUESTS[i][1],
+                        "temperature": 0,
+                        "ignore_eos": True,
+                        "return_token_ids": True,
+                    },
+                )
                 choice = reply["choices"][0]
                 encoded = choice.get("routed_experts")
                 array = None if encoded is None else np.load(io.BytesIO(base64.b64decode(encoded)))
@@ -105,9 +160,16 @@ def run_data_parallel(arch: str, layout: str, mode: str, expert_parallel: bool =
                 headless.kill()
     counted = Counter(tuple(line.split()) for line in Path(events).read_text().splitlines())
     return {
-        "arch": arch, "layout": layout, "mode": mode, "expert_parallel": expert_parallel,
-        "rows": result.rows, "matched": result.matched, "near_ties": result.ties, "ok": result.ok,
-        "problems": result.problems[:5], "requests": len(completions),
+        "arch": arch,
+        "layout": layout,
+        "mode": mode,
+        "expert_parallel": expert_parallel,
+        "rows": result.rows,
+        "matched": result.matched,
+        "near_ties": result.ties,
+        "ok": result.ok,
+        "problems": result.problems[:5],
+        "requests": len(completions),
         "requests_per_rank": {rank: counted[(rank, "request")] for rank in ("0", "1")},
         "dummy_batches_per_rank": {rank: counted[(rank, "dummy")] for rank in ("0", "1")},
     }
@@ -133,11 +195,23 @@ def run_offline_data_parallel(arch: str) -> dict[str, Any]:
     ranks = []
     for rank in (0, 1):
         env = engine_env(events, [cores[rank % len(cores)]])
-        env.update(VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL="0", VLLM_DP_SIZE="2",
-                   VLLM_DP_MASTER_IP="127.0.0.1", VLLM_DP_MASTER_PORT=str(port))
-        ranks.append(subprocess.Popen(
-            [sys.executable, "-m", "vllm_ascend_routing.testing.data_parallel", arch, str(rank)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
+        env.update(
+            VLLM_DP_RANK=str(rank),
+            VLLM_DP_RANK_LOCAL="0",
+            VLLM_DP_SIZE="2",
+            VLLM_DP_MASTER_IP="127.0.0.1",
+            VLLM_DP_MASTER_PORT=str(port),
+        )
+        ranks.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "vllm_ascend_routing.testing.data_parallel", arch, str(rank)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
     verdicts = []
     for rank, proc in enumerate(ranks):
         output, _ = proc.communicate(timeout=900)
@@ -147,9 +221,14 @@ def run_offline_data_parallel(arch: str) -> dict[str, Any]:
         verdicts.append(json.loads(lines[-1].removeprefix("RANK_RESULT ")))
     counted = Counter(tuple(line.split()) for line in Path(events).read_text().splitlines())
     return {
-        "arch": arch, "layout": "offline", "mode": "eager", "expert_parallel": False,
-        "rows": sum(v["rows"] for v in verdicts), "matched": sum(v["matched"] for v in verdicts),
-        "near_ties": sum(v["near_ties"] for v in verdicts), "ok": all(v["ok"] for v in verdicts),
+        "arch": arch,
+        "layout": "offline",
+        "mode": "eager",
+        "expert_parallel": False,
+        "rows": sum(v["rows"] for v in verdicts),
+        "matched": sum(v["matched"] for v in verdicts),
+        "near_ties": sum(v["near_ties"] for v in verdicts),
+        "ok": all(v["ok"] for v in verdicts),
         "problems": [p for v in verdicts for p in v["problems"]][:5],
         "requests": sum(v["requests"] for v in verdicts),
         "requests_per_rank": {str(rank): v["requests"] for rank, v in enumerate(verdicts)},
@@ -165,8 +244,14 @@ def offline_rank(arch: str, rank: int) -> dict[str, Any]:
     prompts = [models.mixed_prompts(1, seed=40 + i, min_len=REQUESTS[i][0], max_len=REQUESTS[i][0])[0] for i in mine]
     completions = offline.generate(llm, prompts, [REQUESTS[i][1] for i in mine])
     result = offline.check(offline.reference_for(model), model, completions)
-    return {"rows": result.rows, "matched": result.matched, "near_ties": result.ties, "ok": result.ok,
-            "problems": result.problems[:5], "requests": len(completions)}
+    return {
+        "rows": result.rows,
+        "matched": result.matched,
+        "near_ties": result.ties,
+        "ok": result.ok,
+        "problems": result.problems[:5],
+        "requests": len(completions),
+    }
 
 
 if __name__ == "__main__":

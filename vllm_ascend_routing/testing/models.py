@@ -54,13 +54,22 @@ def _config(architecture: str) -> Any:
 
     if architecture == "qwen3_moe":
         return transformers.Qwen3MoeConfig(
-            **_common(), num_hidden_layers=3, num_experts=16, num_experts_per_tok=4,
-            moe_intermediate_size=64, intermediate_size=256, norm_topk_prob=True,
-            decoder_sparse_step=1, mlp_only_layers=[],
+            **_common(),
+            num_hidden_layers=3,
+            num_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=64,
+            intermediate_size=256,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
         )
     if architecture == "mixtral":
         return transformers.MixtralConfig(
-            **_common(), num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2,
+            **_common(),
+            num_hidden_layers=2,
+            num_local_experts=8,
+            num_experts_per_tok=2,
             # 2 x 40 = 80 gate/up rows (not a multiple of 32): vLLM's CPU MoE takes its pure-PyTorch
             # path here, the one the CPU compat fix repairs; the Qwen3 models take the grouped GEMM.
             intermediate_size=40,
@@ -68,17 +77,29 @@ def _config(architecture: str) -> Any:
     if architecture == "qwen3_moe_dense":
         # Layer 1 is a dense MLP: its rows in the output must stay zero.
         return transformers.Qwen3MoeConfig(
-            **_common(), num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
-            moe_intermediate_size=64, intermediate_size=256, norm_topk_prob=False,
-            decoder_sparse_step=1, mlp_only_layers=[1],
+            **_common(),
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            intermediate_size=256,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
         )
     if architecture == "qwen3_moe_bench":
         # Big enough that a forward step is not trivial on a CPU: the overhead benchmark's model.
         common = {**_common(), "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64}
         return transformers.Qwen3MoeConfig(
-            **common, num_hidden_layers=8, num_experts=64, num_experts_per_tok=8,
-            moe_intermediate_size=128, intermediate_size=1024, norm_topk_prob=True,
-            decoder_sparse_step=1, mlp_only_layers=[],
+            **common,
+            num_hidden_layers=8,
+            num_experts=64,
+            num_experts_per_tok=8,
+            moe_intermediate_size=128,
+            intermediate_size=1024,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
         )
     raise ValueError(f"unknown architecture {architecture!r}; choose from {', '.join(ALL_ARCHITECTURES)}")
 

@@ -59,16 +59,21 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int | list[int] = 8
     ]
 
 
-def check(
-    reference: RouterReference, model: TinyMoE, completions: list[Completion], prompt_start: int = 0
-) -> Match:
+def check(reference: RouterReference, model: TinyMoE, completions: list[Completion], prompt_start: int = 0) -> Match:
     """Every (token, MoE layer) row of every completion against the reference, exactly."""
     total = Match()
     for i, c in enumerate(completions):
         tokens = c.prompt_ids + c.output_ids[:-1]  # the last sampled token is never forwarded
         expected, logits = reference.routed_experts_and_logits(tokens)
-        total.add(compare(c.routed_experts, expected[prompt_start:], model.moe_layers, label=f"request {i}",
-                          logits=logits[prompt_start:]))
+        total.add(
+            compare(
+                c.routed_experts,
+                expected[prompt_start:],
+                model.moe_layers,
+                label=f"request {i}",
+                logits=logits[prompt_start:],
+            )
+        )
     return total
 
 

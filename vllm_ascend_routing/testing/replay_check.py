@@ -50,8 +50,10 @@ def sample_with_vllm(arch: str, num_prompts: int, max_tokens: int, mode: str) ->
     model = models.build_tiny_moe(arch, scenarios.model_dir() / arch)
     llm = offline.make_llm(model, enforce_eager=(mode == "eager"))
     batch = prompts(num_prompts)
-    params = [SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, seed=1000 + i)
-              for i in range(num_prompts)]
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, seed=1000 + i)
+        for i in range(num_prompts)
+    ]
     outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
     samples = []
     for output in outputs:
@@ -84,10 +86,21 @@ def compare(model_path: Any, samples: list[Sample], dtype: str) -> dict[str, Any
         tokens = sample.prompt_ids + sample.output_ids
         packed = replay.to_megatron([aligned], moe, trainer.num_experts)
         for name, forced in (("natural", None), ("replay", packed)):
-            modes[name].add(trainer.forward(tokens, forced), np.asarray(sample.logprobs), aligned.routes,
-                            aligned.valid, moe, prompt_len)
-    return {"moe_layers": list(moe), "num_layers": trainer.num_layers, "num_experts": trainer.num_experts,
-            "top_k": trainer.top_k, **{name: mismatch.summary() for name, mismatch in modes.items()}}
+            modes[name].add(
+                trainer.forward(tokens, forced),
+                np.asarray(sample.logprobs),
+                aligned.routes,
+                aligned.valid,
+                moe,
+                prompt_len,
+            )
+    return {
+        "moe_layers": list(moe),
+        "num_layers": trainer.num_layers,
+        "num_experts": trainer.num_experts,
+        "top_k": trainer.top_k,
+        **{name: mismatch.summary() for name, mismatch in modes.items()},
+    }
 
 
 def verdict(result: dict[str, Any]) -> tuple[bool, str]:
@@ -102,9 +115,11 @@ def verdict(result: dict[str, Any]) -> tuple[bool, str]:
         failures.append("natural routing already agrees with vLLM on every row (same precision?): nothing to close")
     if failures:
         return False, "FAIL: " + "; ".join(failures)
-    return True, (f"PASS (replay: every row as vLLM routed it; k3 {natural['k3'] / max(replayed['k3'], 1e-300):.1f}x "
-                  f"and mean |Δ| {natural['mean_abs_delta'] / max(replayed['mean_abs_delta'], 1e-300):.1f}x lower "
-                  "than natural routing)")
+    return True, (
+        f"PASS (replay: every row as vLLM routed it; k3 {natural['k3'] / max(replayed['k3'], 1e-300):.1f}x "
+        f"and mean |Δ| {natural['mean_abs_delta'] / max(replayed['mean_abs_delta'], 1e-300):.1f}x lower "
+        "than natural routing)"
+    )
 
 
 def report(result: dict[str, Any]) -> list[str]:
@@ -120,21 +135,37 @@ def report(result: dict[str, Any]) -> list[str]:
     for name in ("natural", "replay"):
         m = result[name]
         agreeing = round(m["routing_agreement"] * m["rows"])
-        lines.append(f"{name:8s} {100 * m['routing_agreement']:8.2f}% ({agreeing:5d}/{m['rows']:5d} rows) "
-                     f"{m['mean_abs_delta']:10.5f} {m['max_abs_delta']:9.4f} {m['k3']:10.2e} "
-                     f"{100 * m['share_abs_delta_over_ln2']:10.2f}%")
-    lines.append(f"\nrows: (token, MoE layer) pairs of prompt + output[:-1]; Δ = log π_train − log π_infer over "
-                 f"{result['natural']['tokens']} response tokens; k3 = mean(e^Δ − 1 − Δ)")
+        lines.append(
+            f"{name:8s} {100 * m['routing_agreement']:8.2f}% ({agreeing:5d}/{m['rows']:5d} rows) "
+            f"{m['mean_abs_delta']:10.5f} {m['max_abs_delta']:9.4f} {m['k3']:10.2e} "
+            f"{100 * m['share_abs_delta_over_ln2']:10.2f}%"
+        )
+    lines.append(
+        f"\nrows: (token, MoE layer) pairs of prompt + output[:-1]; Δ = log π_train − log π_infer over "
+        f"{result['natural']['tokens']} response tokens; k3 = mean(e^Δ − 1 − Δ)"
+    )
     return lines
 
 
-def run(arch: str = "qwen3_moe_dense", num_prompts: int = 8, max_tokens: int = 32, mode: str = "compiled",
-        dtype: str = "bfloat16") -> int:
+def run(
+    arch: str = "qwen3_moe_dense",
+    num_prompts: int = 8,
+    max_tokens: int = 32,
+    mode: str = "compiled",
+    dtype: str = "bfloat16",
+) -> int:
     model, samples = sample_with_vllm(arch, num_prompts, max_tokens, mode)
     from vllm_ascend_routing.compat import vllm_version
 
-    result = {"arch": arch, "prompts": num_prompts, "max_tokens": max_tokens, "mode": mode, "dtype": dtype,
-              "vllm": vllm_version(), **compare(model.path, samples, dtype)}
+    result = {
+        "arch": arch,
+        "prompts": num_prompts,
+        "max_tokens": max_tokens,
+        "mode": mode,
+        "dtype": dtype,
+        "vllm": vllm_version(),
+        **compare(model.path, samples, dtype),
+    }
     ok, detail = verdict(result)
     for line in report(result):
         print(line, flush=True)

@@ -39,8 +39,13 @@ def model_dir() -> Path:
 
 
 def _verdict(result: Any) -> dict[str, Any]:
-    return {"rows": result.rows, "matched": result.matched, "near_ties": result.ties, "ok": result.ok,
-            "problems": result.problems[:5]}
+    return {
+        "rows": result.rows,
+        "matched": result.matched,
+        "near_ties": result.ties,
+        "ok": result.ok,
+        "problems": result.problems[:5],
+    }
 
 
 def _describe(arrays: list[np.ndarray | None]) -> list[Any]:
@@ -55,10 +60,15 @@ def run_offline(arch: str, mode: str, num_prompts: int, tensor_parallel: int = 1
 
     model = models.build_tiny_moe(arch, model_dir() / arch)
     llm = offline.make_llm(
-        model, enforce_eager=(mode == "eager"), max_num_batched_tokens=MAX_BATCHED_TOKENS,
+        model,
+        enforce_eager=(mode == "eager"),
+        max_num_batched_tokens=MAX_BATCHED_TOKENS,
         enable_prefix_caching=True,
-        **({"tensor_parallel_size": tensor_parallel, "distributed_executor_backend": "mp"}
-           if tensor_parallel > 1 else {}),
+        **(
+            {"tensor_parallel_size": tensor_parallel, "distributed_executor_backend": "mp"}
+            if tensor_parallel > 1
+            else {}
+        ),
     )
     reference = offline.reference_for(model)
     prompts = models.mixed_prompts(num_prompts, seed=1)
@@ -70,13 +80,13 @@ def run_offline(arch: str, mode: str, num_prompts: int, tensor_parallel: int = 1
     out["batch"]["output_ids"] = [c.output_ids for c in batch]
 
     long_prompt = models.mixed_prompts(1, seed=7, min_len=LONG_PROMPT, max_len=LONG_PROMPT)
-    chunked, = offline.generate(llm, long_prompt, MAX_TOKENS)
+    (chunked,) = offline.generate(llm, long_prompt, MAX_TOKENS)
     out["chunked_prefill"] = _verdict(offline.check(reference, model, [chunked]))
     out["chunked_prefill"]["prompt_tokens"] = LONG_PROMPT
     out["chunked_prefill"]["max_num_batched_tokens"] = MAX_BATCHED_TOKENS
 
     # The long prompt again: its full KV blocks now come from the prefix cache (no forward for them).
-    repeat, = offline.generate(llm, long_prompt, MAX_TOKENS)
+    (repeat,) = offline.generate(llm, long_prompt, MAX_TOKENS)
     out["prefix_repeat"] = _verdict(offline.check(reference, model, [repeat]))
     out["prefix_repeat"]["identical_to_first"] = bool(
         chunked.routed_experts is not None
@@ -121,8 +131,11 @@ def speculative_config(model: models.TinyMoE, method: str, k: int) -> dict[str, 
 
 
 # vLLM's speculative-decoding counters (Prometheus adds "_total" to each over HTTP).
-SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
-                 "accepted_tokens": "vllm:spec_decode_num_accepted_tokens"}
+SPEC_COUNTERS = {
+    "drafts": "vllm:spec_decode_num_drafts",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+}
 
 
 def spec_decode_counts(llm: Any) -> dict[str, int]:
@@ -160,8 +173,12 @@ def run_speculative(arch: str, method: str, k: int) -> dict[str, Any]:
 def _run_speculative(arch: str, method: str, k: int) -> dict[str, Any]:
     model = models.build_tiny_moe(arch, model_dir() / arch)
     llm = offline.make_llm(
-        model, enforce_eager=True, max_num_batched_tokens=MAX_BATCHED_TOKENS, enable_prefix_caching=True,
-        speculative_config=speculative_config(model, method, k), disable_log_stats=False,
+        model,
+        enforce_eager=True,
+        max_num_batched_tokens=MAX_BATCHED_TOKENS,
+        enable_prefix_caching=True,
+        speculative_config=speculative_config(model, method, k),
+        disable_log_stats=False,
         max_num_seqs=SPEC_MAX_SEQS,
     )
     reference = offline.reference_for(model)
@@ -171,9 +188,9 @@ def _run_speculative(arch: str, method: str, k: int) -> dict[str, Any]:
     out["batch"] = _verdict(offline.check(reference, model, batch))
     out["batch"]["output_ids"] = [c.output_ids for c in batch]
     long_prompt = repetitive_prompts(1, seed=11, length=LONG_PROMPT)
-    chunked, = offline.generate(llm, long_prompt, 17)
+    (chunked,) = offline.generate(llm, long_prompt, 17)
     out["chunked_prefill"] = _verdict(offline.check(reference, model, [chunked]))
-    repeat, = offline.generate(llm, long_prompt, 17)
+    (repeat,) = offline.generate(llm, long_prompt, 17)
     out["prefix_repeat"] = _verdict(offline.check(reference, model, [repeat]))
     out["prefix_repeat"]["cached_tokens"] = repeat.num_cached_tokens
     out["prefix_repeat"]["output_ids"] = repeat.output_ids
@@ -196,8 +213,15 @@ def expert_load(completions: list[offline.Completion], model: models.TinyMoE) ->
 
 def run_serve(arch: str, num_prompts: int, spec: str = "none", k: int = 3) -> dict[str, Any]:
     model = models.build_tiny_moe(arch, model_dir() / arch)
-    args = ["--kv-cache-memory-bytes", str(offline.KV_CACHE_BYTES), "--max-model-len", "1024",
-            "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), "--enforce-eager"]
+    args = [
+        "--kv-cache-memory-bytes",
+        str(offline.KV_CACHE_BYTES),
+        "--max-model-len",
+        "1024",
+        "--max-num-batched-tokens",
+        str(MAX_BATCHED_TOKENS),
+        "--enforce-eager",
+    ]
     config = speculative_config(model, spec, k)
     if config is None:
         prompts, max_tokens = models.mixed_prompts(num_prompts, seed=2), [MAX_TOKENS] * num_prompts
@@ -208,10 +232,17 @@ def run_serve(arch: str, num_prompts: int, spec: str = "none", k: int = 3) -> di
         reference = offline.reference_for(model)
         completions = []
         for prompt, count in zip(prompts, max_tokens, strict=True):
-            reply = post(f"{server.url}/v1/completions", {
-                "model": str(model.path), "prompt": prompt, "max_tokens": count, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True,
-            })
+            reply = post(
+                f"{server.url}/v1/completions",
+                {
+                    "model": str(model.path),
+                    "prompt": prompt,
+                    "max_tokens": count,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                },
+            )
             choice = reply["choices"][0]
             encoded = choice.get("routed_experts")
             array = None if encoded is None else np.load(io.BytesIO(base64.b64decode(encoded)))
@@ -227,8 +258,12 @@ def run_serve(arch: str, num_prompts: int, spec: str = "none", k: int = 3) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("scenario", choices=["offline", "serve", "speculative", "data-parallel"])
-    parser.add_argument("--layout", default="server", choices=["server", "headless", "offline"],
-                        help="data-parallel: one server with both engines, or a second headless process")
+    parser.add_argument(
+        "--layout",
+        default="server",
+        choices=["server", "headless", "offline"],
+        help="data-parallel: one server with both engines, or a second headless process",
+    )
     parser.add_argument("--ep", action="store_true", help="data-parallel: with --enable-expert-parallel")
     parser.add_argument("--arch", default="qwen3_moe", choices=models.ARCHITECTURES)
     parser.add_argument("--mode", default="eager", choices=["eager", "compiled"])

@@ -38,9 +38,21 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-            "--enable-return-routed-experts", "--seed", "0", *extra_args,
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--enable-return-routed-experts",
+            "--seed",
+            "0",
+            *extra_args,
         ]
         self.startup_timeout = startup_timeout
         self.env = env

@@ -62,10 +62,17 @@ def workload(count: int, seed: int, abort_every: int) -> list[tuple[list[int], i
 
 
 def _complete(url: str, model: str, prompt: list[int], max_tokens: int) -> Outcome:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
-    request = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    request = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=600) as response:
             choice = json.loads(response.read())["choices"][0]
@@ -78,10 +85,17 @@ def _complete(url: str, model: str, prompt: list[int], max_tokens: int) -> Outco
 
 def _abort(url: str, model: str, prompt: list[int], max_tokens: int) -> Outcome:
     """Stream, read the first chunk, hang up: the server aborts the request mid-generation."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens + 200, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    request = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens + 200,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    request = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=600) as response:
             response.readline()
@@ -91,13 +105,25 @@ def _abort(url: str, model: str, prompt: list[int], max_tokens: int) -> Outcome:
 
 
 def run(
-    requests: int, concurrency: int, abort_every: int, seed: int, deadline_s: float, mode: str,
+    requests: int,
+    concurrency: int,
+    abort_every: int,
+    seed: int,
+    deadline_s: float,
+    mode: str,
     max_rss_growth_mib: float,
 ) -> dict[str, Any]:
     model = models.build_tiny_moe("qwen3_moe", Path(offline_model_dir()) / "qwen3_moe")
     work = workload(requests, seed, abort_every)
-    args = ["--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS),
-            "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching"]
+    args = [
+        "--kv-cache-memory-bytes",
+        str(KV_CACHE_BYTES),
+        "--max-num-batched-tokens",
+        str(MAX_BATCHED_TOKENS),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--enable-prefix-caching",
+    ]
     if mode == "eager":
         args.append("--enforce-eager")
     with Server(model.path, args) as server:
@@ -120,16 +146,25 @@ def run(
     match = offline.check(offline.reference_for(model), model, completions)
     growth = (rss_end - rss_start) / 2**20
     return {
-        "requests": requests, "concurrency": concurrency, "completed": len(done), "aborted": aborted,
-        "failed": len(failed), "failures": failed[:3], "rows": match.rows, "matched": match.matched,
+        "requests": requests,
+        "concurrency": concurrency,
+        "completed": len(done),
+        "aborted": aborted,
+        "failed": len(failed),
+        "failures": failed[:3],
+        "rows": match.rows,
+        "matched": match.matched,
         "near_ties": match.ties,
         "mismatched_rows": match.rows - match.matched,
         "ok": match.ok and not failed and len(done) > 0 and growth <= max_rss_growth_mib,
-        "problems": match.problems[:5], "seconds": round(elapsed, 1),
+        "problems": match.problems[:5],
+        "seconds": round(elapsed, 1),
         "preemptions": metrics.get("vllm:num_preemptions_total", 0.0),
         "prefix_cache_hits": metrics.get("vllm:prefix_cache_hits_total", 0.0),
-        "rss_start_mib": round(rss_start / 2**20, 1), "rss_end_mib": round(rss_end / 2**20, 1),
-        "rss_growth_mib": round(growth, 1), "max_rss_growth_mib": max_rss_growth_mib,
+        "rss_start_mib": round(rss_start / 2**20, 1),
+        "rss_end_mib": round(rss_end / 2**20, 1),
+        "rss_growth_mib": round(growth, 1),
+        "max_rss_growth_mib": max_rss_growth_mib,
     }
 
 
@@ -147,11 +182,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--deadline", type=float, default=1200.0, help="seconds for the whole request loop")
     parser.add_argument("--mode", default="eager", choices=["eager", "compiled"])
-    parser.add_argument("--max-rss-growth-mib", type=float, default=256.0,
-                        help="resident memory the server tree may gain between warm-up and the end")
+    parser.add_argument(
+        "--max-rss-growth-mib",
+        type=float,
+        default=256.0,
+        help="resident memory the server tree may gain between warm-up and the end",
+    )
     args = parser.parse_args()
-    result = run(args.requests, args.concurrency, args.abort_every, args.seed, args.deadline, args.mode,
-                 args.max_rss_growth_mib)
+    result = run(
+        args.requests, args.concurrency, args.abort_every, args.seed, args.deadline, args.mode, args.max_rss_growth_mib
+    )
     print("STRESS_RESULT " + json.dumps(result), flush=True)
     raise SystemExit(0 if result["ok"] else 1)
 

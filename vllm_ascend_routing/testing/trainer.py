@@ -90,16 +90,19 @@ class TrainerModel:
             for layer, forward in originals.items():
                 self.routers[layer].forward = forward
 
-    def _tapped(self, router: Any, forward: Callable[..., Any], forced: tuple[Any, Any] | None,
-                used: dict[int, Any], layer: int) -> Callable[..., Any]:
+    def _tapped(
+        self, router: Any, forward: Callable[..., Any], forced: tuple[Any, Any] | None, used: dict[int, Any], layer: int
+    ) -> Callable[..., Any]:
         torch = self._torch
         normalise = bool(getattr(router, "norm_topk_prob", True))  # Mixtral always renormalises its top-k
 
         def tapped(hidden_states: Any) -> Any:
             out = forward(hidden_states)
             if not (isinstance(out, tuple) and len(out) == 3):
-                raise TypeError(f"{type(router).__name__} returned {type(out).__name__}: expected (logits, "
-                                "weights, indices) as transformers 5 MoE routers return")
+                raise TypeError(
+                    f"{type(router).__name__} returned {type(out).__name__}: expected (logits, "
+                    "weights, indices) as transformers 5 MoE routers return"
+                )
             logits, weights, indices = out
             if forced is not None:
                 ids, valid = forced
@@ -122,10 +125,17 @@ class Mismatch:
     rows: int = 0  # recorded (token, MoE layer) rows compared
     agreeing: int = 0  # of those, rows whose top-k set equals vLLM's
 
-    def add(self, train: Forward, infer_logprobs: np.ndarray, recorded: np.ndarray, valid: np.ndarray,
-            moe_layers: tuple[int, ...], prompt_len: int) -> None:
+    def add(
+        self,
+        train: Forward,
+        infer_logprobs: np.ndarray,
+        recorded: np.ndarray,
+        valid: np.ndarray,
+        moe_layers: tuple[int, ...],
+        prompt_len: int,
+    ) -> None:
         """One request: the trainer's forward, vLLM's log-probs of the output tokens, vLLM's aligned rows."""
-        self.deltas.append(train.logprobs[prompt_len - 1:] - np.asarray(infer_logprobs, dtype=np.float64))
+        self.deltas.append(train.logprobs[prompt_len - 1 :] - np.asarray(infer_logprobs, dtype=np.float64))
         used = np.sort(train.routes[valid][:, list(moe_layers)], axis=-1)
         want = np.sort(recorded[valid][:, list(moe_layers)], axis=-1)
         same = (used == want).all(axis=-1)
@@ -163,6 +173,12 @@ class Mismatch:
         return float(np.mean(np.abs(self._all()) > LN2))
 
     def summary(self) -> dict[str, float | int]:
-        return {"routing_agreement": self.agreement, "rows": self.rows, "tokens": self.tokens,
-                "mean_abs_delta": self.mean_abs, "max_abs_delta": self.max_abs, "k3": self.k3,
-                "share_abs_delta_over_ln2": self.over_ln2}
+        return {
+            "routing_agreement": self.agreement,
+            "rows": self.rows,
+            "tokens": self.tokens,
+            "mean_abs_delta": self.mean_abs,
+            "max_abs_delta": self.max_abs,
+            "k3": self.k3,
+            "share_abs_delta_over_ln2": self.over_ln2,
+        }
