@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vllm_ascend_routing import validate
+from vllm_ascend_routing import patching, validate
 from vllm_ascend_routing.validate import ModelRouting, RoutingValidationError, check, moe_layer_ids
 
 MODEL = ModelRouting(num_experts=8, num_layers=3, moe_layers=frozenset({0, 2}))  # layer 1 dense
@@ -90,6 +90,7 @@ def test_front_end_hooks_check_finished_requests(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setenv("VLLM_ASCEND_ROUTING_VALIDATE", "strict")
     state_cls = output_processor.RequestState
+    vllm_method = state_cls.__dict__["_new_completion_output"]
     for name in ("_new_completion_output", "from_new_request"):
         monkeypatch.setattr(state_cls, name, state_cls.__dict__[name])  # restored after the test
     validate.install()
@@ -107,7 +108,9 @@ def test_front_end_hooks_check_finished_requests(monkeypatch: pytest.MonkeyPatch
     original(request_state(array, prompt_start=1), [], "stop", None)  # 4 + 3 - 1 - 1 = 5 rows: passes
     with pytest.raises(RoutingValidationError, match="5 rows, expected 6"):
         original(request_state(array, prompt_start=0), [], "stop", None)
-    assert getattr(state_cls._new_completion_output, "_vllm_ascend_routing_validates", False)
+    installed = state_cls.__dict__["_new_completion_output"]
+    assert getattr(installed, patching.PATCHED, False)
+    assert getattr(vllm_method, patching.PATCHED, False) or installed.__wrapped__ is vllm_method
 
 
 def _prepared(errors: int) -> Any:
