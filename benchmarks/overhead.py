@@ -3,6 +3,7 @@
 """Throughput cost of routed-experts capture, measured in one run (``make bench``).
 
     python benchmarks/overhead.py [--pairs 5] [--requests 64] [--tokens 128] [--profile] [--out FILE]
+    python benchmarks/overhead.py --versus-vllm [--compilation both] [--pairs 6] [--control]
 
 Runs inside a per-release venv (``make bench RELEASE=0.23.0``). Workload: the model factory's
 ``qwen3_moe_bench`` (8 layers, 64 experts, top-8, hidden 512, float32), 64 requests of mixed prompt length
@@ -33,6 +34,17 @@ CPU-second of the engine's processes, which does not count waiting for a core), 
 memory held by the capture buffers, and the time to assemble one 16k-token request's routing (61 layers, top-8,
 256 experts); writes everything as JSON.
 
+``--versus-vllm`` (``make bench VERSUS=1 RELEASE=0.30.0``): the plugin against vLLM's own capture, where that
+records real ids on the CPU build (0.28-0.30; 0.30 verified). For each compilation setting (``--compilation``: eager
+= ``enforce_eager=True``, compiled = vLLM's default torch.compile; both by default) one warmed engine each of
+``vllm`` (vLLM's own capture, no plugin), ``plugin`` and, with ``--control``, a second ``vllm`` engine
+(``vllm-control``: control/vllm is the A/A ratio of the same run); ``--pairs`` rounds (default 6), each in the next
+of the modes' orders (every mode first, middle and last equally often); 64 requests x 64 tokens by default. Two
+identical engines in two processes can differ by a few percent for the whole run (measured: A/A median 0.95 eager on
+0.30.0), so ``--fresh-engines`` starts new processes every round, turning that per-process offset into
+round-to-round noise the median absorbs. Prints each round's plugin/vllm and control/vllm ratios (wall clock and
+tokens per CPU-second) and their medians; writes ``results/versus-vllm-<release>.json``.
+
 ``--profile`` (``make bench PROFILE=1``) then runs one more plugin batch under py-spy (200 Hz, every process
 of the engine) and prints the share of the model step's samples (and of all samples) spent in plugin code
 (``sampling.py`` says how a sample is attributed): the plugin's cost measured directly, below the
@@ -42,6 +54,7 @@ wall-clock ratio's noise.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -76,7 +89,7 @@ def engine_cpu_seconds() -> float:
     return total
 
 
-def worker(mode: str, requests: int, tokens: int) -> None:
+def worker(mode: str, requests: int, tokens: int, eager: bool = False) -> None:
     """One engine, one mode: warm up, print READY, then time one batch per ``run`` line read from stdin."""
     from vllm import LLM, SamplingParams
 
@@ -86,10 +99,11 @@ def worker(mode: str, requests: int, tokens: int) -> None:
     llm = LLM(
         model=str(model.path),
         dtype="float32",
-        enable_return_routed_experts=(mode in ("plugin", "vllm")),
+        enable_return_routed_experts=(mode in ("plugin", "vllm", "vllm-control")),
         kv_cache_memory_bytes=KV_CACHE_BYTES,
         max_model_len=1024,
         seed=0,
+        enforce_eager=eager,
     )
     prompts = [{"prompt_token_ids": p} for p in models.mixed_prompts(requests, seed=3, min_len=16, max_len=256)]
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
@@ -125,7 +139,7 @@ def worker(mode: str, requests: int, tokens: int) -> None:
 class Engine:
     """A warmed worker process for one mode; ``run()`` times one batch in it."""
 
-    def __init__(self, mode: str, args: argparse.Namespace, cache_root: str) -> None:
+    def __init__(self, mode: str, args: argparse.Namespace, cache_root: str, eager: bool = False) -> None:
         env = dict(os.environ, VLLM_CACHE_ROOT=cache_root)
         if not args.multiprocess:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -144,6 +158,7 @@ class Engine:
             str(args.requests),
             "--tokens",
             str(args.tokens),
+            *(["--eager"] if eager else []),
         ]
         self.proc = subprocess.Popen(
             cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True
@@ -266,11 +281,112 @@ def profile_plugin(engine: Engine, scratch: Path) -> dict[str, Any]:
     }
 
 
+def vllm_capture_records_on_cpu() -> bool:
+    """Whether vLLM's own capture records real ids on the CPU build (router ``capture_fn``): 0.28-0.30. Before,
+    the CPU MoE bypasses the router (zeros); from 0.31 the path needs Model Runner V2 (not on the CPU)."""
+    import vllm
+
+    return 28 <= int(vllm.__version__.split(".")[1]) <= 30
+
+
+def ratio_text(values: list[float]) -> str:
+    return f"median {statistics.median(values):.4f} (rounds: {', '.join(f'{v:.3f}' for v in values)})"
+
+
+def versus_vllm(args: argparse.Namespace) -> None:
+    """Plugin against vLLM's own capture, eager and/or compiled, alternating rounds, with the A/A control."""
+    import vllm
+
+    if not vllm_capture_records_on_cpu():
+        raise SystemExit(
+            f"--versus-vllm: vLLM {vllm.__version__}'s own routed-experts capture does not record on "
+            "the CPU build (it does in 0.28-0.30): run it with RELEASE=0.30.0"
+        )
+    settings = ["eager", "compiled"] if args.compilation == "both" else [args.compilation]
+    modes = ["vllm", "plugin"] + (["vllm-control"] if args.control else [])
+    engine = "multi-process" if args.multiprocess else "in-process"
+    print(
+        f"vLLM {vllm.__version__}: plugin vs vLLM's own capture ({', '.join(settings)}), one warmed {engine} "
+        f"engine per mode, {args.pairs} rounds of {' / '.join(modes)} (each order of the modes in turn), "
+        f"{args.requests} requests x {args.tokens} tokens, {ARCH}",
+        flush=True,
+    )
+    summary: dict[str, Any] = {
+        "vllm": vllm.__version__,
+        "machine": f"{os.cpu_count()} CPUs, {'AVX-512' if avx512() else 'AVX2, no AVX-512'}",
+        "workload": {
+            "model": ARCH,
+            "requests": args.requests,
+            "tokens": args.tokens,
+            "engine": f"one warmed {engine} engine per mode, batches alternated",
+        },
+        "settings": {},
+    }
+    # Every order of the modes in turn (6 for three modes): each mode runs first, middle and last equally often,
+    # so a position effect (the engine that runs right after another, or right after start) cancels.
+    orders = list(itertools.permutations(modes))
+    for setting in settings:
+        runs: list[dict[str, Any]] = []
+        print(f"== {setting}", flush=True)
+        with tempfile.TemporaryDirectory(prefix="overhead_cache_") as cache_root:
+            engines: dict[str, Engine] = {}
+            try:
+                for round_index in range(args.pairs):
+                    order = orders[round_index % len(orders)]
+                    if args.fresh_engines or not engines:  # fresh: new processes every round, started in order
+                        for started in engines.values():
+                            started.close()
+                        engines = {mode: Engine(mode, args, cache_root, eager=setting == "eager") for mode in order}
+                    for mode in order:
+                        run = engines[mode].run()
+                        runs.append(run)
+                        print(
+                            f"  round {round_index + 1} {mode:12s} {run['tokens_per_s']:9.1f} tokens/s "
+                            f"({run['seconds']:.2f} s, {run['tokens_per_cpu_s']:.1f} tokens/CPU-s)",
+                            flush=True,
+                        )
+            finally:
+                for started in engines.values():
+                    started.close()
+        by_mode = {m: [r for r in runs if r["mode"] == m] for m in modes}
+        setting_summary: dict[str, Any] = {"runs": runs}
+        for mode in modes[1:]:
+            for key, label in (("tokens_per_s", "throughput"), ("tokens_per_cpu_s", "tokens-per-CPU-second")):
+                ratios = [b[key] / a[key] for a, b in zip(by_mode["vllm"], by_mode[mode], strict=True)]
+                setting_summary[f"{mode}/vllm {label}"] = {"median": statistics.median(ratios), "rounds": ratios}
+                print(f"  {setting} {label} ratio {mode}/vllm: {ratio_text(ratios)}", flush=True)
+        summary["settings"][setting] = setting_summary
+    out = args.out or Path(__file__).parent / "results" / f"versus-vllm-{vllm.__version__}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2))
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--pairs", type=int, default=None, help="rounds (default 5; 6 with --versus-vllm)")
     parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument(
+        "--tokens", type=int, default=None, help="tokens per request (default 128; 64 with --versus-vllm)"
+    )
+    parser.add_argument(
+        "--versus-vllm",
+        action="store_true",
+        help="plugin vs vLLM's own capture (0.28-0.30), eager and compiled; --control adds A/A",
+    )
+    parser.add_argument(
+        "--compilation",
+        choices=["eager", "compiled", "both"],
+        default="both",
+        help="with --versus-vllm: enforce_eager=True, vLLM's default torch.compile, or both",
+    )
+    parser.add_argument(
+        "--fresh-engines",
+        action="store_true",
+        help="with --versus-vllm: new engine processes every round (a process's own speed, which "
+        "the A/A control shows can differ by several percent, then varies between rounds)",
+    )
+    parser.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--multiprocess",
         action="store_true",
@@ -287,10 +403,19 @@ def main() -> None:
         help="then sample one more plugin batch with py-spy: share of time in plugin code",
     )
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--worker", choices=["off", "control", "plugin", "vllm"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--worker", choices=["off", "control", "plugin", "vllm", "vllm-control"], help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
+    if args.pairs is None:
+        args.pairs = 6 if args.versus_vllm else 5
+    if args.tokens is None:
+        args.tokens = 64 if args.versus_vllm else 128
     if args.worker:
-        worker(args.worker, args.requests, args.tokens)
+        worker(args.worker, args.requests, args.tokens, args.eager)
+        return
+    if args.versus_vllm:
+        versus_vllm(args)
         return
     if args.profile:
         sampling.py_spy()  # fail before the engines start, not after the rounds

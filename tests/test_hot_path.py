@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Regression guard for the per-step cost, by counting, not timing: on a fake step, each MoE layer issues
-exactly one op (record_topk_ids: one kernel launch with a native backend), nothing in the capture path can
-synchronise the host with the device, and the step hooks add no work where vLLM moves the rows itself."""
+"""Regression guard for the per-step cost, by counting, not timing: on a fake step, each MoE layer's capture
+is, in eager mode on the CPU, a direct host write that dispatches no op and allocates nothing, and, when traced
+by torch.compile, exactly one op (record_topk_ids: one kernel launch with a native backend); nothing in the
+capture path can synchronise the host with the device, and the step hooks add no work where vLLM moves the
+rows itself."""
 
 from __future__ import annotations
 
@@ -15,6 +17,16 @@ from tests.fakes import FakeModel
 from vllm_ascend_routing.compat._common import bind_target_model
 from vllm_ascend_routing.ops._reference import record_topk_ids_reference
 
+# Eager mode on the CPU, per MoE layer per step (``LayerCapture.__call__``): the range check (one reduction, its two
+# bounds read on the host: CPU memory, nothing waited for) and the write into a view taken at bind time. No
+# op of the plugin's own (no dispatcher round trip into a Python kernel), no other allocation, no copy.
+EAGER_CAPTURE_OPS = [
+    "aten::aminmax",
+    "aten::_local_scalar_dense",
+    "aten::_local_scalar_dense",
+    "aten::slice",
+    "aten::copy_",
+]
 # Ops that make the host wait for the device (or read device data on the host).
 SYNCING = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique2", "equal", "is_nonzero"}
 
@@ -29,25 +41,99 @@ class OpLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("cpu_moe", [False, True], ids=["router", "cpu_moe"])
-def test_one_op_per_moe_layer_per_step(cpu_moe: bool) -> None:
+def _moe_step(
+    model: FakeModel,
+    moe_layers: tuple[int, ...],
+    cpu_moe: bool,
+    ids: torch.Tensor,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+) -> None:
+    """One forward step of the fake model: every MoE layer routes once and hands its ids to its capture."""
+    for layer in moe_layers:
+        module = model.layers[layer]
+        if cpu_moe:
+            module.quant_method.cpu_fused_moe.forward_method(module, x, weights, ids)
+        else:
+            module.router.capture_fn(ids)
+
+
+BACKENDS = pytest.mark.parametrize("cpu_moe", [False, True], ids=["router", "cpu_moe"])
+
+
+@BACKENDS
+def test_eager_capture_skips_the_dispatcher(cpu_moe: bool) -> None:
+    """Eager mode on the CPU (issue #19): per MoE layer per step the capture dispatches no op of its own (the
+    in-range write is called directly: the dispatcher round trip into the Python kernel made it twice vLLM's
+    own capture) and exactly ``EAGER_CAPTURE_OPS``."""
     num_layers, moe_layers, tokens = 8, (0, 1, 3, 4, 6, 7), 96
     model = FakeModel(cpu=cpu_moe, moe_layers=moe_layers, num_layers=num_layers)
     prepared = bind_target_model(model, 256, (num_layers, 8, 64), torch.device("cpu"))
     ids = torch.randint(0, 64, (tokens, 8), dtype=torch.int32)
     x, weights = torch.zeros(tokens, 2), torch.ones(tokens, 8)
     with OpLog() as log:
-        for layer in moe_layers:  # one forward step: every MoE layer routes once
-            module = model.layers[layer]
-            if cpu_moe:
-                module.quant_method.cpu_fused_moe.forward_method(module, x, weights, ids)
-            else:
-                module.router.capture_fn(ids)
-    recorded = [op for op in log.ops if op == "vllm_ascend_routing::record_topk_ids"]
-    assert len(recorded) == len(moe_layers)
-    # Besides the fake MoE's own `x + 1`, the capture path dispatches nothing else.
-    assert set(log.ops) - {"aten::add"} == {"vllm_ascend_routing::record_topk_ids"}
-    assert torch.equal(prepared.buffer[:tokens, 3].to(torch.int32), ids)
+        _moe_step(model, moe_layers, cpu_moe, ids, x, weights)
+    capture_ops = [op for op in log.ops if op != "aten::add"]  # the fake MoE's own `x + 1`
+    assert capture_ops == EAGER_CAPTURE_OPS * len(moe_layers), capture_ops
+    for layer in range(num_layers):
+        expected = ids if layer in moe_layers else torch.zeros_like(ids)
+        assert torch.equal(prepared.buffer[:tokens, layer].to(torch.int32), expected)
+    assert int(prepared.errors) == 0
+
+
+@BACKENDS
+def test_traced_capture_is_one_op_per_moe_layer(cpu_moe: bool) -> None:
+    """Under ``torch.compile`` the capture stays the custom op mutating the buffer (what keeps the write in
+    compiled graphs and graph captures), one per MoE layer per step, nothing else; the compiled step writes."""
+    num_layers, moe_layers, tokens = 8, (0, 1, 3, 4, 6, 7), 24
+    model = FakeModel(cpu=cpu_moe, moe_layers=moe_layers, num_layers=num_layers)
+    prepared = bind_target_model(model, 64, (num_layers, 8, 64), torch.device("cpu"))
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    step = torch.compile(_moe_step, backend=backend, fullgraph=True)
+    ids = torch.randint(0, 64, (tokens, 8), dtype=torch.int64)
+    step(model, moe_layers, cpu_moe, ids, torch.zeros(tokens, 2), torch.ones(tokens, 8))
+    assert len(graphs) == 1
+    targets = [str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"]
+    recorded = [t for t in targets if "record_topk_ids" in t]
+    assert len(recorded) == len(moe_layers), targets
+    assert all(t == "vllm_ascend_routing.record_topk_ids.default" for t in recorded), recorded
+    for layer in moe_layers:
+        assert torch.equal(prepared.buffer[:tokens, layer].long(), ids)
+
+
+def test_capture_takes_the_op_where_the_host_kernel_does_not_serve() -> None:
+    """Off the CPU (native kernel or reference), with the reference forced, or for ids the direct write does
+    not accept, ``LayerCapture`` emits the op (which stores and counts invalid ids, or raises, as before)."""
+    from vllm_ascend_routing.capture import LayerCapture
+    from vllm_ascend_routing.ops import _library
+
+    errors = torch.zeros(1, dtype=torch.int64)
+    meta = LayerCapture(torch.zeros(8, 2, 4, dtype=torch.int16, device="meta"), 1, 64, errors)
+    assert meta._view is None
+    cpu = LayerCapture(torch.zeros(8, 2, 4, dtype=torch.int16), 1, 64, errors)
+    assert cpu._view is not None
+    ids = torch.zeros(3, 4, dtype=torch.int32)
+    with OpLog() as log:
+        cpu(ids)
+    assert log.ops == EAGER_CAPTURE_OPS
+    invalid = torch.tensor([[1, 2, 64, -1], [0, 0, 0, 70000]])  # out of range: the op stores -1 and counts
+    with OpLog() as log:
+        cpu(invalid)
+    assert "vllm_ascend_routing::record_topk_ids" in log.ops
+    assert cpu.buffer[:2, 1].tolist() == [[1, 2, -1, -1], [0, 0, 0, -1]] and int(errors) == 3
+    with OpLog() as log, pytest.raises((RuntimeError, TypeError, ValueError)):
+        cpu(torch.zeros(3, 4))  # float ids: the op refuses them
+    assert "vllm_ascend_routing::record_topk_ids" in log.ops
+    with pytest.raises(RuntimeError):
+        cpu(torch.zeros(9, 4, dtype=torch.int32))  # more tokens than rows: never a silent partial write
+    with pytest.MonkeyPatch.context() as forced:  # VLLM_ASCEND_ROUTING_FORCE_REFERENCE=1
+        forced.setattr(_library, "HOST_KERNEL", False)
+        assert LayerCapture(torch.zeros(8, 2, 4, dtype=torch.int16), 1, 64, errors)._view is None
 
 
 def test_reference_kernel_has_no_syncing_op_on_the_capture_path() -> None:

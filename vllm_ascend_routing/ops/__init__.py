@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from vllm_ascend_routing.ops import _library
 from vllm_ascend_routing.ops._library import HOST_KERNEL, check_arguments, record_topk_ids_op
 from vllm_ascend_routing.ops._native import native_backend
 from vllm_ascend_routing.ops._reference import storage_limit
 
-__all__ = ["kernel_backend", "record_topk_ids", "record_topk_ids_op", "storage_limit"]
+__all__ = ["eager_view", "kernel_backend", "record_topk_ids", "record_topk_ids_op", "storage_limit"]
 
 native_backend()  # register the native kernels, if built, before the op is first called
 
@@ -38,6 +39,16 @@ def record_topk_ids(
     if errors is None:
         errors = topk_ids.new_zeros(1)  # discarded counter; capture paths pass a persistent one
     record_topk_ids_op(topk_ids, out, layer_id, rows, num_experts, errors)
+
+
+def eager_view(out: torch.Tensor, layer_id: int) -> torch.Tensor | None:
+    """``out[:, layer_id]`` (a `[R, K]` view) where eager code may write in-range ids into it directly instead
+    of calling the op: ``out`` a plain CPU tensor and the host kernel serving the CPU (the reference not
+    forced). ``None`` elsewhere: devices whose native kernel (or the reference) the op must run, and tensor
+    subclasses of tracers. Never for traced code: ``LayerCapture`` uses it only when not compiling."""
+    if not _library.HOST_KERNEL or type(out) is not torch.Tensor or not out.is_cpu or out.dim() != 3:
+        return None
+    return out[:, layer_id]
 
 
 def kernel_backend() -> str:
