@@ -78,9 +78,9 @@ test-native:
 ## make bench [RELEASE=0.23.0] [PROFILE=1] [CONTROL=1]: throughput with capture off / plugin on (/ vLLM's own),
 ## median ratio; PROFILE=1 also samples one plugin batch with py-spy (installed into the venv) for plugin
 ## code's share; CONTROL=1 adds a second off engine (A/A ratio: the run's noise floor)
-## make bench VERSUS=1 RELEASE=0.30.0 [PAIRS=6] [FRESH=1]: plugin vs vLLM's own capture (releases 0.28-0.30), eager
-## and compiled, every order of the engines in turn, with the A/A control (a second vLLM engine): per-round ratios
-## and medians;
+## make bench VERSUS=1 RELEASE=0.30.0 [PAIRS=6] [FRESH=1]: plugin vs vLLM's own capture (0.30 only: 0.28-0.29
+## refuse vLLM's own with their monolithic CPU experts), eager and compiled, every order of the engines in turn,
+## with the A/A control (a second vLLM engine): per-round ratios and medians;
 ## FRESH=1 starts new engine processes every round (a process's own speed then varies between rounds)
 RELEASE ?= $(DEMO_RELEASE)
 PROFILE ?=

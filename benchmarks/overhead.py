@@ -35,7 +35,8 @@ memory held by the capture buffers, and the time to assemble one 16k-token reque
 256 experts); writes everything as JSON.
 
 ``--versus-vllm`` (``make bench VERSUS=1 RELEASE=0.30.0``): the plugin against vLLM's own capture, where that
-records real ids on the CPU build (0.28-0.30; 0.30 verified). For each compilation setting (``--compilation``: eager
+records real ids on the CPU build: 0.30 only (0.28 and 0.29 refuse vLLM's own capture with their monolithic CPU
+experts at start-up, measured 2026-11-24). For each compilation setting (``--compilation``: eager
 = ``enforce_eager=True``, compiled = vLLM's default torch.compile; both by default) one warmed engine each of
 ``vllm`` (vLLM's own capture, no plugin), ``plugin`` and, with ``--control``, a second ``vllm`` engine
 (``vllm-control``: control/vllm is the A/A ratio of the same run); ``--pairs`` rounds (default 6), each in the next
@@ -282,11 +283,13 @@ def profile_plugin(engine: Engine, scratch: Path) -> dict[str, Any]:
 
 
 def vllm_capture_records_on_cpu() -> bool:
-    """Whether vLLM's own capture records real ids on the CPU build (router ``capture_fn``): 0.28-0.30. Before,
-    the CPU MoE bypasses the router (zeros); from 0.31 the path needs Model Runner V2 (not on the CPU)."""
+    """Whether vLLM's own capture records real ids on the CPU build (router ``capture_fn``): 0.30 only. Up to
+    0.26 the CPU MoE bypasses the router (zeros); 0.27-0.29 refuse the flag with their monolithic CPU experts
+    (``ValueError: Routed-experts capture is not supported with monolithic MoE kernel CPUUnquantizedExperts``
+    on 0.28.0 and 0.29.0); from 0.31 the path needs Model Runner V2 (not on the CPU)."""
     import vllm
 
-    return 28 <= int(vllm.__version__.split(".")[1]) <= 30
+    return vllm_path_starts_on_cpu() and int(vllm.__version__.split(".")[1]) >= 28
 
 
 def ratio_text(values: list[float]) -> str:
@@ -300,7 +303,7 @@ def versus_vllm(args: argparse.Namespace) -> None:
     if not vllm_capture_records_on_cpu():
         raise SystemExit(
             f"--versus-vllm: vLLM {vllm.__version__}'s own routed-experts capture does not record on "
-            "the CPU build (it does in 0.28-0.30): run it with RELEASE=0.30.0"
+            "the CPU build (only 0.30's does): run it with RELEASE=0.30.0"
         )
     settings = ["eager", "compiled"] if args.compilation == "both" else [args.compilation]
     modes = ["vllm", "plugin"] + (["vllm-control"] if args.control else [])
@@ -372,7 +375,7 @@ def main() -> None:
     parser.add_argument(
         "--versus-vllm",
         action="store_true",
-        help="plugin vs vLLM's own capture (0.28-0.30), eager and compiled; --control adds A/A",
+        help="plugin vs vLLM's own capture (0.30), eager and compiled; --control adds A/A",
     )
     parser.add_argument(
         "--compilation",
