@@ -14,15 +14,15 @@ them alternately, the order reversed every other round (off, plugin, [vllm,] [vl
 ``--pairs`` rounds), one engine at a time, so slow drift of the machine and the order hit every mode
 alike. Modes:
   off     routed-experts return off, no plugin. Where vLLM alone cannot run the CPU MoE (0.20-0.27 on a
-          CPU without AVX-512: README "CPU compat fix") the plugin is loaded with the flag off, which
-          applies only that fix: no capture, no buffers;
+          CPU without AVX-512, or an AMX CPU: README "CPU compat fix") the plugin is loaded with the flag
+          off, which applies only that fix: no capture, no buffers;
   plugin  VLLM_ASCEND_ROUTING=1 + enable_return_routed_experts;
   vllm    vLLM's own routed-experts path, no plugin. It records real ids on the CPU build only in
           0.30 (eager); in 0.20-0.26 its capture is bypassed by the CPU MoE (zeros) but the rest of the
           path (buffers, transport, scheduler, output) runs, so plugin/vllm isolates the plugin's own cost;
           0.27 refuses to start it on the CPU, 0.28-0.29 refuse their monolithic CPU experts (their
-          source), 0.31+ need Model Runner V2, and 0.20-0.27 without AVX-512 crash in the CPU MoE, so it
-          is left out there;
+          source), 0.31+ need Model Runner V2, and 0.20-0.27 crash in the CPU MoE where vLLM takes its
+          pure-PyTorch loop (no AVX-512, or AMX with float32), so it is left out there;
   control (``--control``) a second engine exactly like ``off``: control/off is an A/A ratio, so it shows
           how far two identical engines differ on this machine in this run (a run's rounds can all sit
           above or below 1 together, with no difference between the engines).
@@ -196,12 +196,35 @@ def avx512() -> bool:
         return any(line.startswith("flags") and " avx512f" in line for line in cpuinfo)
 
 
-def vllm_alone_runs() -> bool:
-    """vLLM 0.20-0.27's CPU MoE crashes without AVX-512 unless the plugin's compat fix is applied."""
-    import vllm
+def amx() -> bool:
+    with open("/proc/cpuinfo") as cpuinfo:
+        return any(line.startswith("flags") and " amx_tile" in line for line in cpuinfo)
 
-    minor = int(vllm.__version__.split(".")[1])
-    return minor >= 28 or avx512()
+
+def machine() -> str:
+    isa = "AVX-512" if avx512() else "AVX2, no AVX-512"
+    return f"{os.cpu_count()} CPUs, {isa}{', AMX' if amx() else ''}"
+
+
+def vllm_alone_runs() -> bool:
+    """vLLM 0.20-0.27 crash in their pure-PyTorch CPU MoE unless the plugin's compat fix is applied; they
+    take it without the grouped-GEMM kernels (CPUs without AVX-512) and, for float32, on AMX CPUs."""
+    from vllm_ascend_routing.testing.cpu_moe_choice import CpuMoeKernel, vllm_cpu_moe_kernel
+
+    return vllm_cpu_moe_kernel(ARCH) is not CpuMoeKernel.PURE_TORCH
+
+
+def refuse_where_vllm_cannot_start() -> None:
+    """vLLM 0.27 refuses float32 MoE weights on AMX CPUs (no kernel for them), plugin or not."""
+    from vllm_ascend_routing.testing.cpu_moe_choice import CpuMoeKernel, vllm_cpu_moe_kernel
+
+    if vllm_cpu_moe_kernel(ARCH) is CpuMoeKernel.REFUSED:
+        import vllm
+
+        raise SystemExit(
+            f"vLLM {vllm.__version__} refuses the float32 benchmark model's CPU MoE on this AMX CPU (its "
+            "grouped-GEMM kernel there needs bfloat16 and it will not fall back): use another release"
+        )
 
 
 def vllm_path_starts_on_cpu() -> bool:
@@ -316,7 +339,7 @@ def versus_vllm(args: argparse.Namespace) -> None:
     )
     summary: dict[str, Any] = {
         "vllm": vllm.__version__,
-        "machine": f"{os.cpu_count()} CPUs, {'AVX-512' if avx512() else 'AVX2, no AVX-512'}",
+        "machine": machine(),
         "workload": {
             "model": ARCH,
             "requests": args.requests,
@@ -417,6 +440,7 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args.requests, args.tokens, args.eager)
         return
+    refuse_where_vllm_cannot_start()
     if args.versus_vllm:
         versus_vllm(args)
         return
@@ -434,7 +458,7 @@ def main() -> None:
     off_baseline = (
         "vLLM alone"
         if vllm_alone_runs()
-        else "plugin loaded with the flag off (CPU MoE compat fix only: no AVX-512 here)"
+        else "plugin loaded with the flag off (CPU MoE compat fix only: vLLM takes its pure-PyTorch MoE here)"
     )
     print(f"off = {off_baseline}")
     print(
@@ -487,7 +511,7 @@ def main() -> None:
     assemble = assemble_16k()
     summary = {
         "vllm": vllm.__version__,
-        "machine": f"{os.cpu_count()} CPUs, {'AVX-512' if avx512() else 'AVX2, no AVX-512'}",
+        "machine": machine(),
         "off_baseline": off_baseline,
         "workload": {
             "model": ARCH,

@@ -97,12 +97,17 @@ def test_readme_gives_the_test_command_ci_runs() -> None:
     assert any(line.startswith(f"{command.group(1).strip()} ") for line in readme.splitlines())  # quick start
 
 
-def test_dp_test_stand_in_is_named_in_docs_and_said_in_readme() -> None:
-    standin = "vllm_ascend_routing/testing/cpu_dp_collectives.py"
-    assert (ROOT / standin).exists()
-    assert standin in (ROOT / "docs" / "development.md").read_text()
+def test_test_stand_ins_are_named_in_docs_and_said_in_readme() -> None:
+    development = (ROOT / "docs" / "development.md").read_text()
+    for standin in (
+        "vllm_ascend_routing/testing/cpu_dp_collectives.py",
+        "vllm_ascend_routing/testing/no_amx_standin/sitecustomize.py",
+    ):
+        assert (ROOT / standin).exists()
+        assert standin in development
     readme = " ".join(README.read_text().split())
-    assert "test-only gloo stand-in" in readme and "the plugin never installs" in readme
+    assert "Test-only stand-ins (never used by the plugin): gloo collectives for data parallel" in readme
+    assert "AMX hidden from vLLM 0.27's CPU MoE" in readme
 
 
 def _generation_rows() -> dict[str, list[str]]:

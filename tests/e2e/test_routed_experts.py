@@ -8,12 +8,12 @@ Runs inside a per-release venv (``make test``); each scenario is one engine in a
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from vllm_ascend_routing.testing import models, scenarios
+from vllm_ascend_routing.testing.cpu_moe_choice import CpuMoeKernel, vllm_cpu_moe_kernel
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
@@ -73,9 +73,11 @@ def test_serve_openai_completions_exact(scenario: Any, generation: str) -> None:
 def test_plugin_off_leaves_vllm_alone(scenario: Any, generation: str) -> None:
     """Without VLLM_ASCEND_ROUTING nothing is patched and generation is unchanged.
 
-    On CPUs without AVX-512, vLLM 0.20-0.27 alone crash in the pure-PyTorch CPU MoE (the bug the plugin's
-    CPU compat fix repairs): there "unchanged" means exactly that upstream crash. vLLM 0.31+ alone refuses
-    the flag on the CPU build (its connector needs Model Runner V2, which needs Triton for the CPU).
+    Where vLLM 0.20-0.27 pick their pure-PyTorch CPU MoE for this model on this CPU (no grouped-GEMM
+    kernels in the wheel, or an AMX CPU with float32 weights; vLLM's own choice, asked by
+    ``cpu_moe_choice``), vLLM alone crashes (the bug the plugin's CPU compat fix repairs): there
+    "unchanged" means exactly that upstream crash. vLLM 0.31+ alone refuses the flag on the CPU build
+    (its connector needs Model Runner V2, which needs Triton for the CPU).
     """
     args = ("offline", "--arch", "qwen3_moe", "--mode", "eager", "--prompts", str(NUM_PROMPTS))
     status, output = scenario.run_unchecked(*args, plugin=False)
@@ -85,23 +87,17 @@ def test_plugin_off_leaves_vllm_alone(scenario: Any, generation: str) -> None:
         assert on["runner_patched"] is True and on["batch"]["ok"]
         print("plugin off: vLLM alone refuses routed experts on the CPU build (needs Model Runner V2)")
         return
-    if status != 0:
-        assert not _has_avx512(), output[-3000:]  # only where upstream is known to crash
-        assert "Current vLLM config is not set" in output, output[-3000:]
+    if vllm_cpu_moe_kernel("qwen3_moe") is CpuMoeKernel.PURE_TORCH:
+        assert status != 0, "vLLM alone ran its pure-PyTorch CPU MoE: is the compat fix still needed?"
+        assert "Current vLLM config is not set" in output and "cpu_fused_moe_torch" in output, output[-3000:]
         assert "vllm-ascend-routing enabled" not in output and on["runner_patched"] is True
-        print("plugin off: vLLM alone crashes in its CPU MoE on this CPU (no AVX-512), as upstream does")
+        print("plugin off: vLLM alone crashes in its pure-PyTorch CPU MoE (its choice on this CPU), as upstream")
         return
+    assert status == 0, output[-3000:]
     off = json.loads(output.split("SCENARIO_RESULT ", 1)[1].splitlines()[0])
     assert off["runner_patched"] is False and on["runner_patched"] is True
     assert off["batch"]["output_ids"] == on["batch"]["output_ids"]
     print(f"plugin off: vLLM's own capture matched {off['batch']['matched']}/{off['batch']['rows']} rows")
-
-
-def _has_avx512() -> bool:
-    try:
-        return "avx512f" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
 
 
 def test_tensor_parallel_2_exact(scenario: Any, generation: str) -> None:

@@ -49,7 +49,8 @@ def _common() -> dict[str, Any]:
     }
 
 
-def _config(architecture: str) -> Any:
+def model_config(architecture: str) -> Any:
+    """The transformers config of a test model (its recipe; nothing is built)."""
     import transformers
 
     if architecture == "qwen3_moe":
@@ -142,7 +143,7 @@ def build_tiny_moe(architecture: str, path: str | Path, seed: int = 0) -> TinyMo
     import transformers
 
     path = Path(path)
-    config = _config(architecture)
+    config = model_config(architecture)
     recipe = {"architecture": architecture, "seed": seed, "factory": _FACTORY_VERSION}
     stamp = path / _STAMP
     if stamp.exists() and json.loads(stamp.read_text()) == recipe:
