@@ -55,6 +55,7 @@ wall-clock ratio's noise.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -191,21 +192,18 @@ class Engine:
         self.log.close()
 
 
-def avx512() -> bool:
+def cpu_flags() -> set[str]:
     with open("/proc/cpuinfo") as cpuinfo:
-        return any(line.startswith("flags") and " avx512f" in line for line in cpuinfo)
-
-
-def amx() -> bool:
-    with open("/proc/cpuinfo") as cpuinfo:
-        return any(line.startswith("flags") and " amx_tile" in line for line in cpuinfo)
+        return next((set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags")), set())
 
 
 def machine() -> str:
-    isa = "AVX-512" if avx512() else "AVX2, no AVX-512"
-    return f"{os.cpu_count()} CPUs, {isa}{', AMX' if amx() else ''}"
+    flags = cpu_flags()
+    isa = "AVX-512" if "avx512f" in flags else "AVX2, no AVX-512"
+    return f"{os.cpu_count()} CPUs, {isa}{', AMX' if 'amx_tile' in flags else ''}"
 
 
+@functools.cache
 def vllm_alone_runs() -> bool:
     """vLLM 0.20-0.27 crash in their pure-PyTorch CPU MoE unless the plugin's compat fix is applied; they
     take it without the grouped-GEMM kernels (CPUs without AVX-512) and, for float32, on AMX CPUs."""
