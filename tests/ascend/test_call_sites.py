@@ -51,7 +51,7 @@ def call_sites() -> Iterator[tuple[str, types.FunctionType]]:
         if selector is None or getattr(selector, "__module__", None) == name:
             continue  # no such global, or the module that defines it
         for function in _functions(module):
-            if SELECTOR in ascend._global_names(function.__code__):
+            if SELECTOR in ascend.global_names(function.__code__):
                 yield f"{name}:{function.__qualname__}", function
 
 
@@ -59,7 +59,7 @@ def _functions(module: types.ModuleType) -> Iterator[types.FunctionType]:
     for value in vars(module).values():
         members = vars(value).values() if isinstance(value, type) else [value]
         for member in members:
-            function = ascend._function(member)
+            function = ascend.function_of(member)
             if function is not None and function.__globals__ is vars(module):
                 yield function
 

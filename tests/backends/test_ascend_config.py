@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from vllm_ascend_routing.backends import ascend
+from vllm_ascend_routing.backends import ascend_config
 from vllm_ascend_routing.compat._common import rank_layout, refuse_unsupported_config
 from vllm_ascend_routing.parallel import RankLayout
 
@@ -35,14 +35,14 @@ def config(tp: int, ep: bool = False, sp: bool = False, dp: int = 1, dp_rank: in
     [(1, True, True, False), (2, False, False, False), (2, True, False, True), (4, False, True, True)],
 )
 def test_token_splitting_layouts_are_recognised(tp: int, ep: bool, sp: bool, split: bool) -> None:
-    assert ascend.splits_tokens(config(tp, ep, sp)) is split
+    assert ascend_config.splits_tokens(config(tp, ep, sp)) is split
 
 
 def test_vllm_ascend_sequence_parallel_switch_is_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     utils = ModuleType("vllm_ascend.utils")
     utils.enable_sp = lambda vllm_config: True  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "vllm_ascend.utils", utils)
-    assert ascend.splits_tokens(config(2)) is True
+    assert ascend_config.splits_tokens(config(2)) is True
 
 
 def test_rank_layout_per_configuration(monkeypatch: pytest.MonkeyPatch) -> None:

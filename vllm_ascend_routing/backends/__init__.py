@@ -2,8 +2,9 @@
 """Bind every MoE layer of a target model to a ``LayerCapture``, through the backend that routes it.
 
 Backends (one module each) answer one question: for this MoE layer, where can its logical top-k ids be
-intercepted? ``ascend``: vllm-ascend's own ``select_experts`` (its MoE layers never call the router).
-``cpu_moe``: vLLM's CPU fused MoE (releases up to 0.27), which computes routing itself and never calls the
+intercepted? ``ascend``: vllm-ascend's own ``select_experts`` (its select_experts design, 0.20.2rc1-0.26.0rc1:
+its MoE layers never call the router). ``ascend_router``: vllm-ascend's routers (its router design, 0.27.1rc1
+on), checked and guarded like ``ascend``. ``cpu_moe``: vLLM's CPU fused MoE (releases up to 0.27), which computes routing itself and never calls the
 router. ``cpu_experts``: vLLM's monolithic CPU experts (0.28, 0.29), likewise. ``router``: vLLM's
 ``BaseRouter`` capture hook.
 """
@@ -17,11 +18,20 @@ from typing import Any, Protocol
 import torch
 
 from vllm_ascend_routing._logging import get_logger
-from vllm_ascend_routing.backends import ascend, cpu_experts, cpu_moe, router
+from vllm_ascend_routing.backends import ascend, ascend_config, ascend_router, cpu_experts, cpu_moe, router
 from vllm_ascend_routing.backends._layer import quant_method
 from vllm_ascend_routing.capture import LayerCapture
 
-__all__ = ["BACKENDS", "Backend", "UnboundLayerError", "bind_model", "moe_layers", "quant_method", "splits_tokens"]
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "UnboundLayerError",
+    "bind_model",
+    "moe_layers",
+    "quant_method",
+    "refuse_unsupported_config",
+    "splits_tokens",
+]
 
 logger = get_logger(__name__)
 
@@ -35,9 +45,11 @@ class Backend(Protocol):
 
 
 # Ordered: the first backend that handles a layer binds it. vllm-ascend's layers and vLLM's CPU MoE kernels
-# compute routing themselves (their routers exist but are never called), so they come before the router.
+# compute routing themselves (their routers exist but are never called), so they come before the router;
+# vllm-ascend's router layers come before vLLM's router for their bind-time checks and forward guard.
 BACKENDS: tuple[tuple[str, Backend], ...] = (
     ("ascend", ascend),
+    ("ascend_router", ascend_router),
     ("cpu_moe", cpu_moe),
     ("cpu_experts", cpu_experts),
     ("router", router),
@@ -105,4 +117,14 @@ def bind_model(model: torch.nn.Module, make_capture: Callable[[int], LayerCaptur
 
 def splits_tokens(vllm_config: Any) -> bool:
     """Whether the backend in use splits a step's tokens over the TP ranks before routing (vllm-ascend)."""
-    return "vllm_ascend" in sys.modules and ascend.splits_tokens(vllm_config)
+    return _on_ascend() and ascend_config.splits_tokens(vllm_config)
+
+
+def refuse_unsupported_config(vllm_config: Any) -> None:
+    """Raise ``UnsupportedVllmError`` for a configuration whose routing no backend can see (vllm-ascend's xlite)."""
+    if _on_ascend():
+        ascend_config.refuse_unsupported(vllm_config)
+
+
+def _on_ascend() -> bool:
+    return "vllm_ascend" in sys.modules

@@ -62,6 +62,7 @@ def refuse_unsupported_config(vllm_config: Any, generation: str) -> None:
             "layers each see only their own tokens, and the capture writes every micro-batch from row 0; "
             "remove --enable-dbo or unset VLLM_ASCEND_ROUTING."
         )
+    backends.refuse_unsupported_config(vllm_config)
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
         raise UnsupportedVllmError(
             "vllm-ascend-routing: KV-transfer connectors (P/D disaggregation, KV offload) load KV blocks whose "

@@ -25,7 +25,7 @@ import torch
 from vllm_ascend_routing import patching
 from vllm_ascend_routing.capture import PreparedCapture
 from vllm_ascend_routing.compat._common import attach_buffer, prepare_capture
-from vllm_ascend_routing.compat.base import Generation, StepHooksNotUsed
+from vllm_ascend_routing.compat.base import Generation, StepHooksNotUsed, UnsupportedVllmError
 from vllm_ascend_routing.patching import Patch
 from vllm_ascend_routing.runner_mixin import CAPTURER_BINDER, CAPTURER_HOOKS
 from vllm_ascend_routing.runner_state import RunnerHook, binding_runner
@@ -54,6 +54,15 @@ def _bind_through_runner(model: torch.nn.Module, capturer: Any) -> None:
 
 
 patching.mark(_bind_through_runner)
+_V2_CAPTURER = "vllm.v1.worker.gpu.model_runner:GPUModelRunner.init_routed_experts_capturer"
+
+
+def _v2_runner_captures() -> bool:
+    try:
+        patching.resolve(_V2_CAPTURER)
+    except LookupError:
+        return False
+    return True
 
 
 class RunnerOutputAPI(StepHooksNotUsed):
@@ -84,6 +93,12 @@ class RunnerOutputAPI(StepHooksNotUsed):
     def prepare(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> PreparedCapture | None:
         if not vllm_config.model_config.enable_return_routed_experts:
             return None
+        if getattr(vllm_config, "use_v2_model_runner", False) and not _v2_runner_captures():
+            raise UnsupportedVllmError(
+                "vllm-ascend-routing: this vLLM's Model Runner V2 has no routed-experts capture (vLLM 0.28.0 "
+                "added it; on 0.26-0.27 it would return no routed experts, and vllm-ascend 0.27.1rc1's V2 runner "
+                "fails at start-up); unset VLLM_USE_V2_MODEL_RUNNER or unset VLLM_ASCEND_ROUTING."
+            )
         return prepare_capture(model, vllm_config, device, self.generation.value, self.routing_shape(vllm_config))
 
     def after_forward(self, prepared: PreparedCapture, num_tokens: int) -> None:

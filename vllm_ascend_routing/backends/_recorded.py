@@ -1,0 +1,99 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Fail loudly, never zeros: a bound layer's forward that finishes without having recorded its routing raises.
+
+vllm-ascend routes outside vLLM's own call graph (its ``select_experts``, or its routers called from its own
+``forward_impl``), so a path the plugin does not intercept (a fused gating kernel, a new quant method, a
+routed-experts class that overrides the router call) would leave the layer's rows zero. Each bound layer's
+forward (an instance attribute, so only target-model layers are affected) clears a flag, runs, and checks
+that the layer recorded; the check is a Python boolean, no device synchronisation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from vllm_ascend_routing.capture import LayerCapture
+
+_WRAPPED = "_vllm_ascend_routing_inner"
+
+
+class RoutingNotRecordedError(RuntimeError):
+    """A bound layer ran its forward without its routing being recorded: its rows would stay zero."""
+
+
+class LayerRecord:
+    """One bound layer: its capture, and whether its routing was recorded during its current forward."""
+
+    __slots__ = ("capture", "name", "recorded")
+
+    def __init__(self, capture: LayerCapture, name: str) -> None:
+        self.capture = capture
+        self.name = name
+        self.recorded = False
+
+    def __call__(self, topk_ids: torch.Tensor) -> None:
+        top_k = self.capture.buffer.shape[2]
+        if topk_ids.shape[-1] != top_k:
+            if topk_ids.shape[-1] < top_k:
+                raise RoutingNotRecordedError(
+                    f"{self.name}: routing returned {topk_ids.shape[-1]} ids per token, the output holds "
+                    f"top_k={top_k}."
+                )
+            # mix_placement appends the shared experts' ids after the routed ones: keep the routed ones.
+            topk_ids = topk_ids[..., :top_k]
+        self.capture(topk_ids)
+        self.recorded = True
+
+
+def guard_forward(
+    module: torch.nn.Module,
+    method: str,
+    record: LayerRecord,
+    around: Callable[[LayerRecord], Any] | None,
+    missing: str,
+) -> None:
+    """Replace ``module.<method>`` (instance attribute) by a wrapper that raises when the forward finished
+    without ``record`` having run; rebinding replaces the wrapper, never stacks it.
+
+    Args:
+        around: called with ``record`` before the forward; returns a callable undone after it (the active
+            layer, where the recording call site is not given the layer), or ``None``.
+        missing: the end of the error message (what the forward did not call).
+    """
+    current: Callable[..., Any] = getattr(module, method)
+    inner: Callable[..., Any] = getattr(current, _WRAPPED, current)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        record.recorded = False
+        undo = around(record) if around is not None else None
+        try:
+            result = inner(*args, **kwargs)
+        finally:
+            if undo is not None:
+                undo()
+        if not record.recorded:
+            raise RoutingNotRecordedError(
+                f"{record.name}: the forward finished without {missing}; its routed experts would be zeros. "
+                "This vllm-ascend path (fused gating kernel, quant method, MoE class) is not supported."
+            )
+        return result
+
+    mark_wrapper(forward, inner)
+    setattr(module, method, forward)
+
+
+def mark_wrapper(wrapper: Any, inner: Any) -> None:
+    """Remember ``inner`` on ``wrapper``: wrapping again wraps ``inner``, never the wrapper."""
+    setattr(wrapper, _WRAPPED, inner)
+
+
+def inner_of(function: Any) -> Any:
+    """The original behind a wrapper this package installed (the function itself otherwise)."""
+    return getattr(function, _WRAPPED, function)
+
+
+def is_wrapped(function: Any) -> bool:
+    return hasattr(function, _WRAPPED)
