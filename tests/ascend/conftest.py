@@ -4,8 +4,12 @@ with ``torch_npu`` stubbed. ``make test-ascend`` pairs each vllm-ascend release 
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,6 +20,23 @@ from tests.ascend import npu_stub
 from vllm_ascend_routing import envs
 
 ASCEND_SRC = envs.VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC
+# scripts/ascend_src.py caches each release's source under .../vllm-ascend/<release>/src.
+ASCEND_RELEASE = Path(ASCEND_SRC.split(":")[0]).parent.name if ASCEND_SRC else ""
+# vllm-ascend's MoE design per release on PyPI (tests/ascend/real_moe.py): a release that moved fails
+# test_moe_capture.py's first test instead of being tested as another design.
+EXPECTED_DESIGN = {
+    "0.20.2rc1": "layer",
+    "0.23.0": "layer",
+    "0.23.0.post1": "layer",
+    "0.24.0rc1": "runner",
+    "0.25.1rc1": "runner",
+    "0.26.0rc1": "runner",
+    "0.27.1rc1": "router",
+    "0.28.0rc1": "router",
+    "0.29.0rc1": "router",
+    "0.30.0rc1": "router",
+    "0.30.0rc2": "router",
+}
 if ASCEND_SRC:
     for path in reversed(ASCEND_SRC.split(":")):
         sys.path.insert(0, path)
@@ -26,14 +47,34 @@ SELECTOR_MODULE = "vllm_ascend.ops.fused_moe.experts_selector"
 
 @pytest.fixture(autouse=True)
 def native_routing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Route on vllm-ascend's native torch path (softmax + top-k), not its NPU fused gating kernel."""
-    if not ASCEND_SRC:
+    """Route on vllm-ascend's native torch path (softmax + top-k), not its NPU fused gating kernel (the
+    select_experts designs; the router design picks its router class, ``real_moe.native_router``)."""
+    if not ASCEND_SRC or importlib.util.find_spec(SELECTOR_MODULE) is None:
         return
-    import importlib
-
     selector = importlib.import_module(SELECTOR_MODULE)
     monkeypatch.setattr(selector, "check_npu_moe_gating_top_k", lambda *a, **k: False)
-    monkeypatch.setattr(selector, "get_weight_prefetch_method", lambda: None)
+    if hasattr(selector, "get_weight_prefetch_method"):  # up to 0.23.x
+        monkeypatch.setattr(selector, "get_weight_prefetch_method", lambda: None)
+
+
+@pytest.fixture(autouse=True)
+def current_vllm_config() -> Iterator[None]:
+    """A default vLLM config as the current one: vllm-ascend builds some methods lazily (FP8-block's bf16
+    fallback), which reads it, as every CustomOp's ``__init__`` does."""
+    if not ASCEND_SRC:
+        yield
+        return
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    with set_current_vllm_config(_default_vllm_config()):
+        yield
+
+
+@functools.cache
+def _default_vllm_config() -> Any:
+    from vllm.config import VllmConfig
+
+    return VllmConfig()
 
 
 @pytest.fixture(autouse=True)

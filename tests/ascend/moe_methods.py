@@ -19,13 +19,20 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from tests.ascend import real_moe
 from tests.ascend.real_moe import probe_instance
 
 PACKAGE = "vllm_ascend"
 BASE_NAMES = ("FusedMoEMethodBase", "UnquantizedFusedMoEMethod", "AscendMoEScheme")
 SCHEME_BASE = "vllm_ascend.quantization.methods.base.AscendMoEScheme"
 ADAPTER = "vllm_ascend.quantization.method_adapters.AscendFusedMoEMethod"
-LAYER_310P = "vllm_ascend._310p.fused_moe.fused_moe.AscendFusedMoE310"
+# The 310P class each design builds its layer from (real_moe.build's layer_cls): the layer, the runner that is
+# the layer, or the routed experts (router design, with the 310P router).
+LAYER_310P = {
+    "layer": "vllm_ascend._310p.fused_moe.fused_moe.AscendFusedMoE310",
+    "runner": "vllm_ascend._310p.fused_moe.fused_moe.AscendMoERunner310",
+    "router": "vllm_ascend._310p.fused_moe.fused_moe.AscendRoutedExperts310",
+}
 
 
 def _object(path: str) -> Any:
@@ -91,6 +98,10 @@ def method_instance(cls: type) -> Any:
     """The quant method a layer holds in production: a scheme wrapped in vllm-ascend's adapter
     (``AscendFusedMoEMethod``), an unquantized method as it is."""
     method = probe_instance(cls)
+    if isinstance(getattr(cls, "bf16_method", None), property):  # FP8-block (0.30) serves bf16 experts through
+        unquantized = getattr(importlib.import_module(real_moe.ROUTED_EXPERTS), "AscendUnquantizedFusedMoEMethod")
+        object.__setattr__(method, "_bf16_method", probe_instance(unquantized))  # the unquantized method
+        object.__setattr__(method, "mxfp8_method", None)  # (MXFP8 only on the 950)
     if not is_scheme(cls):
         return method
     adapter = probe_instance(_object(ADAPTER))
@@ -100,8 +111,12 @@ def method_instance(cls: type) -> Any:
 
 
 def layer_class(cls: type) -> type | None:
-    """The layer class that runs ``cls``: the 310P one for 310P methods, else ``AscendFusedMoE``."""
-    return _object(LAYER_310P) if f"{PACKAGE}._310p." in cls.__module__ else None
+    """The layer class that runs ``cls``: the design's 310P one for 310P methods, else the default."""
+    return _object(LAYER_310P[real_moe.design()]) if is_310p(cls) else None
+
+
+def is_310p(cls: type) -> bool:
+    return f"{PACKAGE}._310p." in cls.__module__
 
 
 def method_id(cls: type) -> str:

@@ -49,8 +49,11 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 def _gating_top_k_softmax(router_logits: torch.Tensor, k: int, **_: object) -> tuple[torch.Tensor, ...]:
     """CPU stand-in for ``torch_npu.npu_moe_gating_top_k_softmax`` (310P routing): softmax, then top-k;
-    returns (weights, int32 ids, row index) like the NPU op."""
+    returns (weights, int32 ids, row index) like the NPU op. Within a token the k experts come in ascending
+    score order, not the descending order of ``torch.topk``: nothing downstream may assume the reference's
+    order (the capture must keep the kernel's)."""
     weights, ids = torch.softmax(router_logits.float(), dim=-1).topk(k, dim=-1)
+    weights, ids = weights.flip(-1), ids.flip(-1)
     row_idx = torch.arange(ids.numel(), dtype=torch.int32).view(k, -1).t().contiguous()
     return weights, ids.to(torch.int32), row_idx
 
