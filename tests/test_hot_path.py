@@ -7,6 +7,8 @@ rows itself."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from typing import Any
 
 import pytest
@@ -172,10 +174,11 @@ def test_step_hooks_add_no_work_on_the_cpu() -> None:
     capturer._writer = store.SegmentWriter(store.SegmentSpec.for_engine("hotpath", 0, (64, 3, 2), 8))
     capturer.attach_device_buffer(prepared.buffer)  # CPU buffer: rows are read in place, never copied
     ShmRoutedExpertsCapturer._instance = capturer
+    runner = SimpleNamespace(routed_experts_attn_gid=0)  # vLLM's runner (attention in KV group 0)
     try:
         with OpLog() as log:
-            RunnerOutputAPI().after_forward(prepared, 64)
-            ShmAPI().after_forward(prepared, 64)
+            RunnerOutputAPI().after_forward(runner, prepared, 64)
+            ShmAPI().after_forward(runner, prepared, 64)
         assert log.ops == []
     finally:
         ShmRoutedExpertsCapturer._instance = None

@@ -21,7 +21,7 @@ class FakeAPI:
         self.events.append(("prepare", model))
         return f"prepared:{id(model)}"
 
-    def attach(self, prepared: Any, capturer: Any) -> None:
+    def attach(self, runner: Any, prepared: Any, capturer: Any) -> None:
         self.events.append(("attach", (prepared, capturer)))
 
 

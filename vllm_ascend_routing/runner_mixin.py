@@ -106,7 +106,10 @@ def runner_patches(hooks: tuple[RunnerHook, ...], generations: tuple[Generation,
             )
             continue
         # A hooked method may be the class's own or inherited (vllm-ascend's runners define
-        # _bind_routed_experts_capturer up to 0.26.0rc1 and inherit vLLM's binding from 0.27.1rc1).
+        # _bind_routed_experts_capturer up to 0.26.0rc1 and inherit vLLM's binding from 0.27.1rc1). vllm-ascend's
+        # rows are verified apart from vLLM's (when its runner module is imported), so they join no group of
+        # vLLM's: vLLM's own rows already require one binder.
+        own_group = not cls_path.startswith("vllm_ascend")
         for hook in hooks:
             rows.append(
                 Patch(
@@ -117,7 +120,7 @@ def runner_patches(hooks: tuple[RunnerHook, ...], generations: tuple[Generation,
                     hook.params,
                     platform=platform,
                     required=cls_required and not hook.added_if_absent,
-                    one_of=hook.one_of if cls_required else "",
+                    one_of=hook.one_of if cls_required and own_group else "",
                 )
             )
     return rows
@@ -145,7 +148,7 @@ class RoutingCaptureRunnerMixin:
             api.step_started(self, prepared, scheduler_output)
         result = original(self, scheduler_output, *args, **kwargs)
         if prepared is not None:  # the forward is enqueued: start moving its rows off the device
-            api.after_forward(prepared, scheduler_output.total_num_scheduled_tokens)
+            api.after_forward(self, prepared, scheduler_output.total_num_scheduled_tokens)
             if validate.watching():  # validation mode only: reads the device error counter
                 validate.check_recorded_ids(prepared)
         return result
@@ -184,7 +187,7 @@ class RoutingCaptureRunnerMixin:
                 "vllm-ascend-routing: the runner's load_model hook did not run, so routed-experts "
                 f"capture was never bound before compilation ({type(self).__name__} is not supported)."
             )
-        api.attach(prepared, capturer)
+        api.attach(self, prepared, capturer)
 
 
 _HOOK_MARK = "_vllm_ascend_routing_hook"

@@ -1,29 +1,44 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Two steps of vllm-ascend's real ``NPUModelRunner`` with the plugin on, in a fresh process (run by
-``test_npu_runner.py``): the plugin is registered on the NPU platform before anything imports the runner
-module, the worker's import of it triggers the plugin's post-import patch, and then:
+"""Steps of vllm-ascend's real NPU model runner with the plugin on, in a fresh process (run by
+``test_npu_runner.py``):
 
-* ``load_model``: the plugin's hook binds a model of real ``AscendFusedMoE`` layers (``real_moe``); the
-  real NPU loader is not run (it needs an NPU), the hook is given one that sets the model;
-* ``init_routed_experts_capturer``: the real method (vLLM's, inherited), which creates vLLM's capturer and
-  calls the runner's ``_bind_routed_experts_capturer`` (the plugin's hook in place of vllm-ascend's);
-* each step: every statement of vllm-ascend's runner that handles routed experts (each ``if`` block whose
-  condition names ``routed_experts``, found in the runner's real source by its AST and executed as it is
-  written there) around real MoE forwards: the step-start clear, the slot-mapping snapshot, the
-  device-to-host copy and the hand-off (``RoutedExpertsLists`` on 0.22+, ``save_captured_experts`` into
-  shared memory on 0.20.x). The async-scheduling snapshot is left out (async scheduling is off).
+    python -m tests.ascend.npu_runner_step v1|v2 [--async] [--hybrid]
+
+The plugin is registered on the NPU platform before anything imports the runner module; the worker's import
+of it (the V1 ``NPUModelRunner`` or, ``v2``, the Model Runner V2 one) triggers the plugin's post-import patch.
+Then, through the methods installed on the runner class itself:
+
+* ``load_model`` (the plugin's hook): binds a model of real vllm-ascend MoE layers (``real_moe``, this
+  release's design); the hook's original (vllm-ascend's loader, which needs an NPU) is swapped for one that
+  sets the model;
+* ``init_routed_experts_capturer``: vLLM's real method (inherited), which creates vLLM's capturer and binds it
+  (the runner's bind method, 0.20-0.27, or vLLM's module function, 0.28+: both the plugin's);
+* each step, ``execute_model`` then ``sample_tokens`` (the plugin's hooks, as installed on the class): their
+  originals swapped for stand-ins that run, around real MoE forwards, every statement of the runner's source
+  that handles routed experts, as written there: found by the AST (each ``if`` block whose condition names
+  ``routed_experts``) of vllm-ascend's V1 runner (step-start clear, slot-mapping snapshot, device-to-host
+  copy, and the hand-off: ``RoutedExpertsLists`` when synchronous, the ``RoutedExpertsTensors`` snapshot the
+  async output copies when ``--async``) or of vLLM's Model Runner V2 (``get_routed_experts``, which the NPU V2
+  runner inherits). The async output's copy and conversion are vLLM's own ``RoutedExpertsTensors`` methods.
+
+``--hybrid``: the KV cache holds a linear-attention (Mamba) group before the full-attention one, as Qwen3.5 /
+Qwen3-Next do; the scheduler files rows by the attention group's slots.
 
 Prints one JSON line (prefixed ``RESULT``) with what the test asserts on.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
+import contextlib
+import importlib
 import inspect
 import json
 import os
 import sys
 import textwrap
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -32,10 +47,11 @@ import numpy as np
 import pytest
 import torch
 
-RUNNER_MODULE = "vllm_ascend.worker.model_runner_v1"
+RUNNER_MODULES = {"v1": "vllm_ascend.worker.model_runner_v1", "v2": "vllm_ascend.worker.v2.model_runner"}
+VLLM_V2_RUNNER = "vllm.v1.worker.gpu.model_runner"
 NUM_LAYERS, MAX_TOKENS, NUM_KV_BLOCKS, BLOCK_SIZE = 4, 16, 8, 4
-MOE_LAYERS = {0: "unquantized", 2: "w8a8_dynamic"}
-STEPS = ((5, [9, 3, 17, 4, 30]), (3, [10, 18, 31]))  # (tokens, KV slot of each token)
+STEPS = ((5, [9, 3, 17, 4, 30]), (3, [10, 18, 31]))  # (tokens, KV slot of each token in the attention group)
+MAMBA_SLOT = 1000  # a linear-attention group's slots: none of them is an attention slot
 
 
 @dataclass
@@ -65,14 +81,60 @@ def routed_experts_blocks(cls: type) -> list[Block]:
 
 
 def run_block(block: Block, module: Any, scope: dict[str, Any]) -> None:
-    code = compile(ast.Module(body=[block.node], type_ignores=[]), f"<{RUNNER_MODULE}.{block.method}>", "exec")
-    exec(code, vars(module), scope)  # noqa: S102 (vllm-ascend's own statements, as written in its source)
+    code = compile(ast.Module(body=[block.node], type_ignores=[]), f"<{module.__name__}.{block.method}>", "exec")
+    exec(code, vars(module), scope)  # noqa: S102 (the runner's own statements, as written in its source)
 
 
-def vllm_config() -> Any:
-    hf = SimpleNamespace(num_hidden_layers=NUM_LAYERS, num_experts_per_tok=2, num_experts=8)
+@contextlib.contextmanager
+def original_replaced(hooked: Callable[..., Any], stand_in: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
+    """Run the hook installed on the runner class with ``stand_in`` as the original it wraps; yields the real
+    original (vllm-ascend's or vLLM's method) so the caller can check what the hook wraps."""
+    cells = dict(zip(hooked.__code__.co_freevars, hooked.__closure__ or ()))
+    cell = cells["original"]  # runner_mixin._hook's closure
+    real = cell.cell_contents
+    cell.cell_contents = stand_in
+    try:
+        yield real
+    finally:
+        cell.cell_contents = real
+
+
+def call_through_class(runner: Any, name: str, stand_in: Callable[..., Any], *args: Any) -> str:
+    """Call ``runner.<name>`` as installed on its class, with ``stand_in`` as the original the plugin's hook
+    wraps; a method the plugin does not hook (``sample_tokens`` before vLLM 0.31) is the stand-in itself.
+    Returns what the class's method wraps (vllm-ascend's or vLLM's method), or ``"not hooked"``."""
+    method = getattr(type(runner), name)
+    if not getattr(method, "_vllm_ascend_routing_hook", False):
+        stand_in(runner, *args)
+        return "not hooked"
+    with original_replaced(method, stand_in) as real:
+        getattr(runner, name)(*args)
+    return str(real.__qualname__)
+
+
+def kv_cache_config(hybrid: bool) -> Any:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    attention = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    groups = [KVCacheGroupSpec(["model.layers.3.self_attn.attn"], attention)]
+    if hybrid:  # the linear-attention layers come first (layer 0 is linear attention in Qwen3.5 / Qwen3-Next)
+        mamba = MambaSpec(block_size=BLOCK_SIZE, shapes=((2,),), dtypes=(torch.float32,))
+        groups.insert(0, KVCacheGroupSpec(["model.layers.0.linear_attn"], mamba))
+    return KVCacheConfig(num_blocks=NUM_KV_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def vllm_config(v2: bool, kv_config: Any) -> Any:
+    hf = SimpleNamespace(num_hidden_layers=NUM_LAYERS, num_experts_per_tok=2, num_experts=8, model_type="qwen3_moe")
+    model_config = SimpleNamespace(
+        enable_return_routed_experts=True,
+        hf_text_config=hf,
+        hf_config=hf,
+        get_num_experts=lambda: 8,
+        get_num_experts_per_tok=lambda: 2,
+        get_total_num_hidden_layers=lambda: NUM_LAYERS,
+    )
     return SimpleNamespace(
-        model_config=SimpleNamespace(enable_return_routed_experts=True, hf_text_config=hf, get_num_experts=lambda: 8),
+        model_config=model_config,
         scheduler_config=SimpleNamespace(max_num_batched_tokens=MAX_TOKENS),
         parallel_config=SimpleNamespace(
             tensor_parallel_size=1,
@@ -85,6 +147,8 @@ def vllm_config() -> Any:
         ),
         kv_transfer_config=None,
         speculative_config=None,
+        additional_config={},
+        use_v2_model_runner=v2,
         instance_id=f"npu-runner-test-{os.getpid()}",
         compilation_config=SimpleNamespace(
             pass_config=SimpleNamespace(enable_sequence_parallelism=False), static_forward_context={}
@@ -93,6 +157,12 @@ def vllm_config() -> Any:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("kind", choices=sorted(RUNNER_MODULES))
+    parser.add_argument("--async", dest="use_async", action="store_true")
+    parser.add_argument("--hybrid", action="store_true")
+    args = parser.parse_args()
+
     from tests.ascend import (
         conftest,  # noqa: F401 (vllm-ascend's source on sys.path, torch_npu stubbed)
         moe_methods,
@@ -103,28 +173,29 @@ def main() -> None:
     from vllm.platforms import current_platform
 
     import vllm_ascend_routing
-    from vllm_ascend_routing.compat import get_api
-    from vllm_ascend_routing.runner_mixin import RoutingCaptureRunnerMixin
+    from vllm_ascend_routing.compat.base import UnsupportedVllmError
 
-    result: dict[str, Any] = {"imported_before_register": RUNNER_MODULE in sys.modules}
+    runner_module = RUNNER_MODULES[args.kind]
+    result: dict[str, Any] = {"imported_before_register": runner_module in sys.modules}
     patch = pytest.MonkeyPatch()
     patch.setattr(current_platform, "device_type", "npu")
     vllm_ascend_routing.register()  # what vLLM's plugin loader runs in every process
     patch.setattr(current_platform, "device_type", "cpu")  # vLLM sizes its capturer on this (no NPU here)
-    import importlib
 
     # vllm-ascend's worker module imports vllm_ascend.ops (its op registrations) before the runner; the
     # worker module itself needs ACL. Then the worker's import of the runner: the plugin's patch follows.
     importlib.import_module("vllm_ascend.ops")
-    result["imported_before_register"] |= RUNNER_MODULE in sys.modules
-    module = importlib.import_module(RUNNER_MODULE)
+    result["imported_before_register"] |= runner_module in sys.modules
+    module = importlib.import_module(runner_module)
     runner_cls = module.NPUModelRunner
-    hooks = ("load_model", "execute_model", "init_routed_experts_capturer", "_bind_routed_experts_capturer")
+    hooks = ("load_model", "execute_model", "sample_tokens", "init_routed_experts_capturer")
+    hooks += ("_bind_routed_experts_capturer",)
     result["hooked"] = sorted(
         name for name in hooks if getattr(getattr(runner_cls, name, None), "_vllm_ascend_routing_hook", False)
     )
 
-    config = vllm_config()
+    kv_config = kv_cache_config(args.hybrid)
+    config = vllm_config(args.kind == "v2", kv_config)
     runner = object.__new__(runner_cls)
     for name, value in {
         "vllm_config": config,
@@ -133,112 +204,211 @@ def main() -> None:
         "compilation_config": config.compilation_config,
         "device": torch.device("cpu"),
         "pin_memory": False,
-        "use_async_scheduling": False,
+        "use_async_scheduling": args.use_async,
         "speculative_config": None,
-        "kv_cache_config": SimpleNamespace(
-            num_blocks=NUM_KV_BLOCKS,
-            kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=BLOCK_SIZE))],
-        ),
+        "max_num_tokens": MAX_TOKENS,
+        "routed_experts_capturer": None,
+        "routed_experts_initialized": False,
+        "kv_cache_config": kv_config,
     }.items():
         object.__setattr__(runner, name, value)
     patch.setattr(importlib.import_module("vllm.distributed"), "get_tensor_model_parallel_rank", lambda: 0)
 
+    result["vllm_ascend_capture_patch"] = load_vllm_ascend_capture_patch()
     fused_moe = importlib.import_module(real_moe.FUSED_MOE)
-    w8a8 = importlib.import_module("vllm_ascend.quantization.methods.w8a8_dynamic")
-    methods = {0: fused_moe.AscendUnquantizedFusedMoEMethod, 2: w8a8.AscendW8A8DynamicFusedMoEMethod}
+    w8a8 = next(cls for cls in moe_methods.method_classes() if cls.__name__ == "AscendW8A8DynamicFusedMoEMethod")
+    unquantized = next(cls for cls in moe_methods.method_classes() if cls.__name__ == "AscendUnquantizedFusedMoEMethod")
+    assert fused_moe is not None
     layers = {
         layer_id: real_moe.build(patch, moe_methods.method_instance(cls), layer_id=layer_id)
-        for layer_id, cls in methods.items()
+        for layer_id, cls in {0: unquantized, 2: w8a8}.items()
     }
     model = torch.nn.Module()
     model.moe = torch.nn.ModuleDict({str(i): moe.layer for i, moe in layers.items()})
     for moe in layers.values():
-        moe.layer.router = SimpleNamespace()  # vLLM's FusedMoE owns one (vllm-ascend routes without it)
+        if getattr(moe.layer, "router", None) is None:  # vLLM's layer owns one (the select_experts designs
+            moe.layer.router = SimpleNamespace()  # route without it); what the plugin's layer walk looks for
         config.compilation_config.static_forward_context[moe.layer.layer_name] = moe.layer
 
-    def npu_loader(self: Any, *args: Any, **kwargs: Any) -> None:
+    def npu_loader(self: Any, *a: Any, **k: Any) -> None:
         self.model = model
 
-    RoutingCaptureRunnerMixin.load_model(runner, get_api(), npu_loader)  # the hook, around a loader that needs no NPU
-    runner.init_routed_experts_capturer()  # the real method, through the plugin's hook
+    # the hook installed on the class, around a loader that needs no NPU
+    result["load_model_wraps"] = call_through_class(runner, "load_model", npu_loader)
+    try:
+        runner.init_routed_experts_capturer()  # vLLM's real method, through the plugin's hook
+    except UnsupportedVllmError as refused:
+        result["refused"] = str(refused)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
     capturer = getattr(runner, "routed_experts_capturer", None)  # 0.22+: per runner
     if capturer is None:  # 0.20.x: the process singleton, by the name vllm-ascend's runner uses
         capturer = module.RoutedExpertsCapturer.get_instance()
     result["capturer"] = type(capturer).__name__
+    result["buffer_is_plugins"] = _buffer(capturer) is _prepared_buffer(runner)
     result["vllm_ascend_binder_ran"] = any(
-        "_ascend_routed_experts_capturer" in vars(moe.layer) for moe in layers.values()
+        "_ascend_routed_experts_capturer" in vars(part) for moe in layers.values() for part in (moe.layer, moe.experts)
     )
+    routers = [moe.router for moe in layers.values() if real_moe.design() == "router"]
+    result["router_hooks"] = sorted({type(getattr(router, "capture_fn", None)).__name__ for router in routers})
     own = getattr(fused_moe, "RoutedExpertsCapturer", None)  # 0.20.x: vllm-ascend's own capture asks this
     result["vllm_ascend_own_capturer"] = None if own is None else repr(own.get_instance())
+    result["capturer_capture_module"] = getattr(getattr(capturer, "capture", None), "__module__", "")
+    result["vllm_ascend_capture_calls"] = _watch_vllm_ascend_capture(patch)
 
-    blocks = [
-        b
-        for b in routed_experts_blocks(runner_cls)
-        if "init_routed_experts_capturer()" not in b.text and "RoutedExpertsTensors(" not in b.text
-    ]
+    if args.kind == "v2":
+        steps = v2_steps(runner, layers, config, args.hybrid, result)
+    else:
+        steps = v1_steps(runner, module, layers, config, args, result)
+    result["steps"] = steps
+    result["vllm_ascend_capture_calls"] = result["vllm_ascend_capture_calls"]()
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _buffer(capturer: Any) -> Any:
+    return getattr(capturer, "device_buffer", None) if capturer is not None else None
+
+
+def _prepared_buffer(runner: Any) -> Any:
+    from vllm_ascend_routing import runner_state
+
+    prepared = runner_state.prepared_capture(runner)
+    return None if prepared is None else prepared.buffer
+
+
+VLLM_ASCEND_CAPTURE_PATCH = "vllm_ascend.patch.worker.patch_routed_experts_capture"
+
+
+def load_vllm_ascend_capture_patch() -> bool:
+    """vllm-ascend's own capture patch (0.23.0+: replaces vLLM's ``RoutedExpertsCapturer.capture`` with its
+    DP/SP/MC2 handling), loaded from its file as vllm-ascend's worker loads it (the worker patch package also
+    imports NPU-only modules, so the one module is loaded by path). Returns whether the release has it."""
+    import importlib.util
+
+    if VLLM_ASCEND_CAPTURE_PATCH in sys.modules:
+        return True
+    package = importlib.util.find_spec("vllm_ascend")
+    assert package is not None and package.submodule_search_locations
+    path = os.path.join(list(package.submodule_search_locations)[0], *VLLM_ASCEND_CAPTURE_PATCH.split(".")[1:])
+    if not os.path.exists(path + ".py"):
+        return False
+    spec = importlib.util.spec_from_file_location(VLLM_ASCEND_CAPTURE_PATCH, path + ".py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[VLLM_ASCEND_CAPTURE_PATCH] = module
+    spec.loader.exec_module(module)
+    return True
+
+
+def _watch_vllm_ascend_capture(patch: pytest.MonkeyPatch) -> Callable[[], int]:
+    """Count calls of vLLM's capturer ``capture`` as vllm-ascend's patch left it: with the plugin on, nothing
+    may call it (the plugin's captures write the buffer; vLLM's binder, which would hand routers this
+    ``capture``, is the plugin's)."""
+    capturer_module = importlib.import_module("vllm.model_executor.layers.fused_moe.routed_experts_capturer")
+    cls = getattr(capturer_module, "RoutedExpertsCapturer", None)
+    calls = [0]
+    if cls is None or not hasattr(cls, "capture"):
+        return lambda: calls[0]
+    original = cls.capture
+
+    def capture(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return original(self, *args, **kwargs)
+
+    patch.setattr(cls, "capture", capture)
+    return lambda: calls[0]
+
+
+def forward_layers(layers: dict[int, Any], num_tokens: int, generator: torch.Generator) -> np.ndarray:
+    """Real MoE forwards of every layer; the reference top-k of each."""
+    from tests.ascend import real_moe
+
+    expected = np.zeros((num_tokens, NUM_LAYERS, 2), dtype=np.int64)
+    for layer_id, moe in layers.items():
+        hidden = torch.randn(num_tokens, real_moe.HIDDEN, generator=generator)
+        logits = torch.randn(num_tokens, real_moe.NUM_EXPERTS, generator=generator)
+        moe.forward(hidden, logits)
+        expected[:, layer_id] = real_moe.reference_top_k(logits, real_moe.TOP_K).numpy()
+    return expected
+
+
+def group_slot_mappings(slots: list[int], num_tokens: int, hybrid: bool) -> list[torch.Tensor]:
+    """Each KV group's slot mapping for the step (padded with -1 like vllm-ascend's): the attention group's are
+    the given slots; a linear-attention group's are other numbers."""
+    attention = torch.tensor(slots + [-1] * (MAX_TOKENS - num_tokens))
+    if not hybrid:
+        return [attention]
+    mamba = torch.tensor([MAMBA_SLOT + i for i in range(num_tokens)] + [-1] * (MAX_TOKENS - num_tokens))
+    return [mamba, attention]
+
+
+def v1_steps(
+    runner: Any, module: Any, layers: dict[int, Any], config: Any, args: Any, result: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """vllm-ascend's V1 runner: its own routed-experts statements, sync or async branch."""
+    blocks = [b for b in routed_experts_blocks(type(runner)) if "init_routed_experts_capturer()" not in b.text]
     start = [b for b in blocks if "clear_buffer" in b.text]
     slots_snapshot = [b for b in blocks if "slot_mapping_device[:n]" in b.text]
+    async_snapshot = [b for b in blocks if "RoutedExpertsTensors(" in b.text]
     # The device-to-host copy (or the 0.20.x shared-memory save) before the hand-off that reads it.
     after = sorted(
-        (b for b in blocks if b not in start and b not in slots_snapshot),
+        (b for b in blocks if b not in start + slots_snapshot + async_snapshot),
         key=lambda b: "RoutedExpertsLists(" in b.text and ".copy_(" not in b.text,
     )
     result["blocks"] = {
         "start": [b.method for b in start],
         "slots": [b.method for b in slots_snapshot],
         "after": [b.method for b in after],
+        "async": [b.method for b in async_snapshot],
     }
+    # 0.20.x's runner has no async branch: its shared-memory save runs in sample_tokens either way.
+    hand_off = async_snapshot if args.use_async and async_snapshot else after
+    runner.input_batch = SimpleNamespace(block_table=[])  # the attention group's slots, as vllm-ascend keeps them
+    return [step_v1(runner, module, layers, start + slots_snapshot, hand_off, args, *step) for step in STEPS]
 
-    steps = [run_step(runner, module, layers, start + slots_snapshot, after, config, *step) for step in STEPS]
-    result["steps"] = steps
-    print("RESULT " + json.dumps(result), flush=True)
 
-
-def run_step(
+def step_v1(
     runner: Any,
     module: Any,
     layers: dict[int, Any],
     before: list[Block],
     after: list[Block],
-    config: Any,
+    args: Any,
     num_tokens: int,
     slots: list[int],
 ) -> dict[str, Any]:
-    """One step: the runner's statements before the forward, real MoE forwards, the hand-off."""
-    from tests.ascend import real_moe
-    from vllm_ascend_routing.compat import get_api
-    from vllm_ascend_routing.runner_mixin import RoutingCaptureRunnerMixin
-
-    slot_mapping = torch.tensor(slots + [-1] * (MAX_TOKENS - num_tokens))  # padded, like vllm-ascend's
-    runner.cpu_slot_mapping = slot_mapping.numpy()
+    groups = group_slot_mappings(slots, num_tokens, args.hybrid)
+    runner.input_batch.block_table = [SimpleNamespace(slot_mapping=SimpleNamespace(gpu=g)) for g in groups]
+    runner.cpu_slot_mapping = groups[0].numpy()  # 0.20.x: vllm-ascend's own host copy of group 0's
     scheduler_output = SimpleNamespace(total_num_scheduled_tokens=num_tokens)
     scope = {
         "self": runner,
         "scheduler_output": scheduler_output,
-        "slot_mapping": slot_mapping,
+        "slot_mapping": groups[0],  # vllm-ascend's snapshot statement runs for kv_cache_gid == 0
         "kv_cache_gid": 0,
         "model_runner_output": SimpleNamespace(routed_experts=None),
     }
-    expected = np.zeros((num_tokens, NUM_LAYERS, 2), dtype=np.int64)
     generator = torch.Generator().manual_seed(num_tokens)
+    expected: list[Any] = []
 
-    def forward(self: Any, output: Any, *args: Any, **kwargs: Any) -> None:
+    def execute_model(self: Any, output: Any, *a: Any, **k: Any) -> None:
         for block in before:
             run_block(block, module, scope)
-        for layer_id, moe in layers.items():
-            hidden = torch.randn(num_tokens, real_moe.HIDDEN, generator=generator)
-            logits = torch.randn(num_tokens, real_moe.NUM_EXPERTS, generator=generator)
-            moe.forward(hidden, logits)
-            expected[:, layer_id] = real_moe.reference_top_k(logits, real_moe.TOP_K).numpy()
+        expected.append(forward_layers(layers, num_tokens, generator))
 
-    def hand_off(self: Any, *args: Any, **kwargs: Any) -> None:
+    def sample_tokens(self: Any, *a: Any, **k: Any) -> None:
         for block in after:
             run_block(block, module, scope)
 
-    RoutingCaptureRunnerMixin.execute_model(runner, get_api(), forward, scheduler_output)
-    RoutingCaptureRunnerMixin.sample_tokens(runner, get_api(), hand_off)
+    wraps = [
+        call_through_class(runner, "execute_model", execute_model, scheduler_output),
+        call_through_class(runner, "sample_tokens", sample_tokens, None),
+    ]
+    step: dict[str, Any] = {"expected": expected[0].tolist(), "slots": slots, "wraps": wraps}
+    snapshot = scope.get("routed_experts_snapshot")
     shipped = scope.get("routed_experts_lists") or scope["model_runner_output"].routed_experts
-    step: dict[str, Any] = {"expected": expected.tolist(), "slots": slots}
+    if snapshot is not None:  # async: what AsyncGPUModelRunnerOutput does with it, with vLLM's own methods
+        shipped = snapshot.to_cpu_nonblocking().tolists()
     if shipped is not None:  # 0.22+: the rows vLLM's scheduler receives, by slot
         step["shipped_rows"] = np.asarray(shipped.routing_data).astype(np.int64).tolist()
         step["shipped_dtype"] = str(np.asarray(shipped.routing_data).dtype)
@@ -247,9 +417,50 @@ def run_step(
         from vllm_ascend_routing.compat.shm import ShmRoutedExpertsReader
 
         reader = ShmRoutedExpertsReader.get_instance() or ShmRoutedExpertsReader.create()
-        reader.attach_buffer(NUM_KV_BLOCKS * BLOCK_SIZE, config)
+        reader.attach_buffer(NUM_KV_BLOCKS * BLOCK_SIZE, runner.vllm_config)
         step["stored_rows"] = reader.get_routed_experts(np.array(slots)).astype(np.int64).tolist()
     return step
+
+
+def v2_steps(
+    runner: Any, layers: dict[int, Any], config: Any, hybrid: bool, result: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """The NPU Model Runner V2: vLLM's MRV2 routed-experts statements, which it inherits."""
+    vllm_v2 = importlib.import_module(VLLM_V2_RUNNER)
+    blocks = [b for b in routed_experts_blocks(vllm_v2.GPUModelRunner) if b.method == "execute_model"]
+    result["blocks"] = {"execute": [b.text.splitlines()[0] for b in blocks]}
+    steps = []
+    for num_tokens, slots in STEPS:
+        groups = group_slot_mappings(slots, num_tokens, hybrid)
+        scope = {"self": runner, "dummy_run": False, "slot_mappings": torch.stack(groups), "num_toks": num_tokens}
+        generator = torch.Generator().manual_seed(num_tokens)
+        expected: list[Any] = []
+        shipped: list[Any] = []
+
+        def execute_model(self: Any, output: Any, *a: Any, **k: Any) -> None:
+            expected.append(forward_layers(layers, num_tokens, generator))
+            for block in blocks:
+                run_block(block, vllm_v2, scope)  # noqa: B023 (run within this iteration)
+
+        def sample_tokens(self: Any, *a: Any, **k: Any) -> None:  # AsyncOutput: copy, then convert
+            shipped.append(scope["routed_experts"].to_cpu_nonblocking().tolists())  # noqa: B023
+
+        wraps = [
+            call_through_class(runner, "execute_model", execute_model, SimpleNamespace(total_num_scheduled_tokens=num_tokens)),
+            call_through_class(runner, "sample_tokens", sample_tokens, None),
+        ]
+        (lists,) = shipped
+        steps.append(
+            {
+                "expected": expected[0].tolist(),
+                "slots": slots,
+                "wraps": wraps,
+                "shipped_rows": np.asarray(lists.routing_data).astype(np.int64).tolist(),
+                "shipped_dtype": str(np.asarray(lists.routing_data).dtype),
+                "shipped_slots": np.asarray(lists.slot_mapping).astype(np.int64).tolist(),
+            }
+        )
+    return steps
 
 
 if __name__ == "__main__":

@@ -250,6 +250,12 @@ def _method_attributes(method: Any, gate: bool) -> None:
         wrapped = vars(wrapped).get("quant_method") or vars(wrapped).get("_bf16_method")
 
 
+def unquantized_method() -> type:
+    """vllm-ascend's unquantized MoE method class (in ``fused_moe`` before the router design)."""
+    module = importlib.import_module(ROUTED_EXPERTS if design() == "router" else FUSED_MOE)
+    return module.AscendUnquantizedFusedMoEMethod  # type: ignore[no-any-return]
+
+
 def native_router(top_k: int = TOP_K, num_experts: int = NUM_EXPERTS) -> Any:
     """vllm-ascend's native-path router (router design): softmax + top-k in torch, its real ``__init__``."""
     routers = importlib.import_module(f"{ROUTERS}.grouped_topk_router")

@@ -37,11 +37,9 @@ class Decoder(torch.nn.Module):
 
 
 def moe_layer(monkeypatch: pytest.MonkeyPatch, layer_id: int) -> real_moe.RealMoE:
-    fused_moe = importlib.import_module(real_moe.FUSED_MOE)
-    moe = real_moe.build(
-        monkeypatch, real_moe.probe_instance(fused_moe.AscendUnquantizedFusedMoEMethod), layer_id=layer_id
-    )
-    moe.layer.router = SimpleNamespace()  # vLLM's FusedMoE owns one; what the plugin's layer walk looks for
+    moe = real_moe.build(monkeypatch, real_moe.probe_instance(real_moe.unquantized_method()), layer_id=layer_id)
+    if getattr(moe.layer, "router", None) is None:  # vLLM's layer owns one (the select_experts designs route
+        moe.layer.router = SimpleNamespace()  # without it); what the plugin's layer walk looks for
     return moe
 
 
@@ -66,6 +64,10 @@ def load_drafter(monkeypatch: pytest.MonkeyPatch, target: torch.nn.Module, draft
         "get_layers_from_vllm_config",
         lambda config, cls: dict(attention) if cls is base.AttentionLayerBase else {},
     )
+    if hasattr(base, "get_ascend_config"):  # 0.27+: the drafter's sliding-window option (off)
+        config = SimpleNamespace(draft_window_size=None)
+        monkeypatch.setattr(base, "get_ascend_config", lambda: config)
+        monkeypatch.setattr(importlib.import_module("vllm_ascend.ascend_config"), "get_ascend_config", lambda: config)
     proposer = object.__new__(importlib.import_module(PROPOSER).AscendEagleProposer)
 
     def get_model() -> torch.nn.Module:
@@ -74,6 +76,7 @@ def load_drafter(monkeypatch: pytest.MonkeyPatch, target: torch.nn.Module, draft
 
     for name, value in {
         "method": "mtp",
+        "supports_mm_inputs": False,
         "num_speculative_tokens": 1,
         "maybe_eager_context": contextlib.nullcontext(),
         "parallel_drafting": False,
@@ -82,6 +85,7 @@ def load_drafter(monkeypatch: pytest.MonkeyPatch, target: torch.nn.Module, draft
         "_get_model": get_model,
         "vllm_config": SimpleNamespace(
             model_config=SimpleNamespace(is_deepseek_mla=False),
+            additional_config={},
             compilation_config=SimpleNamespace(cudagraph_mode=SimpleNamespace(has_full_cudagraphs=lambda: False)),
         ),
     }.items():
@@ -102,8 +106,14 @@ def test_mtp_layers_stay_unbound_and_write_nothing(monkeypatch: pytest.MonkeyPat
     buffer = new_capture_buffer(NUM_TOKENS, NUM_LAYERS, real_moe.TOP_K, real_moe.NUM_EXPERTS, "cpu")
     errors = new_error_counter("cpu")
     bound = bind_model(target, lambda layer_id: LayerCapture(buffer, layer_id, real_moe.NUM_EXPERTS, errors))
-    assert bound == {"ascend": 2}  # the target's two MoE layers, none of the drafter's
-    assert all("forward_impl" not in vars(moe.layer) for moe in mtp_moe.values())  # drafter not wrapped
+    backend = "ascend_router" if real_moe.design() == "router" else "ascend"
+    assert bound == {backend: 2}  # the target's two MoE layers, none of the drafter's
+    guarded = ("forward_impl", "_forward_impl")
+    assert all(  # the drafter's forwards carry no guard, its routers no capture hook
+        not set(guarded) & set(vars(part)) for moe in mtp_moe.values() for part in (moe.layer, moe.experts)
+    )
+    if real_moe.design() == "router":
+        assert all(moe.router.capture_fn is None for moe in mtp_moe.values())
 
     generator = torch.Generator().manual_seed(4)
     expected = {}

@@ -1,32 +1,63 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The plugin on vllm-ascend's real ``NPUModelRunner``: registered on the NPU platform, patched when the
-worker imports the runner module, capturer created by the real ``init_routed_experts_capturer``, rows
-handed off by vllm-ascend's own runner statements, over real MoE forwards — see ``npu_runner_step``.
-Runs in a fresh process: the post-import patch must see the runner module's first import."""
+"""The plugin on vllm-ascend's real NPU model runners: registered on the NPU platform, patched when the worker
+imports the runner module, capturer created by vLLM's real ``init_routed_experts_capturer``, every step run
+through the methods installed on the runner class (``execute_model`` / ``sample_tokens``), rows handed off by
+the runner's own statements, synchronous and asynchronous, over real MoE forwards — see ``npu_runner_step``.
+Each case runs in a fresh process: the post-import patch must see the runner module's first import.
+
+Which runner serves routed experts, per vllm-ascend release (``RUNNERS``): the V1 runner up to 0.29.0rc1;
+Model Runner V2 from 0.28.0rc1 (vLLM 0.28 added routed experts to it; before, vLLM's config validation refuses
+the combination, and so does the plugin); 0.30.x refuses routed experts on V1 itself (its platform check)."""
 
 from __future__ import annotations
 
+import functools
+import importlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from tests.ascend.conftest import ASCEND_RELEASE, ASCEND_SRC
 from vllm_ascend_routing.compat import get_api
-from vllm_ascend_routing.compat.base import Generation
+from vllm_ascend_routing.compat.base import Generation, UnsupportedVllmError
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ascend]
 
 ROOT = Path(__file__).resolve().parents[2]
+V1_ONLY, BOTH, V2_ONLY = ("v1",), ("v1", "v2"), ("v2",)
+RUNNERS = {
+    "0.20.2rc1": V1_ONLY,
+    "0.23.0": V1_ONLY,
+    "0.23.0.post1": V1_ONLY,
+    "0.24.0rc1": V1_ONLY,
+    "0.25.1rc1": V1_ONLY,
+    "0.26.0rc1": V1_ONLY,
+    "0.27.1rc1": V1_ONLY,
+    "0.28.0rc1": BOTH,
+    "0.29.0rc1": BOTH,
+    "0.30.0rc1": V2_ONLY,
+    "0.30.0rc2": V2_ONLY,
+}
+SERVING = RUNNERS.get(ASCEND_RELEASE, ()) if ASCEND_SRC else ()
+CASES = [
+    (kind, mode, hybrid)
+    for kind in SERVING
+    for mode in (("sync", "async") if kind == "v1" else ("async",))  # MRV2's output is always asynchronous
+    for hybrid in (False, True)
+]
 
 
-@pytest.fixture(scope="module")
-def steps() -> dict[str, Any]:
+@functools.cache
+def run_step(kind: str, mode: str, hybrid: bool) -> dict[str, Any]:
+    args = [kind] + (["--async"] if mode == "async" else []) + (["--hybrid"] if hybrid else [])
     done = subprocess.run(
-        [sys.executable, "-m", "tests.ascend.npu_runner_step"],
+        [sys.executable, "-m", "tests.ascend.npu_runner_step", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -38,36 +69,94 @@ def steps() -> dict[str, Any]:
     return json.loads(lines[-1].removeprefix("RESULT "))  # type: ignore[no-any-return]
 
 
-def test_the_runner_is_patched_when_the_worker_imports_it(steps: dict[str, Any]) -> None:
+def case_id(case: tuple[str, str, bool]) -> str:
+    kind, mode, hybrid = case
+    return f"{kind}-{mode}" + ("-hybrid" if hybrid else "")
+
+
+def test_the_release_is_in_the_runner_table() -> None:
+    assert ASCEND_RELEASE in RUNNERS, f"vllm-ascend {ASCEND_RELEASE}: add its routed-experts runners to RUNNERS"
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_the_runner_is_patched_when_the_worker_imports_it(case: tuple[str, str, bool]) -> None:
+    steps = run_step(*case)
     assert steps["imported_before_register"] is False
-    assert steps["hooked"] == sorted(
-        ["load_model", "execute_model", "init_routed_experts_capturer", "_bind_routed_experts_capturer"]
-    )
+    assert {"load_model", "execute_model", "init_routed_experts_capturer"} <= set(steps["hooked"])
+    assert "_bind_routed_experts_capturer" in steps["hooked"]  # the runner's own, or added for vLLM's binder
+    assert "sample_tokens" not in steps["hooked"]  # runner-output / shm: vLLM's runner ships the rows itself
 
 
-def test_vllm_ascend_own_binder_and_capture_stay_off(steps: dict[str, Any]) -> None:
-    assert steps["vllm_ascend_binder_ran"] is False  # its per-layer capturer attribute was never set
-    if get_api().generation is Generation.SHM:
-        assert steps["capturer"] == "ShmRoutedExpertsCapturer"
-        assert steps["vllm_ascend_own_capturer"] == "None"  # its MoE method finds no capturer instance
-    else:
-        assert steps["capturer"] == "RoutedExpertsCapturer"  # vLLM's own, handed the plugin's buffer
-
-
-def test_the_runner_source_has_the_routed_experts_statements_run(steps: dict[str, Any]) -> None:
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_every_step_hands_off_the_exact_rows(case: tuple[str, str, bool]) -> None:
+    kind, mode, hybrid = case
+    steps = run_step(*case)
+    if hybrid and get_api().generation is Generation.SHM:  # vLLM 0.20.x: the snapshot cannot be re-taken
+        assert "keys routed-experts rows by KV cache group 0's slots" in steps["refused"]
+        return
+    assert "refused" not in steps, steps.get("refused")
+    assert steps["buffer_is_plugins"] is True
+    assert steps["load_model_wraps"].endswith("load_model")
     blocks = steps["blocks"]
-    assert blocks["start"] and blocks["after"], blocks  # found in the real source, so they really ran
-    if get_api().generation is not Generation.SHM:
-        assert blocks["slots"], blocks
-
-
-def test_every_step_hands_off_the_exact_rows(steps: dict[str, Any]) -> None:
+    if kind == "v1":
+        assert blocks["start"] or get_api().generation is not Generation.SHM, blocks
+        assert blocks["after"], blocks  # found in the real source, so they really ran
+        if get_api().generation is not Generation.SHM:
+            assert blocks["slots"] and blocks["async"], blocks  # both branches exist in the runner
+        else:  # 0.20.x: one hand-off (a synchronous shared-memory save), whatever the scheduling
+            assert blocks["async"] == [], blocks
+    else:
+        assert blocks["execute"], blocks
     for step in steps["steps"]:
         num_tokens = len(step["slots"])
+        # the class's execute_model is the plugin's hook around the runner's own (vllm-ascend's NPU runner)
+        assert step["wraps"] == ["NPUModelRunner.execute_model", "not hooked"]
         if get_api().generation is Generation.SHM:
             assert step["stored_rows"] == step["expected"]
         else:
             assert step["shipped_dtype"] == "int16"
             assert step["shipped_rows"] == step["expected"]
+            # the attention group's slots: the ones the scheduler files rows by (not group 0's in a hybrid)
             assert step["shipped_slots"] == step["slots"]
         assert all(row[1] == [0, 0] and row[3] == [0, 0] for row in step["expected"][:num_tokens])  # dense
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_vllm_ascend_own_binder_and_capture_stay_off(case: tuple[str, str, bool]) -> None:
+    steps = run_step(*case)
+    if "refused" in steps:
+        return  # the hybrid shm case: refused before any capturer existed (asserted above)
+    assert steps["vllm_ascend_binder_ran"] is False  # its per-layer capturer attribute was never set
+    assert steps["vllm_ascend_capture_calls"] == 0  # vLLM's capturer capture (vllm-ascend patches it): never
+    if steps["vllm_ascend_capture_patch"]:  # loaded as vllm-ascend's worker loads it: its capture is installed
+        assert steps["capturer_capture_module"] == "vllm_ascend.patch.worker.patch_routed_experts_capture"
+    else:
+        assert ASCEND_RELEASE == "0.20.2rc1"  # the one release without it
+    if get_api().generation is Generation.SHM:
+        assert steps["capturer"] == "ShmRoutedExpertsCapturer"
+        assert steps["vllm_ascend_own_capturer"] == "None"  # its MoE method finds no capturer instance
+    else:
+        assert steps["capturer"] == "RoutedExpertsCapturer"  # vLLM's own, handed the plugin's buffer
+    if steps["router_hooks"]:  # router design: each router holds the plugin's capture, nothing else
+        assert steps["router_hooks"] == ["LayerRecord"]
+
+
+def test_a_runner_that_cannot_serve_routed_experts_is_refused() -> None:
+    """Where this release's runners do not serve routed experts, the combination is refused at start-up (by
+    vllm-ascend, vLLM or the plugin), never run into zeros."""
+    if "v1" not in SERVING:  # vllm-ascend 0.30: its platform refuses routed experts on the V1 runner
+        platform = importlib.import_module("vllm_ascend.platform")
+        config = SimpleNamespace(
+            model_config=SimpleNamespace(enable_return_routed_experts=True), use_v2_model_runner=False
+        )
+        with pytest.raises(ValueError, match="V2 model runner"):
+            platform._validate_routing_replay_config(config)
+    if "v2" not in SERVING:  # vLLM's Model Runner V2 of this release has no routed-experts capture
+        from vllm_ascend_routing.compat.runner_output import RunnerOutputAPI
+
+        if get_api().generation is not Generation.RUNNER_OUTPUT:
+            return  # 0.20.x: vllm-ascend's worker never builds Model Runner V2 with vLLM 0.20.2
+        config = SimpleNamespace(model_config=SimpleNamespace(enable_return_routed_experts=True))
+        config.use_v2_model_runner = True  # type: ignore[attr-defined]
+        with pytest.raises(UnsupportedVllmError, match="Model Runner V2 has no routed-experts capture"):
+            RunnerOutputAPI().prepare(None, config, None)  # type: ignore[arg-type]

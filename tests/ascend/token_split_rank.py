@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from tests.ascend import conftest, moe_methods, real_moe  # conftest: vllm-ascend's source on the path, NPU stub
-from vllm_ascend_routing.backends import ascend
+from vllm_ascend_routing.backends import BACKENDS
 from vllm_ascend_routing.capture import LayerCapture, new_capture_buffer, new_error_counter
 from vllm_ascend_routing.parallel import RankLayout
 
@@ -52,6 +52,8 @@ def real_prepare_finalize(name: str) -> Any:
     instance = object.__new__(cls)
     instance.moe_config = SimpleNamespace()
     instance.multistream_overlap_gate = False
+    instance.lora_context = None  # 0.26+
+    instance.dynamic_mx_quant_scale_alg = 0  # 0.30+
     instance._restore_tp_across_dp()  # TP size and rank from vLLM's parallel state
     return instance
 
@@ -65,14 +67,14 @@ def run_mode(mode: str, cls: type, rank: int, world: int) -> dict[str, bool]:
             "PrepareAndFinalizeWithMC2" if mode == "mc2" else "PrepareAndFinalizeWithAll2All"
         )
         moe.comm.prepare = SplittingComm(prepare).prepare  # type: ignore[method-assign]
+        if real_moe.design() == "router":  # the router design's SP: vLLM's sequence-parallel MoE, pre-chunked
+            moe.experts.moe_config.is_sequence_parallel = mode == "flashcomm"
         context = importlib.import_module("vllm.forward_context")._forward_context
         buffer = new_capture_buffer(BUFFER_ROWS, NUM_LAYERS, real_moe.TOP_K, real_moe.NUM_EXPERTS, "cpu")
         errors = new_error_counter("cpu")
-        ascend.bind(
-            moe.layer,
-            LayerCapture(buffer, moe.layer_id, real_moe.NUM_EXPERTS, errors, RankLayout(0, world, split_over_tp=True)),
-            moe.layer.layer_name,
-        )
+        capture = LayerCapture(buffer, moe.layer_id, real_moe.NUM_EXPERTS, errors, RankLayout(0, world, True))
+        backend = next(backend for _, backend in BACKENDS if backend.handles(moe.layer))
+        backend.bind(moe.layer, capture, moe.layer.layer_name)
         for tokens in TOKEN_COUNTS:
             generator = torch.Generator().manual_seed(tokens)  # the same step on every rank
             hidden = torch.randn(tokens, real_moe.HIDDEN, generator=generator)

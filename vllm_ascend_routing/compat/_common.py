@@ -46,6 +46,43 @@ def attach_buffer(prepared: PreparedCapture, capturer: Any) -> None:
     capturer.device_buffer = prepared.buffer
 
 
+# vllm-ascend's V1 runner snapshots the routed-experts slot mapping of KV cache group 0 (its own
+# ``_build_attention_metadata``), where vLLM's runners snapshot the first full-attention group, the one the
+# scheduler reads rows back by. They differ in hybrid models (Qwen3.5, Qwen3-Next: linear-attention groups come
+# first), where group 0's slots would file every row under another group's slot numbers.
+_GROUP_0_SNAPSHOT_RUNNER = "vllm_ascend.worker.model_runner_v1"
+
+
+def attention_kv_group(runner: Any) -> int:
+    """The KV cache group whose slots key routed-experts rows, as vLLM's runner computed it (0.20-0.27: the
+    runner's ``routed_experts_attn_gid``; 0.28+: its capturer's ``attn_gid``)."""
+    gid = getattr(runner, "routed_experts_attn_gid", None)
+    if gid is None:
+        gid = getattr(getattr(runner, "routed_experts_capturer", None), "attn_gid", None)
+    return int(gid or 0)
+
+
+def misplaced_slot_group(runner: Any) -> int | None:
+    """The attention group whose slots the runner should have snapshotted, where it snapshots group 0
+    instead (vllm-ascend's V1 runner on a hybrid model); ``None`` where its snapshot is right."""
+    gid = attention_kv_group(runner)
+    if gid == 0 or not any(cls.__module__ == _GROUP_0_SNAPSHOT_RUNNER for cls in type(runner).__mro__):
+        return None
+    return gid
+
+
+def refuse_misplaced_slots(runner: Any) -> None:
+    """For generations that cannot re-take the snapshot (vLLM 0.20.x copies it to the host inside the
+    runner's own step): refuse a runner that would ship another KV group's slots."""
+    gid = misplaced_slot_group(runner)
+    if gid is not None:
+        raise UnsupportedVllmError(
+            f"vllm-ascend-routing: vllm-ascend's V1 runner keys routed-experts rows by KV cache group 0's slots, "
+            f"but this hybrid model's attention is group {gid}: rows would be filed under the wrong tokens. "
+            "Upgrade to vllm-ascend 0.23.0 or newer (the plugin corrects it there) or unset VLLM_ASCEND_ROUTING."
+        )
+
+
 def refuse_unsupported_config(vllm_config: Any, generation: str) -> None:
     """Raise for parallel layouts and KV transfer, whose routing rows this plugin cannot place exactly."""
     parallel = vllm_config.parallel_config

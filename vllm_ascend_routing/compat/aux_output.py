@@ -148,10 +148,10 @@ class AuxOutputAPI:
             return None
         return prepare_capture(model, vllm_config, device, self.generation.value, self.routing_shape(vllm_config))
 
-    def attach(self, prepared: PreparedCapture, capturer: Any) -> None:
+    def attach(self, runner: Any, prepared: PreparedCapture, capturer: Any) -> None:
         attach_buffer(prepared, capturer)  # snapshot_routing_data narrows it to uint8/uint16
 
-    def after_forward(self, prepared: PreparedCapture, num_tokens: int) -> None:
+    def after_forward(self, runner: Any, prepared: PreparedCapture, num_tokens: int) -> None:
         """Nothing: the connector snapshots the buffer when the step's output is prepared."""
 
     # ---- driving the connector from a runner that has no connector code (V1: CPU, Ascend) ----

@@ -47,10 +47,11 @@ class CaptureAPI(Protocol):
             UnsupportedVllmError: for a configuration the capture cannot serve exactly.
         """
 
-    def attach(self, prepared: PreparedCapture, capturer: Any) -> None:
-        """Make vLLM's own capturer (created later by the runner) carry the prepared buffer."""
+    def attach(self, runner: Any, prepared: PreparedCapture, capturer: Any) -> None:
+        """Make vLLM's own capturer (created later by ``runner``, in its ``init_routed_experts_capturer``)
+        carry the prepared buffer; refuse (``UnsupportedVllmError``) what this runner cannot ship exactly."""
 
-    def after_forward(self, prepared: PreparedCapture, num_tokens: int) -> None:
+    def after_forward(self, runner: Any, prepared: PreparedCapture, num_tokens: int) -> None:
         """Called once per step after the forward is enqueued; must not synchronise the device."""
 
     def kv_cache_ready(self, runner: Any, prepared: PreparedCapture, kv_cache_config: Any, profiling: bool) -> None:

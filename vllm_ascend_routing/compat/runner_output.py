@@ -24,7 +24,7 @@ import torch
 
 from vllm_ascend_routing import patching
 from vllm_ascend_routing.capture import PreparedCapture
-from vllm_ascend_routing.compat._common import attach_buffer, prepare_capture
+from vllm_ascend_routing.compat._common import attach_buffer, misplaced_slot_group, prepare_capture
 from vllm_ascend_routing.compat.base import Generation, StepHooksNotUsed, UnsupportedVllmError
 from vllm_ascend_routing.patching import Patch
 from vllm_ascend_routing.runner_mixin import CAPTURER_BINDER, CAPTURER_HOOKS
@@ -55,6 +55,7 @@ def _bind_through_runner(model: torch.nn.Module, capturer: Any) -> None:
 
 patching.mark(_bind_through_runner)
 _V2_CAPTURER = "vllm.v1.worker.gpu.model_runner:GPUModelRunner.init_routed_experts_capturer"
+_SLOT_GROUP = "_vllm_ascend_routing_slot_group"  # runner attribute: the KV group whose slots to re-snapshot
 
 
 def _v2_runner_captures() -> bool:
@@ -101,8 +102,15 @@ class RunnerOutputAPI(StepHooksNotUsed):
             )
         return prepare_capture(model, vllm_config, device, self.generation.value, self.routing_shape(vllm_config))
 
-    def after_forward(self, prepared: PreparedCapture, num_tokens: int) -> None:
-        """Nothing: vLLM's runner copies the buffer to the host itself, asynchronously."""
+    def after_forward(self, runner: Any, prepared: PreparedCapture, num_tokens: int) -> None:
+        """vLLM's runner copies the buffer to the host itself, asynchronously. Where the runner snapshotted
+        another KV group's slot mapping (``misplaced_slot_group``), the snapshot is re-taken from the attention
+        group's, before ``sample_tokens`` ships it: one device-to-device copy, no synchronisation."""
+        gid = getattr(runner, _SLOT_GROUP, None)
+        if gid is not None and num_tokens:
+            source = runner.input_batch.block_table[gid].slot_mapping.gpu
+            runner.routed_experts_slot_mapping_device[:num_tokens].copy_(source[:num_tokens])
 
-    def attach(self, prepared: PreparedCapture, capturer: Any) -> None:
+    def attach(self, runner: Any, prepared: PreparedCapture, capturer: Any) -> None:
         attach_buffer(prepared, capturer)  # before the runner allocates its pinned host mirror of it
+        setattr(runner, _SLOT_GROUP, misplaced_slot_group(runner))

@@ -27,7 +27,7 @@ import torch
 from vllm_ascend_routing import patching
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import PreparedCapture
-from vllm_ascend_routing.compat._common import prepare_capture
+from vllm_ascend_routing.compat._common import refuse_misplaced_slots, prepare_capture
 from vllm_ascend_routing.compat._shm_store import SegmentReader, SegmentSpec, SegmentWriter
 from vllm_ascend_routing.compat.base import Generation, StepHooksNotUsed
 from vllm_ascend_routing.patching import Patch
@@ -234,12 +234,13 @@ class ShmAPI(StepHooksNotUsed):
             return None
         return prepare_capture(model, vllm_config, device, self.generation.value, _routing_shape(vllm_config))
 
-    def attach(self, prepared: PreparedCapture, capturer: Any) -> None:
+    def attach(self, runner: Any, prepared: PreparedCapture, capturer: Any) -> None:
+        refuse_misplaced_slots(runner)
         if not isinstance(capturer, ShmRoutedExpertsCapturer):
             raise RuntimeError(f"vllm-ascend-routing: unexpected capturer {type(capturer).__name__}")
         capturer.attach_device_buffer(prepared.buffer)
 
-    def after_forward(self, prepared: PreparedCapture, num_tokens: int) -> None:
+    def after_forward(self, runner: Any, prepared: PreparedCapture, num_tokens: int) -> None:
         capturer = ShmRoutedExpertsCapturer.get_instance()
         if capturer is not None:
             capturer.stage(num_tokens)
