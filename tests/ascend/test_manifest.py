@@ -13,7 +13,7 @@ from tests.ascend import real_moe
 from tests.ascend.conftest import ASCEND_SRC
 from vllm_ascend_routing import manifest
 from vllm_ascend_routing.compat import get_api
-from vllm_ascend_routing.compat.base import UnsupportedVllmError
+from vllm_ascend_routing.compat.base import Generation, UnsupportedVllmError
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ascend]
 
@@ -57,7 +57,9 @@ def test_a_renamed_seam_is_refused_with_its_name(monkeypatch: pytest.MonkeyPatch
         manifest.verify(get_api().generation, "npu", "vllm_ascend")
     message = str(refused.value)
     assert "vllm-ascend's routing seam: none of" in message
-    assert "experts_selector:select_experts" in message and "AscendRoutedExperts._select_experts" in message
+    assert "experts_selector:select_experts" in message
+    if get_api().generation is not Generation.SHM:  # the router design exists on runner-output releases only
+        assert "AscendRoutedExperts._select_experts" in message
     assert "not supported yet" in message
 
 

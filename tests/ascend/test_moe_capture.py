@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.ascend import moe_methods, real_moe
-from tests.ascend.conftest import ASCEND_RELEASE, ASCEND_SRC, EXPECTED_DESIGN
+from tests.ascend.conftest import ASCEND_RELEASE, ASCEND_SRC, EXPECTED
 from vllm_ascend_routing import envs
 from vllm_ascend_routing.backends import BACKENDS, ascend, ascend_router
 from vllm_ascend_routing.backends._recorded import RoutingNotRecordedError
@@ -56,8 +56,9 @@ def build(monkeypatch: pytest.MonkeyPatch, cls: type, **kwargs: Any) -> real_moe
 
 
 def test_the_release_has_the_design_the_suite_expects() -> None:
-    """A vllm-ascend release whose MoE moved to another design fails here (the table names each release)."""
-    assert EXPECTED_DESIGN[ASCEND_RELEASE] == DESIGN
+    """A vllm-ascend release whose MoE moved to another design fails here (the release table names each)."""
+    assert EXPECTED is not None, f"vllm-ascend {ASCEND_RELEASE} is not in compat/releases.py ASCEND_RELEASES"
+    assert EXPECTED.design.value == DESIGN
 
 
 def test_every_method_is_found_and_none_hides() -> None:

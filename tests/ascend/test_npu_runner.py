@@ -5,7 +5,7 @@ through the methods installed on the runner class (``execute_model`` / ``sample_
 the runner's own statements, synchronous and asynchronous, over real MoE forwards — see ``npu_runner_step``.
 Each case runs in a fresh process: the post-import patch must see the runner module's first import.
 
-Which runner serves routed experts, per vllm-ascend release (``RUNNERS``): the V1 runner up to 0.29.0rc1;
+Which runner serves routed experts, per vllm-ascend release (``compat/releases.py`` ``ASCEND_RELEASES``): the V1 runner up to 0.29.0rc1;
 Model Runner V2 from 0.28.0rc1 (vLLM 0.28 added routed experts to it; before, vLLM's config validation refuses
 the combination, and so does the plugin); 0.30.x refuses routed experts on V1 itself (its platform check)."""
 
@@ -23,28 +23,14 @@ from typing import Any
 
 import pytest
 
-from tests.ascend.conftest import ASCEND_RELEASE, ASCEND_SRC
+from tests.ascend.conftest import ASCEND_RELEASE, EXPECTED
 from vllm_ascend_routing.compat import get_api
 from vllm_ascend_routing.compat.base import Generation, UnsupportedVllmError
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ascend]
 
 ROOT = Path(__file__).resolve().parents[2]
-V1_ONLY, BOTH, V2_ONLY = ("v1",), ("v1", "v2"), ("v2",)
-RUNNERS = {
-    "0.20.2rc1": V1_ONLY,
-    "0.23.0": V1_ONLY,
-    "0.23.0.post1": V1_ONLY,
-    "0.24.0rc1": V1_ONLY,
-    "0.25.1rc1": V1_ONLY,
-    "0.26.0rc1": V1_ONLY,
-    "0.27.1rc1": V1_ONLY,
-    "0.28.0rc1": BOTH,
-    "0.29.0rc1": BOTH,
-    "0.30.0rc1": V2_ONLY,
-    "0.30.0rc2": V2_ONLY,
-}
-SERVING = RUNNERS.get(ASCEND_RELEASE, ()) if ASCEND_SRC else ()
+SERVING = EXPECTED.runners if EXPECTED is not None else ()
 CASES = [
     (kind, mode, hybrid)
     for kind in SERVING
@@ -74,8 +60,8 @@ def case_id(case: tuple[str, str, bool]) -> str:
     return f"{kind}-{mode}" + ("-hybrid" if hybrid else "")
 
 
-def test_the_release_is_in_the_runner_table() -> None:
-    assert ASCEND_RELEASE in RUNNERS, f"vllm-ascend {ASCEND_RELEASE}: add its routed-experts runners to RUNNERS"
+def test_the_release_is_in_the_release_table() -> None:
+    assert EXPECTED is not None, f"vllm-ascend {ASCEND_RELEASE}: add it to compat/releases.py ASCEND_RELEASES"
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)

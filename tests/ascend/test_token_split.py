@@ -3,7 +3,10 @@
 running every real MoE method's ``apply`` (and its ``select_experts``) on its TP shard, split by vllm-ascend's
 own MC2 / all-to-all ``prepare`` or arriving split as flash-comm leaves it (``token_split_rank``). The plugin
 assembles the shards over vLLM's TP group inside the step: on every rank the buffer equals the unsplit
-step's router top-k, for batches smaller than the TP size, uneven all-to-all splits and padded MC2 ones."""
+step's router top-k, for batches smaller than the TP size, uneven all-to-all splits and padded MC2 ones.
+The same processes as DP ranks (``dp-eager`` / ``dp-padded``): vllm-ascend's real all-gather ``prepare`` pads
+each rank's tokens to the widest and gathers them before routing; every rank keeps exactly its own rows, with
+the forward context's counts raw (eager) or padded to the widest (vllm-ascend's graph-mode formula)."""
 
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ def test_every_rank_holds_the_whole_step(world: int) -> None:
     results = run_ranks(world)
     assert [r["rank"] for r in results] == list(range(world))
     for result in results:
-        for mode in ("mc2", "alltoall", "flashcomm"):
+        for mode in ("mc2", "alltoall", "flashcomm", "dp-eager", "dp-padded"):
             assert result[mode], f"no MoE method ran in {mode}"
             wrong = {method: [n for n, ok in counts.items() if not ok] for method, counts in result[mode].items()}
             assert not any(wrong.values()), (result["rank"], mode, wrong)

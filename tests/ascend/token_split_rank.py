@@ -33,6 +33,7 @@ from vllm_ascend_routing.parallel import RankLayout
 PREPARE = "vllm_ascend.ops.fused_moe.prepare_finalize"
 TOKEN_COUNTS = (1, 2, 5, 7, 16, 23)  # fewer tokens than ranks, uneven splits, a multiple of the TP size
 BUFFER_ROWS, NUM_LAYERS = 32, 4
+DP_METHODS = ("AscendUnquantizedFusedMoEMethod", "AscendW8A8DynamicFusedMoEMethod")
 
 
 class SplittingComm(real_moe.StubCommMethod):
@@ -54,7 +55,8 @@ def real_prepare_finalize(name: str) -> Any:
     instance.multistream_overlap_gate = False
     instance.lora_context = None  # 0.26+
     instance.dynamic_mx_quant_scale_alg = 0  # 0.30+
-    instance._restore_tp_across_dp()  # TP size and rank from vLLM's parallel state
+    if hasattr(instance, "_restore_tp_across_dp"):  # MC2 / all-to-all: TP size and rank from vLLM's state
+        instance._restore_tp_across_dp()
     return instance
 
 
@@ -97,6 +99,62 @@ def run_mode(mode: str, cls: type, rank: int, world: int) -> dict[str, bool]:
     return verdicts
 
 
+# Tokens per DP rank, per step (uneven, a rank with one token, equal counts).
+DP_STEPS = {2: ([5, 2], [1, 7], [4, 4]), 4: ([5, 2, 7, 1], [1, 1, 1, 9], [3, 3, 3, 3])}
+
+
+def run_dp_mode(mode: str, cls: type, rank: int, world: int) -> dict[str, bool]:
+    """Each process a DP rank (TP 1) with its own tokens; vllm-ascend's real all-gather ``prepare`` pads every
+    rank's tokens to the widest (``max_tokens_across_dp``) and gathers them in rank order before routing, as
+    with DP > 1 and the all-gather comm method. The forward context's per-rank counts follow vllm-ascend's
+    ``_sync_metadata_across_dp``: the raw counts in eager mode (``dp-eager``), every rank padded to the widest
+    (``[max] * dp``) in graph mode and with its all-gather / MC2 comm (``dp-padded``). The plugin places this
+    rank's rows from those counts; rows past the rank's real tokens are padding (never read)."""
+    from contextlib import nullcontext
+
+    from vllm.distributed import get_tp_group
+
+    verdicts: dict[str, bool] = {}
+    with pytest.MonkeyPatch.context() as patch:
+        conftest.native_routing.__wrapped__(patch)  # type: ignore[attr-defined]
+        moe = real_moe.build(patch, moe_methods.method_instance(cls), layer_cls=moe_methods.layer_class(cls))
+        prepare = real_prepare_finalize("PrepareAndFinalizeWithAllGather")
+        # this gloo world as the DP group (its coordinator's all_gather is the real collective over ranks)
+        prepare.moe_config = SimpleNamespace(
+            dp_size=world, dp_group=get_tp_group(), pcp_size=1, is_sequence_parallel=False
+        )
+        prepare.multistream_overlap_gate = False
+        patch.setattr(importlib.import_module(PREPARE), "enable_sp", lambda *a, **k: False, raising=False)
+        patch.setattr(importlib.import_module(PREPARE), "enable_sp_by_pass", lambda *a, **k: False, raising=False)
+        moe.comm.prepare = SplittingComm(prepare).prepare  # type: ignore[method-assign]
+        context = importlib.import_module("vllm.forward_context")._forward_context
+        buffer = new_capture_buffer(BUFFER_ROWS, NUM_LAYERS, real_moe.TOP_K, real_moe.NUM_EXPERTS, "cpu")
+        errors = new_error_counter("cpu")
+        capture = LayerCapture(buffer, moe.layer_id, real_moe.NUM_EXPERTS, errors, RankLayout(rank, 1, False))
+        backend = next(backend for _, backend in BACKENDS if backend.handles(moe.layer))
+        backend.bind(moe.layer, capture, moe.layer.layer_name)
+        for counts in DP_STEPS[world]:
+            widest = max(counts)
+            across_dp = [widest] * world if mode == "dp-padded" else counts
+            context.dp_metadata = SimpleNamespace(
+                num_tokens_across_dp_cpu=torch.tensor(across_dp),
+                local_sizes=None,
+                sp_local_sizes=lambda sp_size: nullcontext(),
+            )
+            context.max_tokens_across_dp = widest
+            tokens = counts[rank]
+            generator = torch.Generator().manual_seed(100 * rank + tokens)  # each rank its own tokens
+            hidden = torch.randn(tokens, real_moe.HIDDEN, generator=generator)
+            logits = torch.randn(tokens, real_moe.NUM_EXPERTS, generator=generator)
+            buffer.fill_(-5)
+            moe.forward(hidden, logits)
+            expected = real_moe.reference_top_k(logits, real_moe.TOP_K)
+            exact = torch.equal(buffer[:tokens, moe.layer_id].long(), expected)
+            verdicts["/".join(map(str, counts))] = bool(exact) and int(errors) == 0
+        context.dp_metadata = None
+    return verdicts
+
+
 def main() -> None:
     rank, world, port = (int(arg) for arg in sys.argv[1:4])
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -112,12 +170,12 @@ def main() -> None:
         )
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
         result: dict[str, Any] = {"rank": rank, "world": world}
+        methods = [cls for cls in moe_methods.method_classes() if moe_methods.layer_class(cls) is None]
         for mode in ("mc2", "alltoall", "flashcomm"):
-            result[mode] = {
-                moe_methods.method_id(cls): run_mode(mode, cls, rank, world)
-                for cls in moe_methods.method_classes()
-                if moe_methods.layer_class(cls) is None
-            }
+            result[mode] = {moe_methods.method_id(cls): run_mode(mode, cls, rank, world) for cls in methods}
+        dp_methods = [cls for cls in methods if cls.__name__ in DP_METHODS]
+        for mode in ("dp-eager", "dp-padded"):
+            result[mode] = {moe_methods.method_id(cls): run_dp_mode(mode, cls, rank, world) for cls in dp_methods}
     print("RESULT " + json.dumps(result), flush=True)
 
 

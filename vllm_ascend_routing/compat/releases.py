@@ -95,3 +95,43 @@ def span_text(generation: Generation) -> str:
     """``"vLLM 0.22.0-0.30.0"``: one generation's tested releases, for the manifest."""
     span = next(span for span in GENERATIONS if span.generation is generation)
     return f"vLLM {span.first}-{span.last_tested}"
+
+
+class AscendDesign(str, enum.Enum):
+    """Where a vllm-ascend release's MoE layer routes (the backend that records it)."""
+
+    LAYER = "layer"  # AscendFusedMoE.forward_impl -> quant method apply -> select_experts (backend ascend)
+    RUNNER = "runner"  # AscendMoERunner (the layer) ._forward_impl -> apply -> select_experts (backend ascend)
+    ROUTER = "router"  # AscendRoutedExperts -> its BaseRouter router's capture hook (backend ascend_router)
+
+
+@dataclass(frozen=True)
+class AscendRelease:
+    """One vllm-ascend release on PyPI, the vLLM release it targets, and how it serves routed experts."""
+
+    release: str
+    vllm: str
+    design: AscendDesign
+    runners: tuple[str, ...]  # the model runners that serve routed experts: "v1", "v2" (Model Runner V2)
+
+
+_V1, _V2, _BOTH = ("v1",), ("v2",), ("v1", "v2")
+# Every vllm-ascend release on PyPI from 0.20.2rc1 (pre-releases are what NPU clusters run). Model Runner V2
+# serves routed experts from vLLM 0.28.0 on; vllm-ascend 0.30 refuses them on its V1 runner.
+ASCEND_RELEASES: tuple[AscendRelease, ...] = (
+    AscendRelease("0.20.2rc1", "0.20.2", AscendDesign.LAYER, _V1),
+    AscendRelease("0.23.0", "0.23.0", AscendDesign.LAYER, _V1),
+    AscendRelease("0.23.0.post1", "0.23.0", AscendDesign.LAYER, _V1),
+    AscendRelease("0.24.0rc1", "0.24.0", AscendDesign.RUNNER, _V1),
+    AscendRelease("0.25.1rc1", "0.25.1", AscendDesign.RUNNER, _V1),
+    AscendRelease("0.26.0rc1", "0.26.0", AscendDesign.RUNNER, _V1),
+    AscendRelease("0.27.1rc1", "0.27.1", AscendDesign.ROUTER, _V1),
+    AscendRelease("0.28.0rc1", "0.28.0", AscendDesign.ROUTER, _BOTH),
+    AscendRelease("0.29.0rc1", "0.29.0", AscendDesign.ROUTER, _BOTH),
+    AscendRelease("0.30.0rc1", "0.30.0", AscendDesign.ROUTER, _V2),
+    AscendRelease("0.30.0rc2", "0.30.0", AscendDesign.ROUTER, _V2),
+)
+
+
+def ascend_release(release: str) -> AscendRelease | None:
+    return next((entry for entry in ASCEND_RELEASES if entry.release == release), None)
