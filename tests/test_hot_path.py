@@ -8,7 +8,6 @@ rows itself."""
 from __future__ import annotations
 
 from types import SimpleNamespace
-
 from typing import Any
 
 import pytest

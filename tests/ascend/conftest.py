@@ -53,7 +53,7 @@ def current_vllm_config() -> Iterator[None]:
     if not ASCEND_SRC:
         yield
         return
-    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.config import set_current_vllm_config
 
     with set_current_vllm_config(_default_vllm_config()):
         yield

@@ -99,7 +99,7 @@ def method_instance(cls: type) -> Any:
     (``AscendFusedMoEMethod``), an unquantized method as it is."""
     method = probe_instance(cls)
     if isinstance(getattr(cls, "bf16_method", None), property):  # FP8-block (0.30) serves bf16 experts through
-        unquantized = getattr(importlib.import_module(real_moe.ROUTED_EXPERTS), "AscendUnquantizedFusedMoEMethod")
+        unquantized = importlib.import_module(real_moe.ROUTED_EXPERTS).AscendUnquantizedFusedMoEMethod
         object.__setattr__(method, "_bf16_method", probe_instance(unquantized))  # the unquantized method
         object.__setattr__(method, "mxfp8_method", None)  # (MXFP8 only on the 950)
     if not is_scheme(cls):

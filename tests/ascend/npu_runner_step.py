@@ -89,7 +89,7 @@ def run_block(block: Block, module: Any, scope: dict[str, Any]) -> None:
 def original_replaced(hooked: Callable[..., Any], stand_in: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
     """Run the hook installed on the runner class with ``stand_in`` as the original it wraps; yields the real
     original (vllm-ascend's or vLLM's method) so the caller can check what the hook wraps."""
-    cells = dict(zip(hooked.__code__.co_freevars, hooked.__closure__ or ()))
+    cells = dict(zip(hooked.__code__.co_freevars, hooked.__closure__ or (), strict=True))
     cell = cells["original"]  # runner_mixin._hook's closure
     real = cell.cell_contents
     cell.cell_contents = stand_in
@@ -429,38 +429,46 @@ def v2_steps(
     vllm_v2 = importlib.import_module(VLLM_V2_RUNNER)
     blocks = [b for b in routed_experts_blocks(vllm_v2.GPUModelRunner) if b.method == "execute_model"]
     result["blocks"] = {"execute": [b.text.splitlines()[0] for b in blocks]}
-    steps = []
-    for num_tokens, slots in STEPS:
-        groups = group_slot_mappings(slots, num_tokens, hybrid)
-        scope = {"self": runner, "dummy_run": False, "slot_mappings": torch.stack(groups), "num_toks": num_tokens}
-        generator = torch.Generator().manual_seed(num_tokens)
-        expected: list[Any] = []
-        shipped: list[Any] = []
+    return [step_v2(runner, layers, vllm_v2, blocks, hybrid, *step) for step in STEPS]
 
-        def execute_model(self: Any, output: Any, *a: Any, **k: Any) -> None:
-            expected.append(forward_layers(layers, num_tokens, generator))
-            for block in blocks:
-                run_block(block, vllm_v2, scope)  # noqa: B023 (run within this iteration)
 
-        def sample_tokens(self: Any, *a: Any, **k: Any) -> None:  # AsyncOutput: copy, then convert
-            shipped.append(scope["routed_experts"].to_cpu_nonblocking().tolists())  # noqa: B023
+def step_v2(
+    runner: Any,
+    layers: dict[int, Any],
+    vllm_v2: Any,
+    blocks: list[Block],
+    hybrid: bool,
+    num_tokens: int,
+    slots: list[int],
+) -> dict[str, Any]:
+    groups = group_slot_mappings(slots, num_tokens, hybrid)
+    scope = {"self": runner, "dummy_run": False, "slot_mappings": torch.stack(groups), "num_toks": num_tokens}
+    generator = torch.Generator().manual_seed(num_tokens)
+    expected: list[Any] = []
+    shipped: list[Any] = []
 
-        wraps = [
-            call_through_class(runner, "execute_model", execute_model, SimpleNamespace(total_num_scheduled_tokens=num_tokens)),
-            call_through_class(runner, "sample_tokens", sample_tokens, None),
-        ]
-        (lists,) = shipped
-        steps.append(
-            {
-                "expected": expected[0].tolist(),
-                "slots": slots,
-                "wraps": wraps,
-                "shipped_rows": np.asarray(lists.routing_data).astype(np.int64).tolist(),
-                "shipped_dtype": str(np.asarray(lists.routing_data).dtype),
-                "shipped_slots": np.asarray(lists.slot_mapping).astype(np.int64).tolist(),
-            }
-        )
-    return steps
+    def execute_model(self: Any, output: Any, *a: Any, **k: Any) -> None:
+        expected.append(forward_layers(layers, num_tokens, generator))
+        for block in blocks:
+            run_block(block, vllm_v2, scope)
+
+    def sample_tokens(self: Any, *a: Any, **k: Any) -> None:  # AsyncOutput: copy, then convert
+        shipped.append(scope["routed_experts"].to_cpu_nonblocking().tolists())
+
+    scheduler_output = SimpleNamespace(total_num_scheduled_tokens=num_tokens)
+    wraps = [
+        call_through_class(runner, "execute_model", execute_model, scheduler_output),
+        call_through_class(runner, "sample_tokens", sample_tokens, None),
+    ]
+    (lists,) = shipped
+    return {
+        "expected": expected[0].tolist(),
+        "slots": slots,
+        "wraps": wraps,
+        "shipped_rows": np.asarray(lists.routing_data).astype(np.int64).tolist(),
+        "shipped_dtype": str(np.asarray(lists.routing_data).dtype),
+        "shipped_slots": np.asarray(lists.slot_mapping).astype(np.int64).tolist(),
+    }
 
 
 if __name__ == "__main__":

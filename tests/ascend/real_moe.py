@@ -117,7 +117,8 @@ class StubCommMethod:
         module = importlib.import_module(FUSED_MOE if design() != "router" else "vllm_ascend.ops.fused_moe")
         result_cls = getattr(module, "FusedExpertsResult", None)
         if result_cls is None:
-            result_cls = getattr(importlib.import_module(f"{module.__name__}.moe_comm_method"), "FusedExpertsResult", None)
+            comm_method = importlib.import_module(f"{module.__name__}.moe_comm_method")
+            result_cls = getattr(comm_method, "FusedExpertsResult", None)
         return hidden_states.clone() if result_cls is None else result_cls(routed_out=hidden_states.clone())
 
     def finalize(self, hidden_states: torch.Tensor, **_: Any) -> torch.Tensor:
@@ -328,7 +329,8 @@ def build(
         chosen = router
         object.__setattr__(layer, "router", chosen)
         object.__setattr__(experts, "router", chosen)
-        monkeypatch.setattr(routed, "get_ascend_config", lambda: SimpleNamespace(enable_force_eplb=False), raising=False)
+        ascend_config = SimpleNamespace(enable_force_eplb=False)
+        monkeypatch.setattr(routed, "get_ascend_config", lambda: ascend_config, raising=False)
         if hasattr(routed, "get_moe_comm_method"):  # 0.28+: the comm method is looked up per forward
             monkeypatch.setattr(routed, "get_moe_comm_method", lambda *a, **k: comm)
         runner = layer

@@ -244,7 +244,9 @@ def test_a_layer_that_routes_another_way_is_refused_at_bind(monkeypatch: pytest.
             def _select_experts(self, hidden_states: torch.Tensor, router_logits: torch.Tensor, **_: Any) -> Any:
                 return self._compute_routing(hidden_states, router_logits, None)
 
-        router = OwnTemplateRouter(top_k=real_moe.TOP_K, global_num_experts=real_moe.NUM_EXPERTS, num_expert_group=None, topk_group=None)
+        router = OwnTemplateRouter(
+            top_k=real_moe.TOP_K, global_num_experts=real_moe.NUM_EXPERTS, num_expert_group=None, topk_group=None
+        )
         moe = real_moe.build(
             monkeypatch, real_moe.probe_instance(fused_moe.AscendUnquantizedFusedMoEMethod), router=router
         )

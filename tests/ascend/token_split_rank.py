@@ -126,6 +126,10 @@ def run_dp_mode(mode: str, cls: type, rank: int, world: int) -> dict[str, bool]:
         prepare.multistream_overlap_gate = False
         patch.setattr(importlib.import_module(PREPARE), "enable_sp", lambda *a, **k: False, raising=False)
         patch.setattr(importlib.import_module(PREPARE), "enable_sp_by_pass", lambda *a, **k: False, raising=False)
+        # 0.20.2rc1 asks its (uninitialised) ascend config whether prefill context parallelism is on: it is not
+        patch.setattr(
+            importlib.import_module(PREPARE), "prefill_context_parallel_enable", lambda *a, **k: False, raising=False
+        )
         moe.comm.prepare = SplittingComm(prepare).prepare  # type: ignore[method-assign]
         context = importlib.import_module("vllm.forward_context")._forward_context
         buffer = new_capture_buffer(BUFFER_ROWS, NUM_LAYERS, real_moe.TOP_K, real_moe.NUM_EXPERTS, "cpu")

@@ -2,11 +2,11 @@
 """Bind every MoE layer of a target model to a ``LayerCapture``, through the backend that routes it.
 
 Backends (one module each) answer one question: for this MoE layer, where can its logical top-k ids be
-intercepted? ``ascend``: vllm-ascend's own ``select_experts`` (its select_experts design, 0.20.2rc1-0.26.0rc1:
-its MoE layers never call the router). ``ascend_router``: vllm-ascend's routers (its router design, 0.27.1rc1
-on), checked and guarded like ``ascend``. ``cpu_moe``: vLLM's CPU fused MoE (releases up to 0.27), which computes routing itself and never calls the
-router. ``cpu_experts``: vLLM's monolithic CPU experts (0.28, 0.29), likewise. ``router``: vLLM's
-``BaseRouter`` capture hook.
+intercepted? ``ascend``: vllm-ascend's own ``select_experts`` (its select_experts design,
+0.20.2rc1-0.26.0rc1: its MoE layers never call the router). ``ascend_router``: vllm-ascend's routers (its
+router design, 0.27.1rc1 on), checked and guarded like ``ascend``. ``cpu_moe``: vLLM's CPU fused MoE
+(releases up to 0.27), which computes routing itself and never calls the router. ``cpu_experts``: vLLM's
+monolithic CPU experts (0.28, 0.29), likewise. ``router``: vLLM's ``BaseRouter`` capture hook.
 """
 
 from __future__ import annotations

@@ -39,8 +39,7 @@ class LayerRecord:
         if topk_ids.shape[-1] != top_k:
             if topk_ids.shape[-1] < top_k:
                 raise RoutingNotRecordedError(
-                    f"{self.name}: routing returned {topk_ids.shape[-1]} ids per token, the output holds "
-                    f"top_k={top_k}."
+                    f"{self.name}: routing returned {topk_ids.shape[-1]} ids per token, the output holds top_k={top_k}."
                 )
             # mix_placement appends the shared experts' ids after the routed ones: keep the routed ones.
             topk_ids = topk_ids[..., :top_k]

@@ -96,6 +96,8 @@ def bind(module: torch.nn.Module, capture: LayerCapture, name: str) -> None:
     """Hand the layer's router the capture (replacing any hook it had); guard the layer's forward."""
     routed = _routed_experts(module)
     router = getattr(routed, "router", None) or getattr(module, "router", None)
+    if router is None:
+        raise RoutingNotRecordedError(f"MoE layer {name!r} ({type(routed).__name__}) has no router to hook.")
     select = _own_function(type(routed), _SELECT)
     if select is None or "_select_experts" not in global_names(select.__code__):
         raise RoutingNotRecordedError(

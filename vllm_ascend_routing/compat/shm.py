@@ -27,7 +27,7 @@ import torch
 from vllm_ascend_routing import patching
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import PreparedCapture
-from vllm_ascend_routing.compat._common import refuse_misplaced_slots, prepare_capture
+from vllm_ascend_routing.compat._common import prepare_capture, refuse_misplaced_slots
 from vllm_ascend_routing.compat._shm_store import SegmentReader, SegmentSpec, SegmentWriter
 from vllm_ascend_routing.compat.base import Generation, StepHooksNotUsed
 from vllm_ascend_routing.patching import Patch
