@@ -59,6 +59,18 @@ def current_vllm_config() -> Iterator[None]:
         yield
 
 
+@pytest.fixture(autouse=True)
+def ascend_config(current_vllm_config: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vllm-ascend's own config, parsed from the default vLLM config by its ``init_ascend_config`` (as its
+    platform does at start-up): its defaults for every switch a method reads (``enable_fused_mc2``...); its
+    process-wide instance is put back after each test."""
+    if not ASCEND_SRC:
+        return
+    module = importlib.import_module("vllm_ascend.ascend_config")
+    monkeypatch.setattr(module, "_ASCEND_CONFIG", getattr(module, "_ASCEND_CONFIG", None))
+    module.init_ascend_config(_default_vllm_config())
+
+
 @functools.cache
 def _default_vllm_config() -> Any:
     from vllm.config import VllmConfig

@@ -144,6 +144,39 @@ def _find(container: Any, name: str, missing: Any = _MISSING) -> Any:
 NUM_EXPERTS, TOP_K, HIDDEN = 8, 2, 16
 
 
+class _Projection(torch.nn.Module):
+    """A vLLM linear layer's call convention (``(output, bias)``), on a fixed weight."""
+
+    def __init__(self, rows: int, cols: int, seed: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)))
+        self.input_size = cols
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return torch.nn.functional.linear(x, self.weight), None
+
+
+class SharedMLP(torch.nn.Module):
+    """A shared expert the way vLLM's models build it (DeepSeek, Qwen2-MoE, GLM): gate-up projection,
+    SiLU-and-multiply, down projection; the real one runs in vllm-ascend's shared-expert path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = _Projection(2 * HIDDEN, HIDDEN, 1)
+        self.down_proj = _Projection(HIDDEN, HIDDEN, 2)
+        self.expert_gate = None
+
+    def act_fn(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)[0]))[0]
+
+    def expected(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x)
+
+
 @dataclass
 class RealMoE:
     """One real vllm-ascend MoE layer with a real quant method, and the stand-ins around it.
@@ -282,6 +315,8 @@ def build(
     layer_cls: type | None = None,
     profile_run: bool = False,
     router: Any = None,
+    comm_type: str = "ALLGATHER",
+    shared: SharedMLP | None = None,
 ) -> RealMoE:
     """A real vllm-ascend MoE layer of this release's design around ``method`` (``multistream_overlap_gate``
     = ``gate`` where the design has it; ``router``: the router design's router, default the native one)."""
@@ -296,8 +331,9 @@ def build(
         layer = probe_instance(layer_cls or fused_moe.AscendFusedMoE, weights=True)
         _set(layer, attributes)
         runner = object.__new__(fused_moe.AscendMoERunner)
-        object.__setattr__(runner, "_shared_experts", None)  # read through MoERunner.shared_experts
+        object.__setattr__(runner, "_shared_experts", shared)  # read through MoERunner.shared_experts
         object.__setattr__(layer, "runner", runner)
+        _set(layer, _shared_attributes(shared))
         experts = layer
 
         def forward_fn(hidden: torch.Tensor, logits: torch.Tensor) -> Any:
@@ -309,7 +345,7 @@ def build(
         layer = probe_instance(layer_cls or fused_moe.AscendMoERunner, weights=True)
         experts = probe_instance(RoutedExperts, weights=True)
         _set(experts, attributes)
-        _set(layer, {**attributes, "quant_method": None, "_shared_experts": None, "gate": None})
+        _set(layer, {**attributes, "quant_method": None, "gate": None, **_shared_attributes(shared)})
         layer.routed_experts = experts
         runner = layer
 
@@ -322,7 +358,9 @@ def build(
         _set(experts, attributes)
         layer = probe_instance(fused_moe.AscendMoERunner, weights=True)
         _set(layer, {"layer_name": attributes["layer_name"], "moe_config": attributes["moe_config"]})
-        _set(layer, {"_shared_experts": None, "ascend_shared_experts": None, "gate": None, "_gate": None})
+        _set(layer, {"gate": None, "_gate": None, **_shared_attributes(shared)})
+        _set(layer, {"ascend_shared_experts": _ascend_shared_experts(monkeypatch, shared, attributes["moe_config"])})
+        _set(experts, {"return_with_event": shared is not None})
         layer.routed_experts = experts
         if router is None:  # the 310P layer routes with the 310P router (chunked NPU gating kernel)
             router = router_310p() if layer_cls is not None and "310" in layer_cls.__name__ else native_router()
@@ -338,15 +376,45 @@ def build(
         def forward_fn(hidden: torch.Tensor, logits: torch.Tensor) -> Any:
             return layer._forward_impl(hidden, logits, None)
 
-    _forward_context(monkeypatch, comm, gate, profile_run)
+    _forward_context(monkeypatch, comm, gate, profile_run, comm_type)
     return RealMoE(layer, experts, runner, comm, layer_id, forward_fn)
 
 
-def _forward_context(monkeypatch: pytest.MonkeyPatch, comm: StubCommMethod, gate: bool, profile_run: bool) -> None:
+def _shared_attributes(shared: SharedMLP | None) -> dict[str, Any]:
+    """What a layer with (or without) shared experts holds, their multistream overlap off."""
+    from vllm_ascend.quantization.quant_type import QuantType
+
+    return {
+        "_shared_experts": shared,
+        "multistream_overlap_shared_expert": False,
+        "shared_multistream_overlap_gate": False,
+        "quant_type": QuantType.NONE,
+    }
+
+
+def _ascend_shared_experts(monkeypatch: pytest.MonkeyPatch, shared: SharedMLP | None, moe_config: Any) -> Any:
+    """The router design's shared-expert executor, built by its real ``__init__`` (overlap off)."""
+    if shared is None:
+        return None
+    module = importlib.import_module("vllm_ascend.ops.fused_moe.shared_experts")
+    config = SimpleNamespace(multistream_overlap_shared_expert=False, enable_shared_expert_dp=False)
+    monkeypatch.setattr(module, "get_ascend_config", lambda: config)
+    from vllm_ascend.quantization.quant_type import QuantType
+
+    for name, value in {"hidden_dim": HIDDEN, "in_dtype": torch.float32, "swiglu_limit": None}.items():
+        setattr(moe_config, name, value)
+    moe_config.swiglu_alpha, moe_config.swiglu_beta = None, None
+    moe_config.tp_group = SimpleNamespace(world_size=1)  # TP 1: the shared expert runs tensor-parallel
+    return module.AscendSharedExperts(shared, moe_config, QuantType.NONE, None)
+
+
+def _forward_context(
+    monkeypatch: pytest.MonkeyPatch, comm: StubCommMethod, gate: bool, profile_run: bool, comm_type: str
+) -> None:
     forward_context = importlib.import_module(FORWARD_CONTEXT)
     context = SimpleNamespace(
         moe_comm_method=comm,
-        moe_comm_type=forward_context.MoECommType.ALLGATHER,
+        moe_comm_type=getattr(forward_context.MoECommType, comm_type),
         in_profile_run=profile_run,
         flash_comm_v1_enabled=False,
         input_ids=None,
@@ -355,6 +423,7 @@ def _forward_context(monkeypatch: pytest.MonkeyPatch, comm: StubCommMethod, gate
         eplb_heat_collection_status=False,
         dp_metadata=None,
         use_mega_moe=False,
+        use_megamoe=False,
     )
     # vLLM's own forward context, which vllm-ascend's _EXTRA_CTX proxy and get_forward_context read.
     monkeypatch.setattr(importlib.import_module("vllm.forward_context"), "_forward_context", context)
