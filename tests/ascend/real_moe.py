@@ -189,11 +189,14 @@ class RealMoE:
     runner: Any
     comm: StubCommMethod
     layer_id: int
-    forward_fn: Callable[[torch.Tensor, torch.Tensor], Any]
+    forward_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], Any]
 
-    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> Any:
-        """What vLLM's ``moe_forward`` op runs for this design."""
-        return self.forward_fn(hidden_states, router_logits)
+    def forward(
+        self, hidden_states: torch.Tensor, router_logits: torch.Tensor, input_ids: torch.Tensor | None = None
+    ) -> Any:
+        """What vLLM's ``moe_forward`` op runs for this design (``input_ids``: the router design's argument;
+        the select_experts designs read them from the forward context)."""
+        return self.forward_fn(hidden_states, router_logits, input_ids)
 
     @property
     def log2phy(self) -> torch.Tensor:
@@ -336,7 +339,7 @@ def build(
         _set(layer, _shared_attributes(shared))
         experts = layer
 
-        def forward_fn(hidden: torch.Tensor, logits: torch.Tensor) -> Any:
+        def forward_fn(hidden: torch.Tensor, logits: torch.Tensor, input_ids: torch.Tensor | None) -> Any:
             return runner.forward_impl(layer, hidden, logits, None)
 
     elif kind == "runner":
@@ -349,7 +352,7 @@ def build(
         layer.routed_experts = experts
         runner = layer
 
-        def forward_fn(hidden: torch.Tensor, logits: torch.Tensor) -> Any:
+        def forward_fn(hidden: torch.Tensor, logits: torch.Tensor, input_ids: torch.Tensor | None) -> Any:
             return layer._forward_impl(hidden, logits, None)
 
     else:
@@ -373,8 +376,8 @@ def build(
             monkeypatch.setattr(routed, "get_moe_comm_method", lambda *a, **k: comm)
         runner = layer
 
-        def forward_fn(hidden: torch.Tensor, logits: torch.Tensor) -> Any:
-            return layer._forward_impl(hidden, logits, None)
+        def forward_fn(hidden: torch.Tensor, logits: torch.Tensor, input_ids: torch.Tensor | None) -> Any:
+            return layer._forward_impl(hidden, logits, None, input_ids)
 
     _forward_context(monkeypatch, comm, gate, profile_run, comm_type)
     return RealMoE(layer, experts, runner, comm, layer_id, forward_fn)

@@ -122,9 +122,7 @@ UPSTREAM_FAILURES = {
 
 @pytest.mark.parametrize("comm_type", ["ALLGATHER", "MC2", "ALLTOALL", "FUSED_MC2"])
 @pytest.mark.parametrize("cls", COMMON_METHODS, ids=moe_methods.method_id)
-def test_every_comm_method_records_the_router_top_k(
-    monkeypatch: pytest.MonkeyPatch, cls: type, comm_type: str
-) -> None:
+def test_every_comm_method_records_the_router_top_k(monkeypatch: pytest.MonkeyPatch, cls: type, comm_type: str) -> None:
     """The comm type in the forward context picks ``apply``'s branch (FUSED_MC2: the fused dispatch / FFN /
     combine kernel's weight lists and scales); routing comes first in every one of them."""
     moe = build(monkeypatch, cls, comm_type=comm_type)
@@ -256,6 +254,47 @@ def test_the_fused_gating_kernel_path_records_what_the_kernel_chose(monkeypatch:
     buffer = bound(moe)
     moe.forward(*inputs(seed=17))
     assert torch.equal(buffer[:, moe.layer_id].long(), fused_gating_ids(NUM_TOKENS).long())
+
+
+def test_the_hash_routing_path_records_the_table_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSeek-V4's hash routing (``sqrtsoftplus`` scoring with a token-to-expert table ``tid2eid``): the NPU's
+    fused ``moe_gating_top_k_hash`` kernel, stubbed to return the table's row for each token id, after
+    vllm-ascend gathered the step's input ids; the rows are the table lookup, exactly."""
+    cls = next(c for c in METHODS if c.__name__ == "AscendUnquantizedFusedMoEMethod")
+    table = torch.stack(
+        [torch.randperm(real_moe.NUM_EXPERTS, generator=torch.Generator().manual_seed(v))[:2] for v in range(32)]
+    )
+    input_ids = torch.tensor([3, 17, 0, 31, 5, 17])
+    calls: list[torch.Tensor] = []
+
+    def moe_gating_top_k_hash(x: torch.Tensor, k: int, input_ids: torch.Tensor, tid2eid: torch.Tensor, **_: Any) -> Any:
+        calls.append(input_ids)
+        ids = tid2eid[input_ids.long()][:, :k].to(torch.int32)
+        return torch.full(ids.shape, 1.0 / k), ids, None
+
+    monkeypatch.setattr(
+        torch.ops, "_C_ascend", SimpleNamespace(moe_gating_top_k_hash=moe_gating_top_k_hash), raising=False
+    )
+    identity = SimpleNamespace(all_gather_input_ids=lambda ids: ids, all_gather_input_id_with_dp_group=lambda ids: ids)
+    if DESIGN == "router":
+        fused = importlib.import_module(f"{real_moe.ROUTERS}.fused_topk_router")
+        router = fused.AscendFusedTopKRouter(
+            top_k=real_moe.TOP_K, global_num_experts=real_moe.NUM_EXPERTS, scoring_func="sqrtsoftplus", tid2eid=table
+        )
+        moe = build(monkeypatch, cls, router=router)
+    else:
+        moe = build(monkeypatch, cls)
+        moe.experts.quant_method.tid2eid = table
+        for part in {id(moe.layer): moe.layer, id(moe.runner): moe.runner}.values():
+            part.scoring_func = "sqrtsoftplus"
+        selector = importlib.import_module(real_moe.SELECTOR)
+        monkeypatch.setattr(selector, "check_npu_moe_gating_top_k", lambda *a, **k: True)
+    moe.comm.prepare_finalize = identity
+    importlib.import_module("vllm.forward_context")._forward_context.input_ids = input_ids
+    buffer = bound(moe)
+    moe.forward(*inputs(seed=41), input_ids=input_ids)
+    assert calls, "the hash kernel was not reached"
+    assert torch.equal(buffer[:, moe.layer_id].long(), table[input_ids][:, : real_moe.TOP_K])
 
 
 def test_a_forward_that_does_not_reach_the_seam_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:

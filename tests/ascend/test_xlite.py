@@ -35,7 +35,7 @@ def vllm_ascend_reads_xlite(monkeypatch: pytest.MonkeyPatch, config: Any) -> boo
     """vllm-ascend's own parse of ``additional_config`` (``init_ascend_config``, as its platform runs it); its
     process-wide config is put back afterwards."""
     module = importlib.import_module("vllm_ascend.ascend_config")
-    monkeypatch.setattr(module, "_ASCEND_CONFIG", getattr(module, "_ASCEND_CONFIG", None))
+    monkeypatch.setattr(module, "_ASCEND_CONFIG", None)  # parsed afresh (it keeps the first one otherwise)
     module.init_ascend_config(config)
     return bool(module.get_ascend_config().xlite_graph_config.enabled)
 
