@@ -130,3 +130,22 @@ def test_rebinding_replaces_the_hook_and_the_guard(design: types.ModuleType) -> 
     first, second = bind(runner), bind(runner)
     runner(torch.zeros(1, 4), torch.tensor([[9.0, 0, 0, 0, 0, 0, 0, 8.0]]))
     assert second[0, 1].tolist() == [0, 7] and (first == 0).all()
+
+
+def test_a_vllm_ascend_layer_no_ascend_backend_knows_is_refused_not_left_to_the_router(
+    design: types.ModuleType,
+) -> None:
+    """A future vllm-ascend MoE class whose routing the plugin does not know (here: its routed experts route
+    without a ``_select_experts``) is refused by name; vLLM's router hook, which it may never call, does not
+    take it (rows would stay zero)."""
+    from vllm_ascend_routing.backends import UnboundLayerError, bind_model, router
+
+    runner = layer(design)
+    del type(runner.routed_experts)._select_experts
+    runner.layer_id = 1  # what vLLM's layers carry (the id is otherwise read from the layer name, with vLLM)
+    assert not ascend_router.handles(runner) and not router.handles(runner)
+    model = torch.nn.Module()
+    model.layer = runner
+    buffer = new_capture_buffer(4, 3, 2, 8, "cpu")
+    with pytest.raises(UnboundLayerError, match="no capture backend"):
+        bind_model(model, lambda layer_id: LayerCapture(buffer, layer_id, 8, new_error_counter("cpu")))

@@ -4,6 +4,8 @@ record keeps the routed columns of a mix-placement row; rebinding replaces the g
 
 from __future__ import annotations
 
+import contextvars
+
 import pytest
 import torch
 
@@ -48,19 +50,26 @@ def test_mix_placement_columns_are_dropped_and_too_few_ids_refused() -> None:
         recorder(torch.tensor([[5]]))
 
 
-def test_rebinding_replaces_the_guard_and_around_is_undone() -> None:
+def test_rebinding_replaces_the_guard_and_the_active_layer_is_reset() -> None:
     buffer = new_capture_buffer(4, 1, 2, 8, "cpu")
     layer = Layer()
     original = layer.forward_impl
-    entered: list[str] = []
+    active: contextvars.ContextVar[LayerRecord | None] = contextvars.ContextVar("active", default=None)
+    seen: list[LayerRecord | None] = []
+    layer.record = None
 
-    def around(rec: LayerRecord) -> object:
-        entered.append("in")
-        return lambda: entered.append("out")
+    def forward_impl(ids: torch.Tensor) -> str:  # records through the active layer, as select_experts does
+        seen.append(active.get())
+        record = active.get()
+        assert record is not None
+        record(ids)
+        return "done"
 
+    layer.forward_impl = forward_impl  # type: ignore[method-assign]
+    records = []
     for _ in range(2):
-        layer.record = record(buffer)
-        guard_forward(layer, "forward_impl", layer.record, around, "x")
-    assert inner_of(layer.forward_impl) == original  # wrapped once, not twice
+        records.append(record(buffer))
+        guard_forward(layer, "forward_impl", records[-1], active, "x")
+    assert inner_of(layer.forward_impl) is forward_impl and forward_impl is not original  # wrapped once
     layer.forward_impl(torch.tensor([[1, 2]]))
-    assert entered == ["in", "out"]
+    assert seen == [records[-1]] and active.get() is None

@@ -10,6 +10,7 @@ that the layer recorded; the check is a Python boolean, no device synchronisatio
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable
 from typing import Any
 
@@ -51,15 +52,15 @@ def guard_forward(
     module: torch.nn.Module,
     method: str,
     record: LayerRecord,
-    around: Callable[[LayerRecord], Any] | None,
+    active: contextvars.ContextVar[LayerRecord | None] | None,
     missing: str,
 ) -> None:
     """Replace ``module.<method>`` (instance attribute) by a wrapper that raises when the forward finished
     without ``record`` having run; rebinding replaces the wrapper, never stacks it.
 
     Args:
-        around: called with ``record`` before the forward; returns a callable undone after it (the active
-            layer, where the recording call site is not given the layer), or ``None``.
+        active: set to ``record`` while the forward runs (where the recording call site is not given the
+            layer), or ``None``.
         missing: the end of the error message (what the forward did not call).
     """
     current: Callable[..., Any] = getattr(module, method)
@@ -67,12 +68,12 @@ def guard_forward(
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         record.recorded = False
-        undo = around(record) if around is not None else None
+        token = active.set(record) if active is not None else None
         try:
             result = inner(*args, **kwargs)
         finally:
-            if undo is not None:
-                undo()
+            if token is not None:
+                active.reset(token)  # type: ignore[union-attr]
         if not record.recorded:
             raise RoutingNotRecordedError(
                 f"{record.name}: the forward finished without {missing}; its routed experts would be zeros. "

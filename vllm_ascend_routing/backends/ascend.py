@@ -122,12 +122,7 @@ def bind(module: torch.nn.Module, capture: LayerCapture, name: str) -> None:
             f"{_SELECTOR} (its apply, and the scheme it delegates to, never call it), so its routing cannot "
             "be recorded; this quant method is not supported by vllm-ascend-routing."
         )
-
-    def activate(record: LayerRecord) -> Callable[[], None]:
-        token = _active.set(record)
-        return lambda: _active.reset(token)
-
-    guard_forward(module, forward, LayerRecord(capture, name), activate, f"calling {_SELECTOR}")
+    guard_forward(module, forward, LayerRecord(capture, name), _active, f"calling {_SELECTOR}")
 
 
 def recording_selector(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -34,12 +34,15 @@ from vllm_ascend_routing.patching import Patch
 __all__ = ["PATCHES", "bind", "handles"]
 
 _RELEASES = "vllm-ascend 0.27.1rc1-0.30.0rc2"
+# vllm-ascend's router design on vLLM's runner-output generation, and on the aux-output one (vLLM 0.31+, no
+# vllm-ascend release yet): there the seam is verified too, and refused by name if it moved.
+_GENERATIONS = (Generation.RUNNER_OUTPUT, Generation.AUX_OUTPUT)
 ROUTED_SELECT = Patch(
     "vllm_ascend.ops.fused_moe.routed_experts:AscendRoutedExperts._select_experts",
     "relied on: calls router._select_experts (vLLM's BaseRouter template, which calls the router's capture_fn "
     "with logical ids) before log2phy, mix_placement and forced balancing",
     "never (the router seam is vLLM's own)",
-    (Generation.RUNNER_OUTPUT,),
+    _GENERATIONS,
     ("self", "hidden_states", "router_logits"),
     platform="npu",
     required=False,
@@ -50,7 +53,7 @@ ROUTED_FORWARD = Patch(
     "vllm_ascend.ops.fused_moe.routed_experts:AscendRoutedExperts.forward_impl",
     "per bound layer (instance attribute): raises if a forward finished without reaching the capture hook",
     "never",
-    (Generation.RUNNER_OUTPUT,),
+    _GENERATIONS,
     ("self",),
     platform="npu",
     required=False,

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ascend_routing.backends._layer import quant_method
+from vllm_ascend_routing.backends._layer import is_vllm_ascend_layer, quant_method
 from vllm_ascend_routing.capture import LayerCapture
 
 
 def handles(module: torch.nn.Module) -> bool:
+    if is_vllm_ascend_layer(module):
+        return False  # a vllm-ascend MoE no Ascend backend recognised: refused (bind_model), never zeros
     qm = quant_method(module)
     if qm is not None and getattr(qm, "is_monolithic", False):
         return False  # monolithic kernels route inside the kernel and never call the hook
