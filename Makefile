@@ -84,7 +84,8 @@ test-native:
 
 ## make bench [RELEASE=0.23.0] [PROFILE=1] [CONTROL=1]: throughput with capture off / plugin on (/ vLLM's own),
 ## median ratio; PROFILE=1 also samples one plugin batch with py-spy (installed into the venv) for plugin
-## code's share; CONTROL=1 adds a second off engine (A/A ratio: the run's noise floor)
+## code's share; CONTROL=1 adds a second off engine (A/A ratio: the run's noise floor); SENTINEL=1 adds the plugin
+## without its always-on check ('unchecked': plugin/unchecked is the check's cost)
 ## make bench VERSUS=1 RELEASE=0.30.0 [PAIRS=6] [FRESH=1]: plugin vs vLLM's own capture (0.30 only: 0.28-0.29
 ## refuse vLLM's own with their monolithic CPU experts), eager and compiled, every order of the engines in turn,
 ## with the A/A control (a second vLLM engine): per-round ratios and medians;
@@ -93,13 +94,14 @@ RELEASE ?= $(DEMO_RELEASE)
 PROFILE ?=
 CONTROL ?=
 VERSUS ?=
+SENTINEL ?=
 PAIRS ?=
 FRESH ?=
 bench:
 	@py=$(call VENV,$(RELEASE)) && \
 	if [ -n "$(PROFILE)" ]; then $$py -m pip install -q py-spy; fi && \
 	$$py benchmarks/overhead.py $(if $(VERSUS),--versus-vllm --control $(if $(FRESH),--fresh-engines),$(if \
-		$(PROFILE),--profile) $(if $(CONTROL),--control)) $(if $(PAIRS),--pairs $(PAIRS))
+		$(PROFILE),--profile) $(if $(CONTROL),--control) $(if $(SENTINEL),--sentinel)) $(if $(PAIRS),--pairs $(PAIRS))
 
 ## make bench-kernel: bytes/s of record_topk_ids next to a same-size memcpy, on every device present
 bench-kernel:

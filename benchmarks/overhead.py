@@ -23,6 +23,9 @@ alike. Modes:
           0.27 refuses to start it on the CPU, 0.28-0.29 refuse their monolithic CPU experts (their
           source), 0.31+ need Model Runner V2, and 0.20-0.27 crash in the CPU MoE where vLLM takes its
           pure-PyTorch loop (no AVX-512, or AMX with float32), so it is left out there;
+  unchecked (``--sentinel``) the plugin with its always-on check (``sentinel``: zeroing the step's rows, the
+          all-zero-row and invalid-id check) replaced by no-ops: plugin/unchecked is that check's cost
+          (in-process engines only, where the replacement reaches the engine core);
   control (``--control``) a second engine exactly like ``off``: control/off is an A/A ratio, so it shows
           how far two identical engines differ on this machine in this run (a run's rounds can all sit
           above or below 1 together, with no difference between the engines).
@@ -97,11 +100,19 @@ def worker(mode: str, requests: int, tokens: int, eager: bool = False) -> None:
 
     from vllm_ascend_routing.testing import models, scenarios
 
+    if mode == "unchecked":  # the plugin with its always-on check's per-step work removed (in-process engine)
+        from vllm_ascend_routing.sentinel import Sentinel
+
+        def skip(self: Sentinel, *args: Any) -> None:
+            return None
+
+        setattr(Sentinel, "clear", skip)  # noqa: B010
+        setattr(Sentinel, "after_forward", skip)  # noqa: B010
     model = models.build_tiny_moe(ARCH, scenarios.model_dir() / ARCH)
     llm = LLM(
         model=str(model.path),
         dtype="float32",
-        enable_return_routed_experts=(mode in ("plugin", "vllm", "vllm-control")),
+        enable_return_routed_experts=(mode in ("plugin", "unchecked", "vllm", "vllm-control")),
         kv_cache_memory_bytes=KV_CACHE_BYTES,
         max_model_len=1024,
         seed=0,
@@ -146,7 +157,7 @@ class Engine:
         if not args.multiprocess:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         env.pop("VLLM_ASCEND_ROUTING", None)
-        if mode == "plugin" or (mode in ("off", "control") and not vllm_alone_runs()):
+        if mode in ("plugin", "unchecked") or (mode in ("off", "control") and not vllm_alone_runs()):
             env["VLLM_ASCEND_ROUTING"] = "1"
         self.mode = mode
         # stderr (vLLM's logging) goes to a file, shown if the worker fails; closed in close().
@@ -426,9 +437,14 @@ def main() -> None:
         action="store_true",
         help="then sample one more plugin batch with py-spy: share of time in plugin code",
     )
+    parser.add_argument(
+        "--sentinel",
+        action="store_true",
+        help="add an 'unchecked' engine (the plugin without its always-on check): plugin/unchecked is its cost",
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
-        "--worker", choices=["off", "control", "plugin", "vllm", "vllm-control"], help=argparse.SUPPRESS
+        "--worker", choices=["off", "control", "plugin", "unchecked", "vllm", "vllm-control"], help=argparse.SUPPRESS
     )
     args = parser.parse_args()
     if args.pairs is None:
@@ -439,6 +455,8 @@ def main() -> None:
         worker(args.worker, args.requests, args.tokens, args.eager)
         return
     refuse_where_vllm_cannot_start()
+    if args.sentinel and args.multiprocess:
+        raise SystemExit("--sentinel needs the in-process engine: the check is replaced in this process's engine")
     if args.versus_vllm:
         versus_vllm(args)
         return
@@ -451,6 +469,7 @@ def main() -> None:
         ["off", "plugin"]
         + (["vllm"] if vllm_path_starts_on_cpu() and vllm_alone_runs() else [])
         + (["control"] if args.control else [])
+        + (["unchecked"] if args.sentinel else [])
     )
     engine = "multi-process" if args.multiprocess else "in-process"
     off_baseline = (
@@ -536,6 +555,14 @@ def main() -> None:
         print(
             f"median throughput ratio plugin/vllm: {statistics.median(versus):.4f} "
             f"(rounds: {', '.join(f'{r:.3f}' for r in versus)})"
+        )
+    if "unchecked" in by_mode:
+        # The always-on check's cost: the plugin against itself without the check, round by round.
+        checked = [b / a for a, b in zip(by_mode["unchecked"], by_mode["plugin"], strict=True)]
+        summary["median_ratio_plugin_vs_unchecked"] = statistics.median(checked)
+        print(
+            f"median throughput ratio plugin/unchecked (the always-on check's cost): {statistics.median(checked):.4f} "
+            f"(rounds: {', '.join(f'{r:.3f}' for r in checked)})"
         )
     for mode, ratio in cpu_ratios.items():
         per_round = ", ".join(f"{b / a:.3f}" for a, b in zip(cpu_by_mode["off"], cpu_by_mode[mode], strict=True))

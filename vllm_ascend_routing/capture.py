@@ -10,6 +10,7 @@ import torch
 from vllm_ascend_routing.ops import eager_view, record_topk_ids_op, storage_limit
 from vllm_ascend_routing.ops._library import check_arguments
 from vllm_ascend_routing.parallel import RankLayout, local_topk_ids
+from vllm_ascend_routing.sentinel import Sentinel
 
 # Narrowest signed storage that holds every id of any MoE in use; -1 marks an invalid id.
 CAPTURE_DTYPE = torch.int16
@@ -90,12 +91,25 @@ class LayerCapture:
 
 @dataclass(frozen=True)
 class PreparedCapture:
-    """A target model's capture, bound at load time: one buffer, one error counter, all MoE layers."""
+    """A target model's capture, bound at load time: one buffer, one error counter, all MoE layers, and the
+    always-on check of each step's rows."""
 
     buffer: torch.Tensor  # [max_tokens, num_hidden_layers, top_k] int16, zeroed
     errors: torch.Tensor
     num_experts: int
-    num_bound_layers: int
+    bound_layers: tuple[int, ...]  # the layer ids bound, ascending
+    sentinel: Sentinel
+
+    @classmethod
+    def bound(
+        cls, buffer: torch.Tensor, errors: torch.Tensor, num_experts: int, bound_layers: tuple[int, ...]
+    ) -> PreparedCapture:
+        layers = tuple(sorted(set(bound_layers)))
+        return cls(buffer, errors, num_experts, layers, Sentinel.for_capture(buffer, errors, layers, num_experts))
+
+    @property
+    def num_bound_layers(self) -> int:
+        return len(self.bound_layers)
 
 
 def new_error_counter(device: torch.device | str) -> torch.Tensor:

@@ -85,23 +85,30 @@ def self_check(num_prompts: int, mode: str) -> tuple[bool, str]:
     parts = [(name, result[name]) for name in ("batch", "chunked_prefill", "prefix_repeat")]
     summary = ", ".join(f"{name} {part['matched']}/{part['rows']} rows exact" for name, part in parts)
     failed = [f"{name}: {'; '.join(part['problems']) or 'mismatch'}" for name, part in parts if not part["ok"]]
-    capture, bad_ids = capture_report()
-    if bad_ids:
-        failed.append(f"{bad_ids} out-of-range expert ids recorded (stored as -1)")
+    capture, problems = capture_report()
+    failed += problems
     return not failed, f"{summary}; {capture}" if not failed else "; ".join(failed)
 
 
-def capture_report() -> tuple[str, int]:
-    """The captures the self-check's in-process engine prepared: bound layers and the device error counter
-    (ids outside ``[0, num_experts)``, stored as -1), read once, after the run."""
-    from vllm_ascend_routing import runner_state
+def capture_report() -> tuple[str, list[str]]:
+    """The captures the self-check's in-process engine prepared (bound layers) and what the always-on
+    check (``sentinel``) counted over the run: rows checked, all-zero rows, invalid ids (stored as -1)."""
+    from vllm_ascend_routing import runner_state, sentinel
 
     captures = runner_state.captures_in_process()
     if not captures:
-        return "capture counters not visible from this process", 0
+        return "capture counters not visible from this process", []
     layers = sum(capture.num_bound_layers for capture in captures)
-    bad_ids = sum(int(capture.errors.sum().item()) for capture in captures)
-    return f"{layers} MoE layers bound, {bad_ids} out-of-range ids recorded", bad_ids
+    seen = sentinel.stats()
+    problems = []
+    if seen.zero_rows:
+        problems.append(f"{seen.zero_rows} all-zero routing rows (a MoE layer's capture bypassed)")
+    if seen.invalid_ids:
+        problems.append(f"{seen.invalid_ids} out-of-range expert ids recorded (stored as -1)")
+    return (
+        f"{layers} MoE layers bound; {seen.rows_checked} rows in {seen.steps_checked} steps checked: "
+        f"{seen.zero_rows} all-zero, {seen.invalid_ids} invalid ids"
+    ), problems
 
 
 def _print(line: str) -> None:

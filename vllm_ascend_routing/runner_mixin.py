@@ -21,7 +21,7 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from vllm_ascend_routing import runner_state, validate
+from vllm_ascend_routing import runner_state, sentinel
 from vllm_ascend_routing.compat.releases import Generation
 from vllm_ascend_routing.patching import Patch
 from vllm_ascend_routing.runner_state import RunnerHook
@@ -144,13 +144,15 @@ class RoutingCaptureRunnerMixin:
         self, api: CaptureAPI, original: Callable[..., Any], scheduler_output: Any, *args: Any, **kwargs: Any
     ) -> Any:
         prepared = runner_state.prepared_capture(self)
-        if prepared is not None:
-            api.step_started(self, prepared, scheduler_output)
+        if prepared is None:
+            return original(self, scheduler_output, *args, **kwargs)
+        num_tokens = int(scheduler_output.total_num_scheduled_tokens)
+        api.step_started(self, prepared, scheduler_output)
+        prepared.sentinel.clear(num_tokens)
         result = original(self, scheduler_output, *args, **kwargs)
-        if prepared is not None:  # the forward is enqueued: start moving its rows off the device
-            api.after_forward(self, prepared, scheduler_output.total_num_scheduled_tokens)
-            if validate.watching():  # validation mode only: reads the device error counter
-                validate.check_recorded_ids(prepared)
+        # The forward is enqueued: start moving its rows off the device, then check them (no synchronisation).
+        api.after_forward(self, prepared, num_tokens)
+        prepared.sentinel.after_forward(num_tokens, lambda: sentinel.step_requests(self, scheduler_output))
         return result
 
     def sample_tokens(self, api: CaptureAPI, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -18,7 +18,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -26,9 +26,6 @@ from vllm_ascend_routing import contract, envs, patching
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.contract import Violation
 from vllm_ascend_routing.patching import VALIDATION, Patch
-
-if TYPE_CHECKING:
-    from vllm_ascend_routing.capture import PreparedCapture
 
 logger = get_logger(__name__)
 
@@ -66,11 +63,6 @@ NEW_COMPLETION_OUTPUT = Patch(
     feature=VALIDATION,
 )
 PATCHES = (*ENGINE_INITS, FROM_NEW_REQUEST, NEW_COMPLETION_OUTPUT)
-
-
-_watching = False  # validation on in this process (set by install, read by the runner hook every step)
-_strict = False
-_reported_errors: dict[int, int] = {}  # id of a capture's error counter -> count already reported
 
 
 class RoutingValidationError(RuntimeError):
@@ -132,41 +124,14 @@ _model: ModelRouting | None = None  # the engine created in this process (one mo
 
 def install() -> None:
     """Patch vLLM's front-end so finished requests are checked (idempotent; only when enabled)."""
-    global _watching, _strict
     mode = envs.VLLM_ASCEND_ROUTING_VALIDATE
     if mode == "off":
         return
-    _watching, _strict = True, mode == "strict"
     for patch in ENGINE_INITS:
         patching.replace(patch, _recording_config)
     patching.replace(FROM_NEW_REQUEST, lambda method: classmethod(_recording_prompt_start(method.__func__)))
     patching.replace(NEW_COMPLETION_OUTPUT, lambda method: _validating(method, strict=mode == "strict"))
     logger.info("vllm-ascend-routing validation mode on (%s)", mode)
-
-
-def watching() -> bool:
-    """Whether validation mode is on in this process (the worker's step hook then checks recorded ids)."""
-    return _watching
-
-
-def check_recorded_ids(prepared: PreparedCapture) -> None:
-    """Validation mode, after a step's forward: report ids the capture op found outside ``[0, num_experts)``
-    (stored as -1, counted on the device). Reads the device counter: a synchronisation, so only while
-    validation mode is on, never in normal serving."""
-    count = int(prepared.errors.item())
-    key = id(prepared.errors)
-    new = count - _reported_errors.get(key, 0)
-    if new > 0:
-        _reported_errors[key] = count
-        report(
-            [
-                Violation(
-                    f"{new} routed expert id(s) outside [0, {prepared.num_experts}) recorded by the "
-                    f"capture (stored as -1, {count} in this engine so far)"
-                )
-            ],
-            _strict,
-        )
 
 
 def _recording_config(init: Callable[..., Any]) -> Callable[..., Any]:

@@ -10,8 +10,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from vllm_ascend_routing import runner_mixin, runner_state
+from vllm_ascend_routing.capture import PreparedCapture
 from vllm_ascend_routing.compat import aux_output
 from vllm_ascend_routing.compat.aux_output import AuxOutputAPI
 from vllm_ascend_routing.compat.base import UnsupportedVllmError
@@ -86,7 +88,9 @@ def runner(monkeypatch: pytest.MonkeyPatch) -> V1Runner:
     cls = type("PatchedV1Runner", (V1Runner,), {})
     runner_mixin.apply_mixin(cls, api)
     made = cls()
-    runner_state.set_prepared(made, "prepared")  # type: ignore[arg-type]
+    # A top-1 capture: the fake forward writes no rows, which the always-on check accepts only for top-1.
+    buffer, errors = torch.zeros(128, 2, 1, dtype=torch.int16), torch.zeros(1, dtype=torch.int64)
+    runner_state.set_prepared(made, PreparedCapture.bound(buffer, errors, 8, (0, 1)))
     return made
 
 

@@ -53,8 +53,8 @@ def test_round_trip_widens_to_int32_and_skips_padding_slots() -> None:
         reader.close()
     finally:
         writer.close()
-    assert s.name not in ours()
-    assert not (store.state_dir() / f"{s.name}.owner").exists()
+    assert writer.name not in ours()
+    assert not store.owner_file(s.key).exists()
 
 
 def test_second_live_owner_is_refused() -> None:
@@ -71,27 +71,27 @@ def test_segment_of_dead_owner_is_removed_at_next_start() -> None:
     """A crashed engine's segment (owner dead, nothing unlinked it) disappears when the next one starts."""
     s = spec(slots=4, layers=1, top_k=1)
     code = (
-        "import os, sys\n"
-        "from multiprocessing import resource_tracker, shared_memory\n"
+        "import os\n"
+        "from multiprocessing import resource_tracker\n"
         "from vllm_ascend_routing.compat import _shm_store as store\n"
-        f"(store.state_dir() / '{s.name}.owner').write_text(str(os.getpid()))\n"
-        f"shm = shared_memory.SharedMemory(name='{s.name}', create=True, size=4)\n"
-        "resource_tracker.unregister(shm._name, 'shared_memory')  # as if the tracker died with it\n"
+        f"writer = store.SegmentWriter(store.SegmentSpec({s.key!r}, (4, 1, 1), store.storage_dtype(8)))\n"
+        "resource_tracker.unregister(writer._shm._name, 'shared_memory')  # as if the tracker died with it\n"
+        "print(writer.name, flush=True)\n"
         "os._exit(0)  # no cleanup: a crash\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
-    assert s.name in ours(), "the crashed process should have left its segment"
+    name = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
+    assert name in ours(), "the crashed process should have left its segment"
     other = spec(slots=4, layers=1, top_k=1)
     writer = store.SegmentWriter(other)  # any next start cleans up
     try:
-        assert s.name not in ours()
-        assert not (store.state_dir() / f"{s.name}.owner").exists()
+        assert name not in ours()
+        assert not store.owner_file(s.key).exists()
     finally:
         writer.close()
 
 
 def test_orphan_segment_without_owner_file_is_removed() -> None:
-    name = spec().name
+    name = f"{spec().key}_{uuid.uuid4().hex[:16]}"
     shm = shared_memory.SharedMemory(name=name, create=True, size=4)
     resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
     shm.close()
@@ -110,8 +110,8 @@ def test_insufficient_shm_gives_clear_startup_error(monkeypatch: pytest.MonkeyPa
     s = spec(num_experts=64, slots=1 << 20, layers=48, top_k=8)
     with pytest.raises(store.ShmSpaceError, match=r"needs 384\.0 MiB of /dev/shm .*Lower the KV cache size"):
         store.SegmentWriter(s)
-    assert s.name not in ours()
-    assert not (store.state_dir() / f"{s.name}.owner").exists()
+    assert not any(name.startswith(s.key) for name in ours())
+    assert not store.owner_file(s.key).exists()
 
 
 def test_speculative_steps_leave_only_accepted_rows_where_the_request_reads() -> None:

@@ -63,7 +63,20 @@ class Scenarios:
         key = (args, plugin, in_process)
         if key not in self.results:
             self.results[key] = self.finish(self.start(*args, plugin=plugin, in_process=in_process))
+            if args[0] != "bypass":
+                for name, value in self.results[key].get("sentinel", {}).items():
+                    SENTINEL_TOTALS[name] = SENTINEL_TOTALS.get(name, 0) + value
         return self.results[key]
+
+
+# The always-on check's counters over every in-process engine of the session (bypass engines excluded): the
+# suite's false-positive count. Engines in other processes (TP, DP, serve) are covered by strict mode.
+SENTINEL_TOTALS: dict[str, int] = {}
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if SENTINEL_TOTALS:
+        terminalreporter.write_line(f"always-on routing check over the exact e2e engines: {SENTINEL_TOTALS}")
 
 
 @pytest.fixture(scope="session")

@@ -39,6 +39,9 @@ def test_offline_batch_exact(scenario: Any, generation: str, arch: str, mode: st
     assert batch["ok"], batch["problems"]
     assert batch["arrays"] == expected_arrays(models.mixed_prompts(NUM_PROMPTS, seed=1), arch, generation)
     assert batch["rows"] > 0 and batch["matched"] == batch["rows"]
+    # The always-on check ran on every step of this in-process engine and found nothing (strict would raise).
+    checked = result["sentinel"]
+    assert checked["rows_checked"] > 0 and checked["zero_rows"] == 0 and checked["invalid_ids"] == 0, checked
 
 
 @pytest.mark.parametrize("mode", ["eager", "compiled"])

@@ -136,15 +136,18 @@ def bind_target_model(
     num_layers, top_k, num_experts = shape
     buffer = new_capture_buffer(num_tokens, num_layers, top_k, num_experts, device)
     errors = new_error_counter(device)
+    layer_ids: list[int] = []
 
     def make_capture(layer_id: int) -> LayerCapture:
         if not 0 <= layer_id < num_layers:
             raise backends.UnboundLayerError(
                 f"MoE layer id {layer_id} is outside the {num_layers} hidden layers of the output."
             )
+        layer_ids.append(layer_id)
         return LayerCapture(buffer, layer_id, num_experts, errors, layout)
 
     bound = backends.bind_model(model, make_capture)
+    prepared = PreparedCapture.bound(buffer, errors, num_experts, tuple(layer_ids))
     count = sum(bound.values())
     logger.info(
         "routed-experts capture bound to %d MoE layers at load (backend %s): buffer %s %s, %d experts, %s",
@@ -155,4 +158,6 @@ def bind_target_model(
         num_experts,
         "single rank" if layout is None else layout,
     )
-    return PreparedCapture(buffer, errors, num_experts, count)
+    if not prepared.sentinel.checks_zero_rows:
+        logger.info("top-1 routing: all-zero rows are expert 0, not a bypass; only invalid ids are checked")
+    return prepared

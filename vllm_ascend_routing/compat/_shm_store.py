@@ -7,9 +7,13 @@ Compared with vLLM 0.20.x's own store (int32 rows, ``vllm_routed_experts_buffer_
     op's -1) is stored as the dtype's marker (uint8: 255, which is then no expert's id; int16: -1) and
     read back as -1, so it never turns into a plausible expert id;
   * free ``/dev/shm`` space is checked before creating, with an error that says what to change;
-  * names carry this plugin's prefix plus the engine's instance id and DP rank, and an owner file records
-    the creating pid: a live owner makes a second engine with the same name refuse instead of sharing
-    the segment; a dead owner's segment (crashed engine) is removed at the next start;
+  * no name or path another local user can predict, pre-create or redirect: the segment's name ends in a
+    random token (``<prefix>_<instance>_<dp>_<token>``, created exclusively, mode 0600), and the token is
+    found only in the engine's owner file, kept in a private state directory (owner only, ownership and
+    mode checked, refused otherwise; files created exclusively, never through a symlink);
+  * the owner file also records the creating pid: a live owner makes a second engine with the same
+    instance id refuse instead of sharing; a dead owner's segment (crashed engine) is removed at the next
+    start. Only this user's segments are ever removed;
   * a clean close unlinks the segment and its owner file, leaving nothing behind.
 No lock is taken: the worker writes only the slots of the step it just ran, the scheduler reads only the
 slots of requests that have stopped, and a stopped request's slots are not reused before it is freed.
@@ -19,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
+import stat
 import tempfile
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
@@ -28,6 +34,8 @@ import numpy as np
 
 PREFIX = "vllm_ascend_routing"
 SHM_DIR = Path("/dev/shm")
+_PRIVATE = 0o700
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
 
 
 class ShmSpaceError(RuntimeError):
@@ -38,11 +46,54 @@ class ShmCollisionError(RuntimeError):
     """A live engine already owns a segment with this name."""
 
 
+class StateDirError(RuntimeError):
+    """The state directory is not private to this user (another user could redirect or read it)."""
+
+
 def state_dir() -> Path:
-    """Owner files live here (one per segment, holding the creating pid)."""
-    path = Path(tempfile.gettempdir()) / PREFIX
-    path.mkdir(parents=True, exist_ok=True)
+    """The private directory of owner files: ``$TMPDIR/vllm_ascend_routing-<uid>``, created mode 0700.
+
+    An existing one is used only if it is a real directory (not a symlink) owned by this user with no
+    group or other permission; otherwise ``StateDirError`` says what to do."""
+    uid = os.getuid()
+    path = Path(tempfile.gettempdir()) / f"{PREFIX}-{uid}"
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, _PRIVATE)
+        os.chmod(path, _PRIVATE)  # whatever the umask left
+    info = os.lstat(path)
+    problem = None
+    if not stat.S_ISDIR(info.st_mode):
+        problem = "is not a directory (a symlink or a file)"
+    elif info.st_uid != uid:
+        problem = f"is owned by uid {info.st_uid}, not by this user (uid {uid})"
+    elif info.st_mode & 0o077:
+        problem = f"has mode {stat.S_IMODE(info.st_mode):04o}: other users can reach it"
+    if problem is not None:
+        raise StateDirError(
+            f"vllm-ascend-routing: the routed-experts state directory {path} {problem}. Someone else may have "
+            f"created it: remove it, or point TMPDIR at a directory only you can write, then restart."
+        )
     return path
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Create ``path`` (mode 0600) and write ``text``; never through a symlink, never into another's file."""
+    try:
+        fd = os.open(path, _CREATE, 0o600)
+    except FileExistsError:  # a stale file of ours (its owner is dead): replace it, never follow it
+        os.unlink(path)
+        fd = os.open(path, _CREATE, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(text)
+
+
+def _read_private(path: Path) -> str | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except (FileNotFoundError, OSError):
+        return None
+    with os.fdopen(fd) as file:
+        return file.read()
 
 
 # The stored value of an invalid id, per storage dtype; read back as -1.
@@ -60,9 +111,10 @@ def storage_dtype(num_experts: int) -> np.dtype:
 
 @dataclass(frozen=True)
 class SegmentSpec:
-    """Name, shape ``[kv_slots, num_hidden_layers, top_k]`` and storage dtype of one engine's store."""
+    """The engine's key (``<prefix>_<instance>_<dp>``), shape ``[kv_slots, num_hidden_layers, top_k]`` and
+    storage dtype of one engine's store. The segment's own name adds a random token (``SegmentWriter``)."""
 
-    name: str
+    key: str
     shape: tuple[int, int, int]
     dtype: np.dtype
 
@@ -80,8 +132,14 @@ class SegmentSpec:
         return int(np.prod(self.shape)) * 4
 
 
-def _owner_file(name: str) -> Path:
-    return state_dir() / f"{name}.owner"
+def owner_file(key: str) -> Path:
+    """The engine's owner file: ``<pid> <segment name>``."""
+    return state_dir() / f"{key}.owner"
+
+
+def key_of(segment: str) -> str:
+    """The engine key a segment name starts with (its random token removed)."""
+    return segment.rsplit("_", 1)[0]
 
 
 def _alive(pid: int) -> bool:
@@ -94,41 +152,59 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _owner(name: str) -> int | None:
-    try:
-        return int(_owner_file(name).read_text().strip())
-    except (FileNotFoundError, ValueError):
+def _owner(key: str) -> tuple[int, str] | None:
+    """``(pid, segment name)`` from the engine's owner file, or ``None`` if absent or unreadable."""
+    fields = (_read_private(owner_file(key)) or "").split()
+    if len(fields) != 2 or not fields[0].isdigit() or key_of(fields[1]) != key:
         return None
+    return int(fields[0]), fields[1]
+
+
+def _ours(path: Path) -> bool:
+    """A segment this user created (root included: another user's segment is never touched)."""
+    try:
+        return os.lstat(path).st_uid == os.getuid()
+    except FileNotFoundError:
+        return False
 
 
 def _unlink_segment(name: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(SHM_DIR / name)
+    path = SHM_DIR / name
+    if _ours(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def remove_stale() -> list[str]:
-    """Remove segments whose owner process is dead, or that have no owner file; returns their names.
+    """Remove this user's segments whose owner process is dead, or that no live owner file names; returns
+    their names. Another user's segments are left alone, whatever their name.
 
     The owner file is written before a segment is created and removed after it is unlinked, so a
-    segment without one was left by a process that died between the two.
+    segment no owner file names was left by a process that died between the two.
     """
     removed = []
-    owned = {f.name.removesuffix(".owner") for f in state_dir().glob(f"{PREFIX}_*.owner")}
-    present = {p.name for p in SHM_DIR.glob(f"{PREFIX}_*")} if SHM_DIR.is_dir() else set()
-    for name in sorted(owned | present):
-        pid = _owner(name)
-        if pid is not None and _alive(pid):
+    live: set[str] = set()
+    for file in state_dir().glob(f"{PREFIX}_*.owner"):
+        key = file.name.removesuffix(".owner")
+        owner = _owner(key)
+        if owner is not None and _alive(owner[0]):
+            live.add(owner[1])
             continue
-        _unlink_segment(name)
+        if owner is not None and _ours(SHM_DIR / owner[1]):
+            _unlink_segment(owner[1])
+            removed.append(owner[1])
         with contextlib.suppress(FileNotFoundError):
-            _owner_file(name).unlink()
+            file.unlink()
+    present = {p.name for p in SHM_DIR.glob(f"{PREFIX}_*") if _ours(p)} if SHM_DIR.is_dir() else set()
+    for name in sorted(present - live - set(removed)):
+        _unlink_segment(name)
         removed.append(name)
     return removed
 
 
 def check_free_space(spec: SegmentSpec, directory: Path = SHM_DIR) -> None:
-    stat = os.statvfs(directory)
-    free = stat.f_bavail * stat.f_frsize
+    stat_ = os.statvfs(directory)
+    free = stat_.f_bavail * stat_.f_frsize
     if free < spec.nbytes:
         mib = 1024 * 1024
         raise ShmSpaceError(
@@ -146,15 +222,17 @@ class SegmentWriter:
     def __init__(self, spec: SegmentSpec) -> None:
         self.spec = spec
         remove_stale()
-        owner = _owner(spec.name)
-        if owner is not None and _alive(owner):
+        owner = _owner(spec.key)
+        if owner is not None and _alive(owner[0]):
             raise ShmCollisionError(
-                f"vllm-ascend-routing: shared memory {spec.name} belongs to live process {owner}; two engines "
+                f"vllm-ascend-routing: shared memory {owner[1]} belongs to live process {owner[0]}; two engines "
                 "share one instance id. Give each engine its own instance id."
             )
         check_free_space(spec)
-        _owner_file(spec.name).write_text(str(os.getpid()))
-        self._shm = shared_memory.SharedMemory(name=spec.name, create=True, size=max(spec.nbytes, 1))
+        self.name = f"{spec.key}_{secrets.token_hex(8)}"
+        _write_private(owner_file(spec.key), f"{os.getpid()} {self.name}")
+        # Created exclusively (O_EXCL, mode 0600): an existing name is never shared.
+        self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=max(spec.nbytes, 1))
         self.view: np.ndarray = np.ndarray(spec.shape, dtype=spec.dtype, buffer=self._shm.buf)
         self.view.fill(0)
 
@@ -175,7 +253,7 @@ class SegmentWriter:
         with contextlib.suppress(FileNotFoundError):
             self._shm.unlink()
         with contextlib.suppress(FileNotFoundError):
-            _owner_file(self.spec.name).unlink()
+            owner_file(self.spec.key).unlink()
         self._shm = None  # type: ignore[assignment]
 
 
@@ -198,9 +276,16 @@ class SegmentReader:
 
     def __init__(self, spec: SegmentSpec) -> None:
         self.spec = spec
-        self._shm = _attach_untracked(spec.name)
+        owner = _owner(spec.key)
+        if owner is None:
+            raise RuntimeError(f"vllm-ascend-routing: no routed-experts store for {spec.key} (its worker has none)")
+        self.name = owner[1]
+        self._shm = _attach_untracked(self.name)
+        if os.fstat(self._shm._fd).st_uid != os.getuid():  # type: ignore[attr-defined]
+            self._shm.close()
+            raise RuntimeError(f"vllm-ascend-routing: shared memory {self.name} belongs to another user")
         if self._shm.size < spec.nbytes:
-            raise RuntimeError(f"shared memory {spec.name} is {self._shm.size} bytes, expected {spec.nbytes}")
+            raise RuntimeError(f"shared memory {self.name} is {self._shm.size} bytes, expected {spec.nbytes}")
         self.view: np.ndarray = np.ndarray(spec.shape, dtype=spec.dtype, buffer=self._shm.buf)
 
     def read(self, slots: np.ndarray) -> np.ndarray:

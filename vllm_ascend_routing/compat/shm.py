@@ -131,7 +131,7 @@ class ShmRoutedExpertsCapturer(_ProcessSingleton):
         self._writer = SegmentWriter(spec)
         logger.info(
             "routed-experts shared memory %s: %s %s, %.1f MiB (%.2fx vLLM's int32 layout)",
-            spec.name,
+            self._writer.name,
             spec.shape,
             spec.dtype,
             spec.nbytes / 2**20,

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from vllm_ascend_routing.testing import models, offline
+from vllm_ascend_routing.testing.bypass import run_bypass
 from vllm_ascend_routing.testing.data_parallel import run_data_parallel
 from vllm_ascend_routing.testing.server import Server, post
 
@@ -99,7 +100,15 @@ def run_offline(arch: str, mode: str, num_prompts: int, tensor_parallel: int = 1
 
     out["runner_patched"] = is_hooked(GPUModelRunner.load_model)
     out["load_table"] = expert_load(batch, model)
+    out["sentinel"] = sentinel_stats()
     return out
+
+
+def sentinel_stats() -> dict[str, int]:
+    """The always-on check's counters in this process (the engine's, where its worker runs in-process)."""
+    from vllm_ascend_routing import sentinel
+
+    return sentinel.stats().as_dict()
 
 
 SPEC_MAX_TOKENS = [5, 9, 14, 23, 31, 40]  # uneven: requests stop inside accepted draft runs
@@ -195,6 +204,7 @@ def _run_speculative(arch: str, method: str, k: int) -> dict[str, Any]:
     out["prefix_repeat"]["cached_tokens"] = repeat.num_cached_tokens
     out["prefix_repeat"]["output_ids"] = repeat.output_ids
     out["spec_decode"] = spec_decode_counts(llm)
+    out["sentinel"] = sentinel_stats()
     return out
 
 
@@ -257,7 +267,8 @@ def run_serve(arch: str, num_prompts: int, spec: str = "none", k: int = 3) -> di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("scenario", choices=["offline", "serve", "speculative", "data-parallel"])
+    parser.add_argument("scenario", choices=["offline", "serve", "speculative", "data-parallel", "bypass"])
+    parser.add_argument("--bypass", default="removed-hook", choices=["removed-hook", "xlite"], help="bypass: which")
     parser.add_argument(
         "--layout",
         default="server",
@@ -276,6 +287,8 @@ def main() -> None:
         result = run_offline(args.arch, args.mode, args.prompts, args.tp)
     elif args.scenario == "data-parallel":
         result = run_data_parallel(args.arch, args.layout, args.mode, args.ep)
+    elif args.scenario == "bypass":
+        result = run_bypass(args.arch, args.bypass)
     elif args.scenario == "speculative":
         result = run_speculative(args.arch, args.spec, args.k)
     else:
