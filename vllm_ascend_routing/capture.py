@@ -96,16 +96,23 @@ class PreparedCapture:
 
     buffer: torch.Tensor  # [max_tokens, num_hidden_layers, top_k] int16, zeroed
     errors: torch.Tensor
-    num_experts: int
+    num_experts: int  # routed experts
     bound_layers: tuple[int, ...]  # the layer ids bound, ascending
+    id_range: int  # ids recorded as valid: [0, id_range) (routed experts, then zero experts)
     sentinel: Sentinel
 
     @classmethod
     def bound(
-        cls, buffer: torch.Tensor, errors: torch.Tensor, num_experts: int, bound_layers: tuple[int, ...]
+        cls,
+        buffer: torch.Tensor,
+        errors: torch.Tensor,
+        num_experts: int,
+        bound_layers: tuple[int, ...],
+        id_range: int | None = None,
     ) -> PreparedCapture:
         layers = tuple(sorted(set(bound_layers)))
-        return cls(buffer, errors, num_experts, layers, Sentinel.for_capture(buffer, errors, layers, num_experts))
+        ids = num_experts if id_range is None else id_range
+        return cls(buffer, errors, num_experts, layers, ids, Sentinel.for_capture(buffer, errors, layers, ids))
 
     @property
     def num_bound_layers(self) -> int:
@@ -116,15 +123,20 @@ def new_error_counter(device: torch.device | str) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int64, device=device)
 
 
+def check_id_range(num_ids: int) -> None:
+    """Refuse an id range (experts, zero experts included) the capture dtype cannot hold."""
+    if num_ids > storage_limit(CAPTURE_DTYPE):
+        raise ValueError(
+            f"{num_ids} expert ids do not fit the capture dtype {CAPTURE_DTYPE} "
+            f"(at most {storage_limit(CAPTURE_DTYPE)})."
+        )
+
+
 def new_capture_buffer(
     num_tokens: int, num_layers: int, top_k: int, num_experts: int, device: torch.device | str
 ) -> torch.Tensor:
     """A zeroed ``[num_tokens, num_layers, top_k]`` buffer; refuses an expert count it cannot hold."""
-    if num_experts > storage_limit(CAPTURE_DTYPE):
-        raise ValueError(
-            f"{num_experts} experts do not fit the capture dtype {CAPTURE_DTYPE} "
-            f"(at most {storage_limit(CAPTURE_DTYPE)})."
-        )
+    check_id_range(num_experts)
     return torch.zeros((num_tokens, num_layers, top_k), dtype=CAPTURE_DTYPE, device=device)
 
 

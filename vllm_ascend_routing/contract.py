@@ -64,6 +64,16 @@ def moe_layers(hf_config: Any, num_layers: int | None = None) -> tuple[int, ...]
     )
 
 
+def zero_experts(hf_config: Any) -> int:
+    """Zero (identity) experts of a model (LongCat-Flash's ``zero_expert_num``; 0 for others). Their logical
+    ids follow the routed experts': ``[num_experts, num_experts + zero_experts)``, recorded as what they are."""
+    value = getattr(hf_config, "zero_expert_num", None)
+    if value is None:
+        text_config = getattr(hf_config, "text_config", None)
+        value = getattr(text_config, "zero_expert_num", None) if text_config is not None else None
+    return int(value or 0)
+
+
 def _count(num_layers: Any) -> int:
     if num_layers is None:
         raise UnknownMoELayersError("the config has no num_hidden_layers; pass num_layers")
@@ -98,11 +108,12 @@ def check(
     valid: np.ndarray | None = None,
     whole_request: bool = True,
     limit: int = 5,
+    zero_experts: int = 0,
 ) -> list[Violation]:
     """Contract violations of one request's rows (at most ``limit`` per rule), in rule order.
 
     Rules: row count (when ``expected_rows`` is given); dense-layer rows all zero; MoE-layer ids in
-    ``[0, num_experts)``; no id twice in a MoE row; with ``whole_request``, no MoE layer all zero across
+    ``[0, num_experts + zero_experts)``; no id twice in a MoE row; with ``whole_request``, no MoE layer all zero across
     the rows (what a bypassed router returns; a heuristic, meaningful on a whole request).
 
     Args:
@@ -113,6 +124,7 @@ def check(
         num_layers: the model's layer count; default ``routed.shape[1]``.
         expected_rows: the row count the contract gives for this request.
         valid: `[rows]` bool; rows where it is false are not checked.
+        zero_experts: the model's zero experts (``zero_experts(hf_config)``), ids after the routed ones.
     """
     if num_layers is None:
         num_layers = routed.shape[1] if routed.ndim == 3 else -1
@@ -133,7 +145,8 @@ def check(
     if dense:
         found += each((ids[:, dense] != 0).any(axis=2), dense, "non-zero ids in a dense layer")
     moe_ids = ids[:, moe]
-    found += each(((moe_ids < 0) | (moe_ids >= num_experts)).any(axis=2), moe, f"id outside [0, {num_experts})")
+    id_range = num_experts + zero_experts
+    found += each(((moe_ids < 0) | (moe_ids >= id_range)).any(axis=2), moe, f"id outside [0, {id_range})")
     ordered = np.sort(moe_ids, axis=2)
     repeated = (ordered[:, :, 1:] == ordered[:, :, :-1]).any(axis=2)
     if moe_layers is None:  # MoE and dense layers cannot be told apart: all-zero rows are skipped

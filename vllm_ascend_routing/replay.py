@@ -119,10 +119,12 @@ def check(
     valid: np.ndarray | None = None,
     expected_rows: int | None = None,
     limit: int = 5,
+    zero_experts: int = 0,
 ) -> list[Violation]:
     """Rows that break the contract: validation mode's rules (``contract.check``), for a trainer.
 
-    Ids in ``[0, num_experts)`` and distinct within a MoE-layer row, dense-layer rows zero, no MoE layer
+    Ids in ``[0, num_experts + zero_experts)`` (zero experts, e.g. LongCat-Flash's, follow the routed ones:
+    ``contract.zero_experts(hf_config)``) and distinct within a MoE-layer row, dense-layer rows zero, no MoE layer
     all zero across the rows. Works on vLLM's array or on :func:`align`'s ``routes`` (pass its ``valid``:
     rows without recorded routing are not checked). Empty list: the rows are fit to replay.
     """
@@ -133,6 +135,7 @@ def check(
         valid=valid,
         expected_rows=expected_rows,
         limit=limit,
+        zero_experts=zero_experts,
     )
 
 
@@ -141,6 +144,7 @@ def to_megatron(
     moe_layers: Sequence[int],
     num_experts: int,
     pad_to: int | None = None,
+    zero_experts: int = 0,
 ) -> MegatronReplay:
     """Pack aligned samples into Megatron-Core's replay tensors: one per MoE layer, dense layers dropped.
 
@@ -157,6 +161,8 @@ def to_megatron(
         moe_layers: layer indices with a router (:func:`moe_layers` of the model's config).
         num_experts: routed experts per MoE layer.
         pad_to: pad each sample to a multiple of this many tokens.
+        zero_experts: the model's zero experts (``contract.zero_experts(hf_config)``): their ids
+            ``[num_experts, num_experts + zero_experts)`` are replayed as recorded; filler ids stay routed experts.
 
     Raises:
         ValueError: shapes disagree, or a recorded row breaks the contract (:func:`check`'s per-row rules).
@@ -180,7 +186,14 @@ def to_megatron(
         routes, valid = np.asarray(routes), np.asarray(valid, dtype=bool)
         if routes.shape[1:] != shape or valid.shape != routes.shape[:1]:
             raise ValueError(f"sample {i}: routes {routes.shape} and valid {valid.shape}; expected [T, *{shape}], [T]")
-        problems = _check(routes, num_experts=num_experts, moe_layers=layers, valid=valid, whole_request=False)
+        problems = _check(
+            routes,
+            num_experts=num_experts,
+            moe_layers=layers,
+            valid=valid,
+            whole_request=False,
+            zero_experts=zero_experts,
+        )
         if problems:
             raise ValueError(f"sample {i} breaks the routed-experts contract: " + "; ".join(map(str, problems)))
         length = routes.shape[0] if pad_to is None else -(-routes.shape[0] // pad_to) * pad_to

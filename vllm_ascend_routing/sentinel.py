@@ -87,7 +87,7 @@ class Sentinel:
     buffer: torch.Tensor  # [max_tokens, num_layers, top_k]
     errors: torch.Tensor  # [1], the capture op's invalid-id counter
     bound_layers: tuple[int, ...]  # layers this worker bound, ascending
-    num_experts: int
+    num_experts: int  # the id range recorded as valid (routed experts, then zero experts)
     strict: bool = False
     _layers: Any = field(default=None, init=False, repr=False)  # index of bound_layers (slice when contiguous)
     _host: torch.Tensor | None = field(default=None, init=False, repr=False)  # pinned packet (accelerators)

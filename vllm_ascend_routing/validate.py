@@ -76,13 +76,16 @@ class ModelRouting:
     num_experts: int
     num_layers: int
     moe_layers: frozenset[int] | None  # None: not derivable from the config, per-layer checks only
+    zero_experts: int = 0  # ids [num_experts, num_experts + zero_experts) are zero experts (LongCat-Flash)
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> ModelRouting:
         model_config = vllm_config.model_config
         hf = model_config.hf_text_config
         num_layers = int(hf.num_hidden_layers)
-        return cls(int(model_config.get_num_experts()), num_layers, moe_layer_ids(hf, num_layers))
+        return cls(
+            int(model_config.get_num_experts()), num_layers, moe_layer_ids(hf, num_layers), contract.zero_experts(hf)
+        )
 
 
 def moe_layer_ids(hf_config: Any, num_layers: int) -> frozenset[int] | None:
@@ -104,6 +107,7 @@ def check(
         num_layers=model.num_layers,
         expected_rows=expected_rows,
         limit=limit,
+        zero_experts=model.zero_experts,
     )
     return [dataclasses.replace(violation, request_id=request_id) for violation in found]
 

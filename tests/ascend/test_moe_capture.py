@@ -426,28 +426,34 @@ def test_a_draft_or_mtp_layer_neither_writes_nor_trips_the_guard(
 def test_zero_experts_run_after_recording(monkeypatch: pytest.MonkeyPatch, cls: type | None) -> None:
     """Zero experts (LongCat-style: the router scores E routed + Z zero experts; select_experts designs only,
     vllm-ascend's router factory has no zero-expert routing) are applied after the ids are recorded: the rows
-    hold the router's choice, where a zero expert (an id >= E, past the expert count the capture is sized by)
-    is stored as the explicit invalid marker (-1), never as a plausible id; what is dispatched has the zero
-    experts mapped away by vllm-ascend."""
+    hold the router's choice as it is, a zero expert as its own id in ``[E, E + Z)`` (the range ``bind_model``
+    sizes the layer's capture by, from the backend's ``zero_experts``), so a trainer can replay it; what is
+    dispatched has the zero experts mapped away by vllm-ascend."""
     if cls is None:  # the router design routes no zero experts: nothing to record (checked, not assumed)
         factory = importlib.import_module(f"{real_moe.ROUTERS}.router_factory").create_ascend_fused_moe_router
         assert "zero_expert_type" not in inspect.signature(factory).parameters
         return
     moe = build(monkeypatch, cls)
-    moe.experts.zero_expert_num, moe.experts.zero_expert_type = 1, "identity"
+    zero = 2
+    moe.experts.zero_expert_num, moe.experts.zero_expert_type = zero, "identity"
     result_cls = type(moe.comm.result(torch.zeros(1)))
     if result_cls is not torch.Tensor:  # apply adds the zero experts' output to what fused_experts returned
         summable = type("SummableResult", (result_cls,), {"__iadd__": _add_to_routed_out})
         monkeypatch.setattr(moe.comm, "result", lambda hidden: summable(routed_out=hidden.clone()))
-    buffer = bound(moe)
+    # What bind_model sizes the layer's capture by: the backend's count of the layer's zero experts.
+    assert ascend.zero_experts(moe.layer) == zero
+    buffer = new_capture_buffer(NUM_TOKENS, NUM_LAYERS, real_moe.TOP_K, real_moe.NUM_EXPERTS, "cpu")
+    errors = new_error_counter("cpu")
+    ascend.bind(moe.layer, LayerCapture(buffer, moe.layer_id, real_moe.NUM_EXPERTS + zero, errors), "zero")
     hidden, logits = inputs(seed=9)
-    logits = torch.cat([logits, torch.full((NUM_TOKENS, 1), -9.0)], dim=1)
-    logits[::2, real_moe.NUM_EXPERTS] = 9.0  # every other token picks the zero expert first
+    logits = torch.cat([logits, torch.full((NUM_TOKENS, zero), -9.0)], dim=1)
+    logits[::2, real_moe.NUM_EXPERTS] = 9.0  # every other token picks the first zero expert first
+    logits[1::4, real_moe.NUM_EXPERTS + 1] = 9.5  # some pick the second
     moe.forward(hidden, logits)
     chosen = real_moe.reference_top_k(logits, real_moe.TOP_K)
-    expected = chosen.masked_fill(chosen >= real_moe.NUM_EXPERTS, -1)
-    assert (expected == -1).any() and (expected >= 0).any()
-    assert torch.equal(buffer[:, moe.layer_id].long(), expected)
+    assert (chosen >= real_moe.NUM_EXPERTS).any() and (chosen < real_moe.NUM_EXPERTS).any()
+    assert torch.equal(buffer[:, moe.layer_id].long(), chosen)
+    assert int(errors) == 0  # zero experts are ids, not invalid ones
     (dispatched,) = moe.comm.dispatched
     assert not torch.equal(dispatched["topk_ids"].long(), chosen)  # zero_experts_compute really ran
     assert int(dispatched["topk_ids"].max()) < real_moe.NUM_EXPERTS

@@ -105,7 +105,9 @@ def test_mtp_layers_stay_unbound_and_write_nothing(monkeypatch: pytest.MonkeyPat
 
     buffer = new_capture_buffer(NUM_TOKENS, NUM_LAYERS, real_moe.TOP_K, real_moe.NUM_EXPERTS, "cpu")
     errors = new_error_counter("cpu")
-    bound = bind_model(target, lambda layer_id: LayerCapture(buffer, layer_id, real_moe.NUM_EXPERTS, errors))
+    bound = bind_model(
+        target, lambda layer_id, zero_experts: LayerCapture(buffer, layer_id, real_moe.NUM_EXPERTS, errors)
+    )
     backend = "ascend_router" if real_moe.design() == "router" else "ascend"
     assert bound == {backend: 2}  # the target's two MoE layers, none of the drafter's
     guarded = ("forward_impl", "_forward_impl")

@@ -148,4 +148,4 @@ def test_a_vllm_ascend_layer_no_ascend_backend_knows_is_refused_not_left_to_the_
     model.layer = runner
     buffer = new_capture_buffer(4, 3, 2, 8, "cpu")
     with pytest.raises(UnboundLayerError, match="no capture backend"):
-        bind_model(model, lambda layer_id: LayerCapture(buffer, layer_id, 8, new_error_counter("cpu")))
+        bind_model(model, lambda layer_id, zero_experts: LayerCapture(buffer, layer_id, 8, new_error_counter("cpu")))

@@ -14,7 +14,7 @@ from vllm_ascend_routing.capture import LayerCapture, new_capture_buffer, new_er
 def bind(model: torch.nn.Module, num_experts: int = 8) -> torch.Tensor:
     buffer = new_capture_buffer(4, 3, 2, num_experts, "cpu")
     errors = new_error_counter("cpu")
-    backends.bind_model(model, lambda layer_id: LayerCapture(buffer, layer_id, num_experts, errors))
+    backends.bind_model(model, lambda layer_id, zero_experts: LayerCapture(buffer, layer_id, num_experts, errors))
     return buffer
 
 
@@ -71,7 +71,7 @@ def test_shared_router_is_bound_once() -> None:
     calls: list[int] = []
     backends.bind_model(
         model,
-        lambda layer_id: (
+        lambda layer_id, zero_experts: (
             calls.append(layer_id)
             or LayerCapture(new_capture_buffer(1, 3, 2, 8, "cpu"), layer_id, 8, new_error_counter("cpu"))
         ),
@@ -99,7 +99,7 @@ def test_sgl_kernel_without_forward_method_is_refused() -> None:
 
 
 def test_too_many_experts_for_storage_is_refused() -> None:
-    with pytest.raises(ValueError, match="40000 experts"):
+    with pytest.raises(ValueError, match="40000 expert ids"):
         new_capture_buffer(1, 1, 1, 40000, "cpu")
 
 
@@ -116,7 +116,7 @@ def test_bind_model_reports_the_backend_of_each_layer(model: FakeModel, backend:
     # users and the compatibility notes need, not a guess.
     buffer = new_capture_buffer(4, 3, 2, 8, "cpu")
     errors = new_error_counter("cpu")
-    bound = backends.bind_model(model, lambda layer_id: LayerCapture(buffer, layer_id, 8, errors))
+    bound = backends.bind_model(model, lambda layer_id, zero_experts: LayerCapture(buffer, layer_id, 8, errors))
     assert bound == {backend: 2}  # layers 0 and 2; layer 1 is dense
 
 

@@ -6,7 +6,9 @@ intercepted? ``ascend``: vllm-ascend's own ``select_experts`` (its select_expert
 0.20.2rc1-0.26.0rc1: its MoE layers never call the router). ``ascend_router``: vllm-ascend's routers (its
 router design, 0.27.1rc1 on), checked and guarded like ``ascend``. ``cpu_moe``: vLLM's CPU fused MoE
 (releases up to 0.27), which computes routing itself and never calls the router. ``cpu_experts``: vLLM's
-monolithic CPU experts (0.28, 0.29), likewise. ``router``: vLLM's ``BaseRouter`` capture hook.
+monolithic CPU experts (0.28, 0.29), likewise. ``zero_expert_router``: vLLM's ``ZeroExpertRouter``
+(LongCat-Flash), whose capture hook sees zero experts already overwritten with expert 0. ``router``: vLLM's
+``BaseRouter`` capture hook.
 """
 
 from __future__ import annotations
@@ -18,7 +20,15 @@ from typing import Any, Protocol
 import torch
 
 from vllm_ascend_routing._logging import get_logger
-from vllm_ascend_routing.backends import ascend, ascend_config, ascend_router, cpu_experts, cpu_moe, router
+from vllm_ascend_routing.backends import (
+    ascend,
+    ascend_config,
+    ascend_router,
+    cpu_experts,
+    cpu_moe,
+    router,
+    zero_expert_router,
+)
 from vllm_ascend_routing.backends._layer import quant_method
 from vllm_ascend_routing.capture import LayerCapture
 
@@ -52,6 +62,7 @@ BACKENDS: tuple[tuple[str, Backend], ...] = (
     ("ascend_router", ascend_router),
     ("cpu_moe", cpu_moe),
     ("cpu_experts", cpu_experts),
+    ("zero_expert_router", zero_expert_router),
     ("router", router),
 )
 
@@ -92,15 +103,17 @@ def _layer_id(name: str, module: torch.nn.Module) -> int:
         ) from exc
 
 
-def bind_model(model: torch.nn.Module, make_capture: Callable[[int], LayerCapture]) -> dict[str, int]:
+def bind_model(model: torch.nn.Module, make_capture: Callable[[int, int], LayerCapture]) -> dict[str, int]:
     """Bind each MoE layer of the target ``model``; returns how many layers each backend bound.
+
+    ``make_capture(layer_id, zero_experts)``: the layer's capture; ``zero_experts`` is how many zero experts
+    the backend records for it (their ids follow the routed experts'), 0 for most models.
 
     Raises:
         UnboundLayerError: for a layer no backend can intercept, or a model with no MoE layer.
     """
     bound: dict[str, int] = {}
     for name, module, layer_id in moe_layers(model):
-        capture = make_capture(layer_id)
         backend = next((key for key, candidate in BACKENDS if candidate.handles(module)), None)
         if backend is None:
             raise UnboundLayerError(
@@ -108,7 +121,10 @@ def bind_model(model: torch.nn.Module, make_capture: Callable[[int], LayerCaptur
                 f"/ quant method {type(quant_method(module)).__name__}; refusing instead of "
                 "returning zeros."
             )
-        dict(BACKENDS)[backend].bind(module, capture, name)
+        chosen = dict(BACKENDS)[backend]
+        counted = getattr(chosen, "zero_experts", None)
+        capture = make_capture(layer_id, int(counted(module)) if counted is not None else 0)
+        chosen.bind(module, capture, name)
         bound[backend] = bound.get(backend, 0) + 1
     if not bound:
         raise UnboundLayerError("No MoE layer found in the model: nothing to capture.")

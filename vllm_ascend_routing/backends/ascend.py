@@ -104,6 +104,16 @@ def handles(module: torch.nn.Module) -> bool:
     return any(callable(namespace.get(_SELECTOR)) for namespace in call_site_namespaces(module))
 
 
+def zero_experts(module: torch.nn.Module) -> int:
+    """Zero experts the layer routes to (LongCat-Flash): its ``select_experts`` returns their ids after the
+    routed experts', recorded as they are before ``zero_experts_compute`` folds them away. Read where the
+    quant method's ``apply`` reads them: the layer, or (0.24-0.26: the runner is the layer) its routed experts."""
+    for owner in (module, getattr(module, "routed_experts", None)):
+        if owner is not None and getattr(owner, "zero_expert_type", None) is not None:
+            return int(getattr(owner, "zero_expert_num", 0) or 0)
+    return 0
+
+
 def bind(module: torch.nn.Module, capture: LayerCapture, name: str) -> None:
     """Record ``module``'s routing into ``capture``; rebinding replaces the capture, never stacks."""
     wrapped = [namespace for namespace in call_site_namespaces(module) if _wrap_selector(namespace)]

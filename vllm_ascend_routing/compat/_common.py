@@ -9,7 +9,13 @@ import torch
 
 from vllm_ascend_routing import backends
 from vllm_ascend_routing._logging import get_logger
-from vllm_ascend_routing.capture import LayerCapture, PreparedCapture, new_capture_buffer, new_error_counter
+from vllm_ascend_routing.capture import (
+    LayerCapture,
+    PreparedCapture,
+    check_id_range,
+    new_capture_buffer,
+    new_error_counter,
+)
 from vllm_ascend_routing.compat.base import UnsupportedVllmError
 from vllm_ascend_routing.parallel import RankLayout
 
@@ -29,7 +35,20 @@ def prepare_capture(
     bind the target model's MoE layers to a ``[max_num_batched_tokens, *shape[:2]]`` buffer."""
     refuse_unsupported_config(vllm_config, generation)
     num_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
-    return bind_target_model(model, num_tokens, shape, device, rank_layout(vllm_config))
+    prepared = bind_target_model(model, num_tokens, shape, device, rank_layout(vllm_config))
+    refuse_unrepresentable_ids(prepared, generation)
+    return prepared
+
+
+def refuse_unrepresentable_ids(prepared: PreparedCapture, generation: str) -> None:
+    """vLLM 0.22+ narrows the array by the routed expert count (uint8 up to 256): refuse zero experts' ids
+    that would wrap there (the 0.20.x store is this plugin's and is sized for them)."""
+    if generation != "shm" and prepared.num_experts <= 256 < prepared.id_range:
+        raise UnsupportedVllmError(
+            f"vllm-ascend-routing: this model's zero experts have ids up to {prepared.id_range - 1}, but vLLM sizes "
+            f"its routed-experts array for {prepared.num_experts} routed experts (uint8): ids from 256 on would "
+            "wrap. No released model has this layout; report it, or unset VLLM_ASCEND_ROUTING."
+        )
 
 
 def attach_buffer(prepared: PreparedCapture, capturer: Any) -> None:
@@ -137,17 +156,22 @@ def bind_target_model(
     buffer = new_capture_buffer(num_tokens, num_layers, top_k, num_experts, device)
     errors = new_error_counter(device)
     layer_ids: list[int] = []
+    id_range = num_experts
 
-    def make_capture(layer_id: int) -> LayerCapture:
+    def make_capture(layer_id: int, zero_experts: int) -> LayerCapture:
+        nonlocal id_range
         if not 0 <= layer_id < num_layers:
             raise backends.UnboundLayerError(
                 f"MoE layer id {layer_id} is outside the {num_layers} hidden layers of the output."
             )
         layer_ids.append(layer_id)
-        return LayerCapture(buffer, layer_id, num_experts, errors, layout)
+        id_range = max(id_range, num_experts + zero_experts)
+        check_id_range(id_range)
+        # Zero experts' ids follow the routed experts': recorded as what they are, not as invalid.
+        return LayerCapture(buffer, layer_id, num_experts + zero_experts, errors, layout)
 
     bound = backends.bind_model(model, make_capture)
-    prepared = PreparedCapture.bound(buffer, errors, num_experts, tuple(layer_ids))
+    prepared = PreparedCapture.bound(buffer, errors, num_experts, tuple(layer_ids), id_range)
     count = sum(bound.values())
     logger.info(
         "routed-experts capture bound to %d MoE layers at load (backend %s): buffer %s %s, %d experts, %s",
@@ -158,6 +182,10 @@ def bind_target_model(
         num_experts,
         "single rank" if layout is None else layout,
     )
+    if id_range > num_experts:
+        logger.info(
+            "zero experts recorded as ids %d-%d (after the %d routed experts)", num_experts, id_range - 1, num_experts
+        )
     if not prepared.sentinel.checks_zero_rows:
         logger.info("top-1 routing: all-zero rows are expert 0, not a bypass; only invalid ids are checked")
     return prepared

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_ascend_routing import patching
+from vllm_ascend_routing import contract, patching
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import PreparedCapture
 from vllm_ascend_routing.compat._common import prepare_capture, refuse_misplaced_slots
@@ -81,11 +81,12 @@ def _routing_shape(vllm_config: Any) -> tuple[int, int, int]:
 
 def _spec(vllm_config: Any, max_num_kv_tokens: int) -> SegmentSpec:
     num_layers, top_k, num_experts = _routing_shape(vllm_config)
+    zero_experts = contract.zero_experts(vllm_config.model_config.hf_text_config)
     return SegmentSpec.for_engine(
         str(vllm_config.instance_id),
         int(vllm_config.parallel_config.data_parallel_rank),
         (int(max_num_kv_tokens), num_layers, top_k),
-        num_experts,
+        num_experts + zero_experts,  # the store's dtype holds zero experts' ids too
     )
 
 
