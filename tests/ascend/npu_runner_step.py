@@ -262,6 +262,9 @@ def main() -> None:
         steps = v1_steps(runner, module, layers, config, args, result)
     result["steps"] = steps
     result["vllm_ascend_capture_calls"] = result["vllm_ascend_capture_calls"]()
+    from vllm_ascend_routing import sentinel
+
+    result["sentinel"] = sentinel.stats().as_dict()  # the always-on check, run by the runner hook each step
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -106,6 +106,10 @@ def test_every_step_hands_off_the_exact_rows(case: tuple[str, str, bool]) -> Non
             # the attention group's slots: the ones the scheduler files rows by (not group 0's in a hybrid)
             assert step["shipped_slots"] == step["slots"]
         assert all(row[1] == [0, 0] and row[3] == [0, 0] for row in step["expected"][:num_tokens])  # dense
+    # The always-on check ran on vllm-ascend's runner every step and found no all-zero row, no invalid id.
+    checked = steps["sentinel"]
+    assert checked["steps_checked"] >= len(steps["steps"]) > 0 and checked["rows_checked"] > 0, checked
+    assert checked["zero_rows"] == 0 and checked["invalid_ids"] == 0, checked
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
