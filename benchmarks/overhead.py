@@ -548,22 +548,19 @@ def main() -> None:
     for mode, ratio in ratios.items():
         per_round = ", ".join(f"{b / a:.3f}" for a, b in zip(by_mode["off"], by_mode[mode], strict=True))
         print(f"median throughput ratio {mode}/off: {ratio:.4f} (rounds: {per_round})")
-    if "vllm" in by_mode:
-        # The plugin against vLLM's own capture, round by round (both engines ran in the same round).
-        versus = [b / a for a, b in zip(by_mode["vllm"], by_mode["plugin"], strict=True)]
-        summary["median_ratio_plugin_vs_vllm"] = statistics.median(versus)
-        print(
-            f"median throughput ratio plugin/vllm: {statistics.median(versus):.4f} "
-            f"(rounds: {', '.join(f'{r:.3f}' for r in versus)})"
-        )
-    if "unchecked" in by_mode:
-        # The always-on check's cost: the plugin against itself without the check, round by round.
-        checked = [b / a for a, b in zip(by_mode["unchecked"], by_mode["plugin"], strict=True)]
-        summary["median_ratio_plugin_vs_unchecked"] = statistics.median(checked)
-        print(
-            f"median throughput ratio plugin/unchecked (the always-on check's cost): {statistics.median(checked):.4f} "
-            f"(rounds: {', '.join(f'{r:.3f}' for r in checked)})"
-        )
+    # The plugin against vLLM's own capture, and against itself without the always-on check: round by round
+    # (both engines ran in the same round).
+    for baseline, key, what in (
+        ("vllm", "median_ratio_plugin_vs_vllm", ""),
+        ("unchecked", "median_ratio_plugin_vs_unchecked", " (the always-on check's cost)"),
+    ):
+        if baseline in by_mode:
+            paired = [b / a for a, b in zip(by_mode[baseline], by_mode["plugin"], strict=True)]
+            summary[key] = statistics.median(paired)
+            print(
+                f"median throughput ratio plugin/{baseline}{what}: {statistics.median(paired):.4f} "
+                f"(rounds: {', '.join(f'{r:.3f}' for r in paired)})"
+            )
     for mode, ratio in cpu_ratios.items():
         per_round = ", ".join(f"{b / a:.3f}" for a, b in zip(cpu_by_mode["off"], cpu_by_mode[mode], strict=True))
         print(f"median tokens-per-CPU-second ratio {mode}/off: {ratio:.4f} (rounds: {per_round})")
