@@ -49,6 +49,24 @@ def median_seconds(fn: Callable[[], None], device: str, iters: int = 200) -> flo
     return statistics.median(samples)
 
 
+def time_step(prepared: PreparedCapture, captures: list[LayerCapture], tokens: int, device: str) -> tuple[float, float]:
+    """Median seconds of one step's capture and of one step's check, for a ``tokens``-token step."""
+    experts, top_k = prepared.num_experts, prepared.buffer.shape[2]
+    ids = torch.stack([torch.randperm(experts, device=device)[:top_k] for _ in range(tokens)])
+
+    def capture_step() -> None:
+        for capture in captures:
+            capture(ids)
+
+    def checked_step() -> None:
+        prepared.sentinel.clear(tokens)
+        capture_step()  # the rows the check reads (their cost is subtracted)
+        prepared.sentinel.after_forward(tokens, list)
+
+    capture_s = median_seconds(capture_step, device)
+    return capture_s, median_seconds(checked_step, device) - capture_s
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--layers", type=int, default=8)
@@ -62,19 +80,7 @@ def main() -> None:
         prepared = PreparedCapture.bound(buffer, errors, args.experts, layers)
         captures = [LayerCapture(buffer, layer, args.experts, errors) for layer in layers]
         for tokens in (64, 128, 2048):
-            ids = torch.stack([torch.randperm(args.experts, device=device)[: args.top_k] for _ in range(tokens)])
-
-            def capture_step(ids: torch.Tensor = ids) -> None:
-                for capture in captures:
-                    capture(ids)
-
-            def check_step(tokens: int = tokens) -> None:
-                prepared.sentinel.clear(tokens)
-                capture_step()  # the rows the check reads (timed apart below)
-                prepared.sentinel.after_forward(tokens, list)
-
-            capture_s = median_seconds(capture_step, device)
-            check_s = median_seconds(check_step, device) - capture_s
+            capture_s, check_s = time_step(prepared, captures, tokens, device)
             print(
                 f"{device} {tokens:5d} tokens x {args.layers} layers, top-{args.top_k}: check {check_s * 1e6:7.1f} us "
                 f"per step, capture {capture_s * 1e6:7.1f} us, ratio check/capture {check_s / capture_s:.2f}",
