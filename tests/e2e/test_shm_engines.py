@@ -48,7 +48,7 @@ def test_sigkilled_engine_leaves_segment_next_start_removes_it(scenario: Any) ->
     engine.wait()
     time.sleep(1)
     assert leftover <= segments(), "SIGKILL should leave the segment behind"
-    owners = [(store.state_dir() / f"{name}.owner") for name in leftover]
+    owners = [store.owner_file(store.key_of(name)) for name in leftover]
     assert any(owner.exists() for owner in owners)
 
     result = scenario.finish(scenario.start("offline", "--arch", "mixtral", "--prompts", "4"))

@@ -87,13 +87,6 @@ def _serve_without_moe_python(top_k: int, renormalize: bool) -> None:
     backends.bind_model = bind_then_bypass  # type: ignore[assignment]
 
 
-def _worker_sentinel(worker: Any = None) -> dict[str, Any]:
-    """Run in each worker (``collective_rpc``): its always-on check's counters and first reports."""
-    from vllm_ascend_routing import sentinel
-
-    return {"stats": sentinel.stats().as_dict(), "reports": sentinel.first_reports()}
-
-
 EXTENSIONS = {"removed-hook": "RemovedHook", "xlite": "XliteStyle"}
 
 
@@ -129,7 +122,7 @@ def run_bypass(arch: str, kind: str) -> dict[str, Any]:
             if not np.asarray(c.routed_experts)[:, layer].any()
         }
     )
-    (worker,) = llm.collective_rpc(_worker_sentinel)
+    (worker,) = offline.worker_sentinels(llm)
     return {
         "arch": arch,
         "kind": kind,

@@ -77,5 +77,31 @@ def check(reference: RouterReference, model: TinyMoE, completions: list[Completi
     return total
 
 
+def _sentinel_of_this_worker(worker: Any = None) -> dict[str, Any]:
+    """Run in each worker (``collective_rpc``): its always-on check's counters and first reports."""
+    from vllm_ascend_routing import sentinel
+
+    return {"stats": sentinel.stats().as_dict(), "reports": sentinel.first_reports()}
+
+
+def worker_sentinels(llm: Any) -> list[dict[str, Any]]:
+    """The always-on check's counters and first reports of each of the engine's workers. Sent as a function
+    (``collective_rpc``): where the workers are processes of their own (0.20.x's CPU build, TP) vLLM needs
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (the e2e harness sets it); without it, this process's own."""
+    try:
+        return list(llm.collective_rpc(_sentinel_of_this_worker))
+    except Exception:  # vLLM refuses to send a function: the counters of this process (in-process engines)
+        return [_sentinel_of_this_worker()]
+
+
+def sentinel_totals(llm: Any) -> dict[str, int]:
+    """``worker_sentinels``' counters summed over the workers."""
+    totals: dict[str, int] = {}
+    for worker in worker_sentinels(llm):
+        for name, value in worker["stats"].items():
+            totals[name] = totals.get(name, 0) + int(value)
+    return totals
+
+
 def reference_for(model: TinyMoE) -> RouterReference:
     return RouterReference(model.path, model.num_hidden_layers, model.num_experts, model.top_k)

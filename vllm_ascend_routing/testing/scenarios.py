@@ -100,15 +100,8 @@ def run_offline(arch: str, mode: str, num_prompts: int, tensor_parallel: int = 1
 
     out["runner_patched"] = is_hooked(GPUModelRunner.load_model)
     out["load_table"] = expert_load(batch, model)
-    out["sentinel"] = sentinel_stats()
+    out["sentinel"] = offline.sentinel_totals(llm)
     return out
-
-
-def sentinel_stats() -> dict[str, int]:
-    """The always-on check's counters in this process (the engine's, where its worker runs in-process)."""
-    from vllm_ascend_routing import sentinel
-
-    return sentinel.stats().as_dict()
 
 
 SPEC_MAX_TOKENS = [5, 9, 14, 23, 31, 40]  # uneven: requests stop inside accepted draft runs
@@ -204,7 +197,7 @@ def _run_speculative(arch: str, method: str, k: int) -> dict[str, Any]:
     out["prefix_repeat"]["cached_tokens"] = repeat.num_cached_tokens
     out["prefix_repeat"]["output_ids"] = repeat.output_ids
     out["spec_decode"] = spec_decode_counts(llm)
-    out["sentinel"] = sentinel_stats()
+    out["sentinel"] = offline.sentinel_totals(llm)
     return out
 
 
