@@ -92,7 +92,7 @@ def test_a_symlink_planted_as_the_owner_file_is_never_followed(private_tmp: Path
     spec = _spec()
     victim = private_tmp / "victim.txt"
     victim.write_text("precious")
-    store.owner_file(spec.key).symlink_to(victim)
+    store.owner_file(spec.key).symlink_to(victim)  # removed by the start-up sweep (the write itself: below)
     writer = store.SegmentWriter(spec)
     try:
         owner = store.owner_file(spec.key)
@@ -143,3 +143,15 @@ def test_the_reader_refuses_a_segment_another_user_owns(foreign_segments: list[P
     with pytest.raises(RuntimeError, match="belongs to another user"):
         store.SegmentReader(spec)
     store.owner_file(spec.key).unlink()
+
+
+def test_the_owner_file_write_itself_never_follows_a_symlink(private_tmp: Path) -> None:
+    """The write, apart from the start-up sweep that already removes a planted link: a symlink appearing at the
+    owner file's path between the two (a race) is replaced, its target untouched."""
+    victim = private_tmp / "victim.txt"
+    victim.write_text("precious")
+    path = store.state_dir() / f"{store.PREFIX}_race_0.owner"
+    path.symlink_to(victim)
+    store._write_private(path, "123 segment")
+    assert not path.is_symlink() and path.read_text() == "123 segment"
+    assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600 and victim.read_text() == "precious"
