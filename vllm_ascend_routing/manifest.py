@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from vllm_ascend_routing import _cpu_compat, envs, runner_mixin, validate
+from vllm_ascend_routing import _cpu_compat, envs, peers, runner_mixin, validate
 from vllm_ascend_routing.backends import ascend, ascend_router, cpu_moe, zero_expert_router
 from vllm_ascend_routing.compat import aux_output, runner_output, shm
 from vllm_ascend_routing.compat.base import Generation, UnsupportedVllmError
@@ -24,7 +24,18 @@ __all__ = ["Finding", "Patch", "all_patches", "check", "patches_for", "verify"]
 
 # The adapters (their runner hooks) and every other module that patches something.
 ADAPTERS = (shm.ShmAPI, runner_output.RunnerOutputAPI, aux_output.AuxOutputAPI)
-_DECLARING = (shm, runner_output, aux_output, cpu_moe, zero_expert_router, ascend, ascend_router, _cpu_compat, validate)
+_DECLARING = (
+    shm,
+    runner_output,
+    aux_output,
+    cpu_moe,
+    zero_expert_router,
+    ascend,
+    ascend_router,
+    _cpu_compat,
+    validate,
+    peers,
+)
 PLATFORMS = tuple(runner_mixin.RUNNER_CLASSES)
 
 

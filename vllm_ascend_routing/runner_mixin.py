@@ -21,7 +21,7 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from vllm_ascend_routing import runner_state, sentinel
+from vllm_ascend_routing import peers, runner_state, sentinel
 from vllm_ascend_routing.compat.releases import Generation
 from vllm_ascend_routing.patching import Patch
 from vllm_ascend_routing.runner_state import RunnerHook
@@ -174,9 +174,12 @@ class RoutingCaptureRunnerMixin:
         if prepared is not None:
             profiling = bool(kwargs.get("is_profiling", args[0] if args else False))
             api.kv_cache_ready(self, prepared, kv_cache_config, profiling)
+            if not profiling:
+                peers.worker_ready(self, api.rows_read_in_front_end)
         return result
 
     def init_routed_experts_capturer(self, api: CaptureAPI, original: Callable[..., Any]) -> None:
+        peers.worker_ready(self, api.rows_read_in_front_end)  # the engine core has asked its workers by now
         with runner_state.as_binding_runner(self):
             original(self)  # vLLM's own init: capturer, pinned host buffers, slot-mapping snapshot
 

@@ -125,6 +125,7 @@ def connector_class() -> Any:
 class AuxOutputAPI:
     generation = Generation.AUX_OUTPUT
     runner_hooks: tuple[RunnerHook, ...] = CONNECTOR_HOOKS
+    rows_read_in_front_end = False  # rows travel through vLLM's AuxOutput connector
 
     def install(self) -> None:
         patching.replace(BINDER, lambda _: _attach_prepared_buffer)

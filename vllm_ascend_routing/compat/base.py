@@ -29,6 +29,9 @@ class CaptureAPI(Protocol):
     generation: Generation
     # The runner methods this generation hooks (``runner_mixin.CAPTURER_HOOKS`` / ``CONNECTOR_HOOKS``).
     runner_hooks: tuple[RunnerHook, ...]
+    # True where the front-end reads the rows from the plugin's own store (not vLLM's transport): a worker
+    # running the plugin under an engine without it must then refuse (``peers.worker_ready``).
+    rows_read_in_front_end: bool
 
     def install(self) -> None:
         """Patch this generation's runner hooks into vLLM (idempotent)."""

@@ -69,6 +69,7 @@ def _v2_runner_captures() -> bool:
 class RunnerOutputAPI(StepHooksNotUsed):
     generation = Generation.RUNNER_OUTPUT
     runner_hooks: tuple[RunnerHook, ...] = CAPTURER_HOOKS
+    rows_read_in_front_end = False  # rows travel in vLLM's runner output
 
     def install(self) -> None:
         for patch in PATCHES:

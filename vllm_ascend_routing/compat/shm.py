@@ -221,6 +221,7 @@ for _substitute in (ShmRoutedExpertsCapturer, ShmRoutedExpertsReader, _CaptureOf
 class ShmAPI(StepHooksNotUsed):
     generation = Generation.SHM
     runner_hooks: tuple[RunnerHook, ...] = CAPTURER_HOOKS
+    rows_read_in_front_end = True  # the front-end reads the plugin's shared-memory store
 
     def install(self) -> None:
         patching.replace(CAPTURER, lambda _: ShmRoutedExpertsCapturer)
