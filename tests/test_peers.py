@@ -176,13 +176,24 @@ def test_the_engine_hook_asks_only_when_routed_experts_are_requested(monkeypatch
     asked: list[Any] = []
     monkeypatch.setattr(peers, "verify_workers", asked.append)
     initialized: list[Any] = []
-    hooked = peers._checking_workers(lambda self, config: initialized.append(config) or "kv-config")
+    hooked = peers._checking_workers(
+        lambda self, config: initialized.append(config) or "kv-config", lambda config: config.requested
+    )
     core = types.SimpleNamespace(model_executor="executor")
     for requested in (True, False):
-        config = types.SimpleNamespace(model_config=types.SimpleNamespace(enable_return_routed_experts=requested))
-        assert hooked(core, config) == "kv-config"
+        assert hooked(core, types.SimpleNamespace(requested=requested)) == "kv-config"
     assert asked == ["executor"]  # once: only the engine that requested routed experts
     assert len(initialized) == 2
+
+
+def test_each_generation_says_where_routed_experts_are_requested() -> None:
+    from vllm_ascend_routing.compat import aux_output, runner_output, shm
+
+    in_model_config = types.SimpleNamespace(model_config=types.SimpleNamespace(enable_return_routed_experts=True))
+    in_aux_config = types.SimpleNamespace(aux_output_config=types.SimpleNamespace(enable_return_routed_experts=True))
+    assert shm.ShmAPI().routed_experts_requested(in_model_config)
+    assert runner_output.RunnerOutputAPI().routed_experts_requested(in_model_config)
+    assert aux_output.AuxOutputAPI().routed_experts_requested(in_aux_config)  # vLLM 0.31+ moved the flag
 
 
 def test_the_hook_point_is_in_the_manifest() -> None:

@@ -48,7 +48,7 @@ def install() -> None:
         apply_mixin(cls, api)
     api.install()
     validate.install()
-    peers.install()
+    peers.install(api.routed_experts_requested)
     if device == "npu":
         for path, _ in RUNNER_CLASSES[device]:
             if path.startswith("vllm_ascend"):

@@ -19,10 +19,12 @@ front-end must read the plugin's store (0.20.x) the worker refuses, since the fr
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,17 +126,16 @@ def _ray_node() -> str | None:
 # ---- engine core ----
 
 
-def install() -> None:
-    """Make the engine core check its workers before it allocates the KV cache (idempotent)."""
-    patching.replace(ENGINE_KV_CACHE_INIT, _checking_workers)
+def install(routed_experts_requested: Callable[[Any], bool]) -> None:
+    """Make the engine core check its workers before it allocates the KV cache, for engines that request
+    routed experts (``routed_experts_requested(vllm_config)``, the generation's reading; idempotent)."""
+    patching.replace(ENGINE_KV_CACHE_INIT, lambda original: _checking_workers(original, routed_experts_requested))
 
 
-def _checking_workers(initialize_kv_caches: Any) -> Any:
-    import functools
-
+def _checking_workers(initialize_kv_caches: Any, routed_experts_requested: Callable[[Any], bool]) -> Any:
     @functools.wraps(initialize_kv_caches)
     def checked(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(vllm_config.model_config, "enable_return_routed_experts", False):
+        if routed_experts_requested(vllm_config):
             verify_workers(self.model_executor)
         return initialize_kv_caches(self, vllm_config, *args, **kwargs)
 

@@ -173,6 +173,7 @@ def main() -> None:
     from vllm.platforms import current_platform
 
     import vllm_ascend_routing
+    from vllm_ascend_routing import peers
     from vllm_ascend_routing.compat.base import UnsupportedVllmError
 
     runner_module = RUNNER_MODULES[args.kind]
@@ -235,6 +236,11 @@ def main() -> None:
 
     # the hook installed on the class, around a loader that needs no NPU
     result["load_model_wraps"] = call_through_class(runner, "load_model", npu_loader)
+    # The engine core's start-up question (peers), put to this worker as vLLM's executor does, before its KV cache.
+    worker = SimpleNamespace(model_runner=runner, rank=0)
+    workers = peers.verify_workers(SimpleNamespace(collective_rpc=lambda ask: [ask(worker)]))
+    result["workers_bound_layers"] = [answer.bound_layers for answer in workers]
+    result["moe_layers"] = len(layers)
     try:
         runner.init_routed_experts_capturer()  # vLLM's real method, through the plugin's hook
     except UnsupportedVllmError as refused:

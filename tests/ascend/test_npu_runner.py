@@ -82,6 +82,7 @@ def test_every_step_hands_off_the_exact_rows(case: tuple[str, str, bool]) -> Non
         assert "keys routed-experts rows by KV cache group 0's slots" in steps["refused"]
         return
     assert "refused" not in steps, steps.get("refused")
+    assert steps["workers_bound_layers"] == [steps["moe_layers"]]  # the engine's start-up question, answered
     assert steps["buffer_is_plugins"] is True
     assert steps["load_model_wraps"].endswith("load_model")
     blocks = steps["blocks"]

@@ -127,6 +127,9 @@ class AuxOutputAPI:
     runner_hooks: tuple[RunnerHook, ...] = CONNECTOR_HOOKS
     rows_read_in_front_end = False  # rows travel through vLLM's AuxOutput connector
 
+    def routed_experts_requested(self, vllm_config: Any) -> bool:
+        return bool(vllm_config.aux_output_config.enable_return_routed_experts)
+
     def install(self) -> None:
         patching.replace(BINDER, lambda _: _attach_prepared_buffer)
         patching.replace(CONFIG_CHECK, _accept_v1_runner_on_cpu)
@@ -145,7 +148,7 @@ class AuxOutputAPI:
         )
 
     def prepare(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> PreparedCapture | None:
-        if not vllm_config.aux_output_config.enable_return_routed_experts:
+        if not self.routed_experts_requested(vllm_config):
             return None
         return prepare_capture(model, vllm_config, device, self.generation.value, self.routing_shape(vllm_config))
 

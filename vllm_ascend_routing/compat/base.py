@@ -33,6 +33,9 @@ class CaptureAPI(Protocol):
     # running the plugin under an engine without it must then refuse (``peers.worker_ready``).
     rows_read_in_front_end: bool
 
+    def routed_experts_requested(self, vllm_config: Any) -> bool:
+        """Whether this engine was started with ``--enable-return-routed-experts`` (where this generation keeps it)."""
+
     def install(self) -> None:
         """Patch this generation's runner hooks into vLLM (idempotent)."""
 

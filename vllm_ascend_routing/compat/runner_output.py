@@ -71,6 +71,9 @@ class RunnerOutputAPI(StepHooksNotUsed):
     runner_hooks: tuple[RunnerHook, ...] = CAPTURER_HOOKS
     rows_read_in_front_end = False  # rows travel in vLLM's runner output
 
+    def routed_experts_requested(self, vllm_config: Any) -> bool:
+        return bool(vllm_config.model_config.enable_return_routed_experts)
+
     def install(self) -> None:
         for patch in PATCHES:
             patching.replace(patch, lambda _: _bind_through_runner)
@@ -93,7 +96,7 @@ class RunnerOutputAPI(StepHooksNotUsed):
         return int(num_layers), int(top_k), int(model_config.get_num_experts())
 
     def prepare(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> PreparedCapture | None:
-        if not vllm_config.model_config.enable_return_routed_experts:
+        if not self.routed_experts_requested(vllm_config):
             return None
         if getattr(vllm_config, "use_v2_model_runner", False) and not _v2_runner_captures():
             raise UnsupportedVllmError(

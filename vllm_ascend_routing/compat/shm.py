@@ -223,6 +223,9 @@ class ShmAPI(StepHooksNotUsed):
     runner_hooks: tuple[RunnerHook, ...] = CAPTURER_HOOKS
     rows_read_in_front_end = True  # the front-end reads the plugin's shared-memory store
 
+    def routed_experts_requested(self, vllm_config: Any) -> bool:
+        return bool(vllm_config.model_config.enable_return_routed_experts)
+
     def install(self) -> None:
         patching.replace(CAPTURER, lambda _: ShmRoutedExpertsCapturer)
         patching.replace(READER, lambda _: ShmRoutedExpertsReader)
@@ -232,7 +235,7 @@ class ShmAPI(StepHooksNotUsed):
         patching.replace(ASCEND_MOE_CAPTURER, lambda _: _CaptureOff)
 
     def prepare(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> PreparedCapture | None:
-        if not vllm_config.model_config.enable_return_routed_experts:
+        if not self.routed_experts_requested(vllm_config):
             return None
         return prepare_capture(model, vllm_config, device, self.generation.value, _routing_shape(vllm_config))
 

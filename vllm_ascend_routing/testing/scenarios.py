@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_ascend_routing.testing import models, offline
+from vllm_ascend_routing.testing import distributed, models, offline
 from vllm_ascend_routing.testing.bypass import run_bypass
 from vllm_ascend_routing.testing.data_parallel import run_data_parallel
 from vllm_ascend_routing.testing.server import Server, post
@@ -260,7 +260,9 @@ def run_serve(arch: str, num_prompts: int, spec: str = "none", k: int = 3) -> di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("scenario", choices=["offline", "serve", "speculative", "data-parallel", "bypass"])
+    parser.add_argument(
+        "scenario", choices=["offline", "serve", "speculative", "data-parallel", "bypass", "distributed"]
+    )
     parser.add_argument("--bypass", default="removed-hook", choices=["removed-hook", "xlite"], help="bypass: which")
     parser.add_argument(
         "--layout",
@@ -275,11 +277,18 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (offline)")
     parser.add_argument("--spec", default="none", choices=["none", "ngram", "draft"], help="speculative method")
     parser.add_argument("--k", type=int, default=3, help="speculative tokens per step")
+    parser.add_argument(
+        "--cases",
+        default=",".join(distributed.CASES),
+        help="distributed: comma-separated cases (Ray executors, external launcher), see testing/distributed.py",
+    )
     args = parser.parse_args()
     if args.scenario == "offline":
         result = run_offline(args.arch, args.mode, args.prompts, args.tp)
     elif args.scenario == "data-parallel":
         result = run_data_parallel(args.arch, args.layout, args.mode, args.ep)
+    elif args.scenario == "distributed":
+        result = distributed.run_distributed(args.arch, args.cases.split(","), args.mode)
     elif args.scenario == "bypass":
         result = run_bypass(args.arch, args.bypass)
     elif args.scenario == "speculative":

@@ -1,0 +1,112 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vLLM's Ray executors and the external launcher with the plugin (TP=2, compiled): every row exact where the
+variable reaches every worker, a clear start-up refusal where a worker would run without the plugin.
+
+How ``VLLM_ASCEND_ROUTING=1`` reaches the workers differs by executor: RayExecutorV2 copies the engine core's
+environment with ``setdefault`` (a value already set on the Ray node wins), the V1 Ray executor overwrites,
+names in ``$VLLM_CONFIG_ROOT/ray_non_carry_over_env_vars.json`` are never copied, and a Ray ``runtime_env``
+is handed to every worker actor. Exact cases: the variable in the driver's environment, only in the job's
+``runtime_env``, the ``LLM`` built inside a Ray actor (verl's pattern), a second Ray node (one TP worker per
+node), and torchrun with ``distributed_executor_backend="external_launcher"``. Mismatch cases, which must be
+refused at start-up naming the worker and the cause instead of returning all-zero rows: a Ray node whose own
+environment says ``VLLM_ASCEND_ROUTING=0``, and the variable on the non-carry-over list.
+
+The full set runs on ``FULL_RELEASE``; other releases run ``SMALL_SET``. vLLM's CPU platform refuses Ray
+by itself: the driver and the Ray nodes get the TEST-ONLY stand-in ``testing/ray_standin/``
+(``testing/cpu_ray_standin.py``). Ray is not a dependency of vLLM's CPU wheels: the Ray cases need a venv
+built with ``scripts/venv.py RELEASE --with ray``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+
+from vllm_ascend_routing.testing import distributed, models, scenarios
+
+pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
+
+# What each release runs in make test: every way of passing the variable and both executors once on 0.30.0,
+# and on the other generations' releases the two cases sharing one two-node cluster (one exact, one refused).
+# Every case of distributed.CASES was run on 0.30.0 (docs/evidence.md); each costs an engine start (~1 min).
+FULL_RELEASE = "0.30.0"
+FULL_SET = (
+    "ray-v2:driver-env",
+    "ray-v1:actor",
+    "ray-v2:non-carry-over",
+    "ray-v2:runtime-env-over-node-0",
+    "ray-v2:node-env-0",
+    "external-launcher",
+)
+SMALL_SET = ("ray-v2:runtime-env-over-node-0", "ray-v2:node-env-0")
+# Where the two executors and torchrun take a whole engine start each (about 1-2 minutes per case here).
+RUN_TIMEOUT_S = 3600
+# What each mismatch case's refusal must name besides the plugin: the cause.
+CAUSES = {
+    "ray-v2:node-env-0": ("node", distributed.VARIABLE),
+    "ray-v2:non-carry-over": ("non-carry-over", distributed.VARIABLE),
+}
+
+
+def _ray_installed() -> bool:
+    return importlib.util.find_spec("ray") is not None
+
+
+def cases_for(release: str) -> list[str]:
+    return list(FULL_SET) if release == FULL_RELEASE else list(SMALL_SET)
+
+
+@pytest.fixture(scope="module")
+def results(scenario: Any) -> dict[str, Any]:
+    """One run of every case selected for this release (the Ray clusters shared between cases)."""
+    release = distributed.vllm_release()
+    cases = [case for case in cases_for(release) if case == "external-launcher" or _ray_installed()]
+    proc = scenario.start("distributed", "--mode", "compiled", "--cases", ",".join(cases), in_process=False)
+    result = scenario.finish(proc, timeout=RUN_TIMEOUT_S)
+    return dict(result)
+
+
+def _row(case: str, release: str, result: dict[str, Any]) -> str:
+    executor, _, how = case.partition(":")
+    if "refused" in result:
+        outcome = "refused: " + result["refused"].splitlines()[0][:200]
+    elif "rows" in result:
+        outcome = f"{result['matched']}/{result['rows']} rows exact"
+    else:
+        outcome = "error: " + str(result.get("error", result))[:200]
+    return f"{executor} | {how or 'torchrun'} | vLLM {release} | {outcome} | {result.get('wall_s', '?')}s"
+
+
+def _case(case: str) -> Any:
+    return pytest.param(case, marks=[] if case == "external-launcher" else [pytest.mark.ray], id=case)
+
+
+# This release's cases only (read from package metadata at collection: nothing imports vLLM here).
+HERE = cases_for(distributed.vllm_release())
+
+
+@pytest.mark.parametrize("case", [_case(case) for case in distributed.EXACT_CASES if case in HERE])
+def test_rows_exact(results: dict[str, Any], case: str) -> None:
+    release = results["release"]
+    result = results["cases"][case]
+    print(_row(case, release, result))
+    assert "refused" not in result, result["refused"]
+    assert "error" not in result, result
+    assert result["ok"], result["problems"]
+    moe_layers = len(models.build_tiny_moe("qwen3_moe", scenarios.model_dir() / "qwen3_moe").moe_layers)
+    prompts = models.mixed_prompts(distributed.NUM_PROMPTS, seed=1)
+    expected = sum(len(p) + distributed.MAX_TOKENS - 1 for p in prompts) * moe_layers
+    assert result["rows"] == result["matched"] == expected > 0
+
+
+@pytest.mark.parametrize("case", [_case(case) for case in distributed.MISMATCH_CASES if case in HERE])
+def test_mismatch_refused(results: dict[str, Any], case: str) -> None:
+    release = results["release"]
+    result = results["cases"][case]
+    print(_row(case, release, result))
+    assert "refused" in result, f"{case} was not refused at start-up: {result}"
+    message = result["refused"]
+    assert "vllm-ascend-routing" in message, message
+    assert any(cause in message for cause in CAUSES[case]), message
