@@ -54,10 +54,10 @@ def _load_vllm_ops() -> None:
     """The check looks for ``torch.ops._C.prepack_moe_weight``: load vLLM's CPU ops as an engine does, through
     the platform, which picks the library this CPU runs (``_C``, ``_C_AVX512`` or ``_C_AVX2``, all registering
     namespace ``_C``: importing ``vllm._C`` after the platform loaded ``_C_AVX2`` aborts the process)."""
-    from vllm.platforms import current_platform
-
     # A wheel without them: the check then answers "pure-torch", as vLLM's engine would.
     with contextlib.suppress(ImportError):
+        from vllm.platforms import current_platform
+
         current_platform.import_kernels()
 
 
