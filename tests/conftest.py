@@ -22,9 +22,17 @@ RESOURCES = {
     "ascend": lambda: bool(envs.VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC) and importlib.util.find_spec("vllm") is not None,
     # Ray, for the Ray executor tests: not a dependency of vLLM's CPU wheels, added to a release's venv on request.
     "ray": lambda: importlib.util.find_spec("ray") is not None,
+    # Trainer environments (verl + Megatron-Core, scripts/venv.py trainer-MCORE) for the trainer hand-off test.
+    "trainer": lambda: bool(envs.VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS.split()),
+    # verl itself, inside a trainer environment (make test-trainer): its RouterReplay next to the bridge.
+    "verl": lambda: importlib.util.find_spec("verl") is not None,
 }
 # Why a test is skipped when its resource is missing (default: "needs NAME, not available here").
-SKIP_REASONS = {"ray": "ray not installed (scripts/venv.py RELEASE --with ray)"}
+SKIP_REASONS = {
+    "ray": "ray not installed (scripts/venv.py RELEASE --with ray)",
+    "verl": "verl not installed (a trainer environment has it: make test-trainer)",
+    "trainer": "no trainer environment given (VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS; make test-e2e sets it)",
+}
 
 
 def _real_torch_npu() -> bool:

@@ -180,6 +180,41 @@ def test_to_megatron_refuses_broken_rows() -> None:
         to_megatron([align(routed, 6, 4), align(vllm_rows(9, 3, 4, 8, dense=(1,)), 6, 4)], (0, 2), 8)
 
 
+def test_mask_forms_for_verl_and_nemo_rl() -> None:
+    """Rows without recorded routing (before prompt_start, the last token, padding): filler ids in the full
+    tensor, false in the mask (verl's replay_mask), -1 in NeMo RL's form; the recorded rows untouched."""
+    a = align(vllm_rows(10 - 1 - 3, 3, 2, 8, dense=(1,), seed=4), 6, 4, prompt_start=3)  # T = 10
+    data = to_megatron([a], (0, 2), 8, pad_to=4)  # N = 12
+    assert data.layers == (0, 2)
+    assert data.valid.tolist() == [False] * 3 + [True] * 6 + [False] * 3  # 3 before prompt_start, last, 2 padding
+    for ids, native in zip(data.indices, data.native_as(), strict=True):
+        assert (native[~data.valid] == -1).all() and (ids[~data.valid] >= 0).all()
+        assert torch.equal(native[data.valid], ids[data.valid])
+    assert (data.native_as(7)[0][~data.valid] == 7).all()
+
+
+def test_check_alignment_refuses_a_shift_by_one_naming_the_convention() -> None:
+    num_experts, top_k = 8, 2
+    a = align(vllm_rows(19, 3, top_k, num_experts, dense=(1,), seed=5), 12, 8)
+    data = to_megatron([a], (0, 2), num_experts)
+    # The trainer's own routing: vLLM's on every row but a few flipped (bfloat16 disagrees on ~2% of rows).
+    trainer = [ids.clone() for ids in data.indices]
+    trainer[0][4] = torch.tensor([(int(trainer[0][4, 0]) + 1) % 8, int(trainer[0][4, 0])])
+    assert replay.check_alignment(data, trainer) == pytest.approx(1 - 1 / (2 * 19))
+    for shift in (1, -1):  # the rows a token early or late against the trainer's tokens
+        shifted = replay.MegatronReplay([torch.roll(ids, shift, 0) for ids in data.indices], data.valid, data.layers)
+        with pytest.raises(replay.AlignmentError, match="row t must be token t of prompt \\+ output"):
+            replay.check_alignment(shifted, trainer)
+    with pytest.raises(replay.AlignmentError, match="prompt_start"):  # agreeing with nothing at all
+        replay.check_alignment(data, [(ids + 3) % num_experts for ids in trainer])
+
+
+def test_align_row_count_mismatch_names_the_cause() -> None:
+    routed = vllm_rows(10 - 1 - 3, 3, 2, 8, dense=(1,))  # returned for prompt_start = 3
+    with pytest.raises(ValueError, match="prompt_start other than the request's"):
+        align(routed, 6, 4)  # the trainer assumes 0, as verl and NeMo RL do
+
+
 # ---- the runtime plugin never imports the bridge ----
 
 

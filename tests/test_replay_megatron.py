@@ -19,7 +19,17 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_ascend_routing.replay import Aligned, MegatronReplay, align, to_megatron
+from vllm_ascend_routing.replay import (
+    Aligned,
+    AlignmentError,
+    MegatronReplay,
+    align,
+    check_alignment,
+    model_routers,
+    recorded_routes,
+    set_model_targets,
+    to_megatron,
+)
 
 with warnings.catch_warnings():  # Megatron warns at import that Transformer Engine and Apex are absent
     warnings.simplefilter("ignore")
@@ -83,6 +93,14 @@ def routing_sets(routing_map: torch.Tensor) -> list[frozenset[int]]:
 
 def megatron_routers(moe_pattern: list[int], num_experts: int, top_k: int) -> list[Any]:
     """The routers of a Megatron transformer block with this MoE layer pattern (1 = MoE), in build order."""
+    block = megatron_block(moe_pattern, num_experts, top_k)
+    routers = [module for module in block.modules() if isinstance(module, TopKRouter)]
+    assert [router.router_replay for router in routers] == RouterReplay.global_router_replay_instances
+    return routers
+
+
+def megatron_block(moe_pattern: list[int], num_experts: int, top_k: int) -> Any:
+    """A Megatron transformer block with this MoE layer pattern (1 = MoE), routing replay on."""
     config = TransformerConfig(
         num_layers=len(moe_pattern),
         hidden_size=32,
@@ -97,10 +115,7 @@ def megatron_routers(moe_pattern: list[int], num_experts: int, top_k: int) -> li
         use_cpu_initialization=True,
         add_bias_linear=False,
     )
-    block = TransformerBlock(config, get_gpt_decoder_block_spec(config, use_transformer_engine=False))
-    routers = [module for module in block.modules() if isinstance(module, TopKRouter)]
-    assert [router.router_replay for router in routers] == RouterReplay.global_router_replay_instances
-    return routers
+    return TransformerBlock(config, get_gpt_decoder_block_spec(config, use_transformer_engine=False))
 
 
 CASES = {
@@ -194,3 +209,166 @@ def test_megatron_refuses_narrow_ids(fresh_replay: None) -> None:
     instance.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     with pytest.raises(RuntimeError, match="int64|Long"):
         topk_routing_with_score_function(torch.randn(1, 8), 2, router_replay=instance)
+
+
+# ---- the model's own routers, rows without recorded routing kept native ----
+
+
+def route(routers: list[Any], logits: list[torch.Tensor]) -> list[list[frozenset[int]]]:
+    with torch.no_grad():
+        return [routing_sets(router.routing(x)[1]) for router, x in zip(routers, logits, strict=True)]
+
+
+def set_action(routers: list[Any], action: Any) -> None:
+    for router in routers:
+        router.router_replay.set_router_replay_action(action)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
+def test_prompt_start_rows_stay_native_through_the_recipe(
+    dtype: type, model_parallel: None, fresh_replay: None
+) -> None:
+    """prompt_start = 3: the 3 prompt rows before it, each sample's last token and the padding are routed by
+    the trainer's own top-k, in REPLAY_FORWARD and REPLAY_BACKWARD; every other row is vLLM's."""
+    moe, num_layers, num_experts, top_k = (0, 2), 3, (8 if dtype is np.uint8 else 288), 2
+    rng = np.random.default_rng(2)
+    samples = [
+        vllm_request(rng, 7, 5, num_layers, moe, num_experts, top_k, dtype, prompt_start=3),
+        vllm_request(rng, 5, 4, num_layers, moe, num_experts, top_k, dtype, prompt_start=3),
+    ]
+    data = to_megatron(samples, moe, num_experts, pad_to=8)  # 12 + 4 padding, 9 + 7 padding
+    block = megatron_block([1, 0, 1], num_experts, top_k)
+    assert set_model_targets(block, data) == [0, 2]
+    routers = [router for _, router in model_routers(block)]
+    torch.manual_seed(2)
+    logits = [torch.randn(len(data.valid), 1, num_experts) for _ in moe]
+    native = route(routers, logits)
+    recorded = np.concatenate([np.pad(s.routes, ((0, (-len(s.routes)) % 8), (0, 0), (0, 0))) for s in samples])
+    valid = data.valid.numpy()
+    assert valid.sum() == (7 + 5 - 1 - 3) + (5 + 4 - 1 - 3) and (~valid).sum() == 3 + 1 + 4 + 3 + 1 + 7
+    for action in (RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD):
+        set_action(routers, action)
+        for j, got in enumerate(route(routers, logits)):
+            for n in range(len(valid)):
+                want = frozenset(recorded[n, moe[j]].tolist()) if valid[n] else native[j][n]
+                assert got[n] == want, f"{action}: layer {moe[j]} row {n} ({'replayed' if valid[n] else 'native'})"
+    # The filler ids would have been replayed without the mask: the test could fail.
+    fillers = [frozenset(row.tolist()) for row in data.indices[0][~data.valid]]
+    assert fillers != [native[0][n] for n in np.nonzero(~valid)[0]]
+
+
+def test_model_scoped_targets_survive_a_rebuilt_decoder_and_a_reference_model(
+    model_parallel: None, fresh_replay: None
+) -> None:
+    """Megatron's global list holds every router ever built: a decoder built and discarded, then the policy,
+    then a reference model. The positional form hands the policy's routers another model's rows (or refuses
+    the count); walking the policy reaches its own."""
+    num_experts, top_k, moe = 8, 2, (0, 2)
+    rng = np.random.default_rng(3)
+    data = to_megatron([vllm_request(rng, 6, 6, 3, moe, num_experts, top_k, np.uint8)], moe, num_experts)
+    megatron_block([1, 0, 1], num_experts, top_k)  # discarded (e.g. rebuilt with other settings)
+    policy = megatron_block([1, 0, 1], num_experts, top_k)
+    megatron_block([1, 0, 1], num_experts, top_k)  # the reference model
+    with pytest.raises(ValueError, match="does not match instances"):
+        RouterReplay.set_replay_data(data.indices)
+    set_model_targets(policy, data)
+    routers = [router for _, router in model_routers(policy)]
+    set_action(routers, RouterReplayAction.REPLAY_FORWARD)
+    logits = [torch.randn(len(data.valid), 1, num_experts) for _ in moe]
+    valid = np.nonzero(data.valid.numpy())[0]
+    for j, got in enumerate(route(routers, logits)):
+        assert [got[n] for n in valid] == [frozenset(data.indices[j][n].tolist()) for n in valid]
+    others = RouterReplay.global_router_replay_instances
+    assert all(r.target_topk_idx is None for r in others if all(r is not x.router_replay for x in routers))
+
+
+def test_model_routers_leave_mtp_out_and_refuse_foreign_layers(model_parallel: None, fresh_replay: None) -> None:
+    num_experts, top_k = 8, 2
+
+    class WithMTP(torch.nn.Module):  # GPTModel's layout: the MTP block is the decoder's sibling
+        def __init__(self) -> None:
+            super().__init__()
+            self.decoder = megatron_block([1, 0, 1], num_experts, top_k)
+            self.mtp = megatron_block([1], num_experts, top_k)
+
+    model = WithMTP()
+    assert [layer for layer, _ in model_routers(model)] == [0, 2]
+    assert [layer for layer, _ in model_routers([model.decoder])] == [0, 2]  # VPP chunks: a list
+    rng = np.random.default_rng(4)
+    request = vllm_request(rng, 5, 3, 3, (0, 1), num_experts, top_k, np.uint8)
+    with pytest.raises(ValueError, match=r"routes layer 2 .* MoE layers \[0, 1\]: read moe_layers"):
+        set_model_targets(model, to_megatron([request], (0, 1), num_experts))
+    with pytest.raises(ValueError, match="two routers"):
+        both = vllm_request(rng, 5, 3, 3, (0, 2), num_experts, top_k, np.uint8)
+        set_model_targets([model.decoder, model.decoder], to_megatron([both], (0, 2), num_experts))
+
+
+def test_shift_check_against_megatron_recorded_routing(model_parallel: None, fresh_replay: None) -> None:
+    """A RECORD forward gives the trainer's own routing; rows in place pass, rows shifted by one are refused."""
+    num_experts, top_k, moe = 8, 2, (0, 2)
+    rng = np.random.default_rng(5)
+    aligned = vllm_request(rng, 9, 7, 3, moe, num_experts, top_k, np.uint8)
+    data = to_megatron([aligned], moe, num_experts)
+    block = megatron_block([1, 0, 1], num_experts, top_k)
+    routers = [router for _, router in model_routers(block)]
+    # The trainer's logits favour vLLM's experts (as a trainer with the same weights does), with noise.
+    logits = [torch.randn(len(data.valid), 1, num_experts) for _ in moe]
+    for j, x in enumerate(logits):
+        x.view(-1, num_experts).scatter_add_(1, data.indices[j], torch.full(data.indices[j].shape, 4.0))
+    set_action(routers, RouterReplayAction.RECORD)
+    route(routers, logits)
+    recorded = recorded_routes(block, data.layers)
+    assert check_alignment(data, recorded) > 0.8  # most rows, as a trainer with the same weights
+    shifted = align(np.roll(np.asarray(aligned.routes[:-1], dtype=np.uint8), 1, axis=0), 9, 7)
+    with pytest.raises(AlignmentError, match="row t must be token t"):
+        check_alignment(to_megatron([shifted], moe, num_experts), recorded)
+
+
+@pytest.fixture
+def verl_router_replay() -> Iterator[Any]:
+    """verl's patched ``RouterReplay`` on Megatron's routers (``apply_router_replay_patch``), for this test only:
+    the classes verl patches get their attributes back afterwards."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    from verl.utils.megatron import router_replay_patch
+
+    patched = (TopKRouter, TransformerConfig, MoEAlltoAllTokenDispatcher)
+    saved = [dict(vars(cls)) for cls in patched]
+    router_replay_patch.RouterReplay.router_instances.clear()
+    router_replay_patch.apply_router_replay_patch()
+    yield router_replay_patch.RouterReplay
+    router_replay_patch.RouterReplay.router_instances.clear()
+    for cls, before in zip(patched, saved, strict=True):
+        for name in set(vars(cls)) - set(before):
+            delattr(cls, name)
+        for name, value in before.items():
+            if vars(cls).get(name) is not value:
+                setattr(cls, name, value)
+
+
+@pytest.mark.verl
+def test_the_mask_in_verls_form(model_parallel: None, fresh_replay: None, verl_router_replay: Any) -> None:
+    """Under verl's patched RouterReplay the bridge hands the mask to ``set_target_indices(idx, replay_mask=...)``
+    (verl's own native fallback): prompt_start = 3 rows, the last token and padding stay native."""
+    num_experts, top_k, moe = 8, 2, (0, 2)
+    rng = np.random.default_rng(6)
+    aligned = vllm_request(rng, 8, 5, 3, moe, num_experts, top_k, np.uint8, prompt_start=3)
+    data = to_megatron([aligned], moe, num_experts, pad_to=8)
+    block = megatron_block([1, 0, 1], num_experts, top_k)
+    routers = [router for _, router in model_routers(block)]
+    assert all(isinstance(router.router_replay, verl_router_replay) for router in routers)
+    set_model_targets(block, data)
+    assert all(router.router_replay.target_replay_mask is data.valid for router in routers)  # verl's own path
+    assert all("_vllm_ascend_routing_native" not in vars(router.router_replay) for router in routers)
+    logits = [torch.randn(len(data.valid), 1, num_experts) for _ in moe]
+    native = route(routers, logits)
+    from verl.utils.megatron.router_replay_patch import RouterReplayAction as VerlReplayAction
+
+    set_action(routers, VerlReplayAction.REPLAY_FORWARD)
+    valid = data.valid.numpy()
+    replayed = 0
+    for j, got in enumerate(route(routers, logits)):
+        for n in range(len(valid)):
+            want = frozenset(aligned.routes[n, moe[j]].tolist()) if valid[n] else native[j][n]
+            assert got[n] == want, f"layer {moe[j]} row {n}"
+        replayed += int(valid.sum())
+    assert replayed == 2 * (8 + 5 - 1 - 3)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     VLLM_ASCEND_ROUTING_TEST_REQUIRE: str = ""
     VLLM_ASCEND_ROUTING_TEST_SEED: str = ""
     VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC: str = ""
+    VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS: str = ""
 
 
 def _bool(name: str) -> Callable[[], bool]:
@@ -87,6 +88,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_ASCEND_ROUTING_TEST_SEED": lambda: os.getenv("VLLM_ASCEND_ROUTING_TEST_SEED", ""),
     # "SRC:OVERLAY" from scripts/ascend_src.py: the real vllm-ascend source the tests/ascend suite runs on.
     "VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC": lambda: os.getenv("VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC", ""),
+    # Space-separated Python interpreters of trainer environments (scripts/venv.py trainer-MCORE: verl and a
+    # Megatron-Core release) that the trainer hand-off test feeds vLLM's arrays to.
+    "VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS": lambda: os.getenv("VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS", ""),
 }
 
 

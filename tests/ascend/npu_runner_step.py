@@ -161,6 +161,9 @@ def main() -> None:
     parser.add_argument("kind", choices=sorted(RUNNER_MODULES))
     parser.add_argument("--async", dest="use_async", action="store_true")
     parser.add_argument("--hybrid", action="store_true")
+    # verl's order: with VERL_VLLM_ASCEND_GLM52_PATCH=1 its vLLM utilities import vllm-ascend's own capture
+    # patch when imported, before vLLM loads any plugin.
+    parser.add_argument("--capture-patch-first", action="store_true")
     args = parser.parse_args()
 
     from tests.ascend import (
@@ -178,6 +181,8 @@ def main() -> None:
 
     runner_module = RUNNER_MODULES[args.kind]
     result: dict[str, Any] = {"imported_before_register": runner_module in sys.modules}
+    if args.capture_patch_first:
+        result["capture_patch_first"] = load_vllm_ascend_capture_patch()
     patch = pytest.MonkeyPatch()
     patch.setattr(current_platform, "device_type", "npu")
     vllm_ascend_routing.register()  # what vLLM's plugin loader runs in every process

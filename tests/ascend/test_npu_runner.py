@@ -40,9 +40,16 @@ CASES = [
 ]
 
 
+# The case run in verl's order (vllm-ascend's capture patch imported before the plugin registers); every test
+# of this module holds for it as for the others.
+VERL_ORDER_CASE = CASES[0] if CASES else None
+
+
 @functools.cache
 def run_step(kind: str, mode: str, hybrid: bool) -> dict[str, Any]:
     args = [kind] + (["--async"] if mode == "async" else []) + (["--hybrid"] if hybrid else [])
+    if (kind, mode, hybrid) == VERL_ORDER_CASE:
+        args.append("--capture-patch-first")
     done = subprocess.run(
         [sys.executable, "-m", "tests.ascend.npu_runner_step", *args],
         cwd=ROOT,
@@ -131,6 +138,24 @@ def test_vllm_ascend_own_binder_and_capture_stay_off(case: tuple[str, str, bool]
         assert steps["capturer"] == "RoutedExpertsCapturer"  # vLLM's own, handed the plugin's buffer
     if steps["router_hooks"]:  # router design: each router holds the plugin's capture, nothing else
         assert steps["router_hooks"] == ["LayerRecord"]
+
+
+def test_vllm_ascend_capture_patch_imported_first_as_verl_does() -> None:
+    """verl (``VERL_VLLM_ASCEND_GLM52_PATCH=1``) imports vllm-ascend's own capture patch before vLLM loads the
+    plugin: the plugin still owns the capture (rows exact, vllm-ascend's capture never called)."""
+    assert VERL_ORDER_CASE is not None
+    steps = run_step(*VERL_ORDER_CASE)
+    if ASCEND_RELEASE == "0.20.2rc1":  # no such patch in that release: verl's import would fail there
+        assert steps["capture_patch_first"] is False
+        return
+    assert steps["capture_patch_first"] is True
+    assert "refused" not in steps, steps.get("refused")
+    assert steps["vllm_ascend_capture_calls"] == 0
+    assert steps["capturer_capture_module"] == "vllm_ascend.patch.worker.patch_routed_experts_capture"
+    assert all(
+        step["shipped_rows"] == step["expected"] if "shipped_rows" in step else step["stored_rows"] == step["expected"]
+        for step in steps["steps"]
+    )
 
 
 def test_a_runner_that_cannot_serve_routed_experts_is_refused() -> None:
