@@ -215,6 +215,39 @@ def test_align_row_count_mismatch_names_the_cause() -> None:
         align(routed, 6, 4)  # the trainer assumes 0, as verl and NeMo RL do
 
 
+# Framework conventions, as documented facts (docs/training.md); NeMo RL and slime are not on the registry.
+
+
+def nemo_rl_carry_dtype(num_experts: int) -> np.dtype:
+    """NeMo RL: the narrowest signed dtype holding expert ids and its -1 sentinel."""
+    return np.dtype(np.int8 if num_experts - 1 <= 127 else np.int16 if num_experts - 1 <= 32767 else np.int32)
+
+
+def slime_accepts(rows: int, num_tokens: int, start: int) -> bool:
+    """slime: one row per token forwarded, from its own start offset."""
+    return rows == num_tokens - 1 - start
+
+
+@pytest.mark.parametrize(("num_experts", "dtype"), [(8, np.uint8), (128, np.uint8), (129, np.uint8), (300, np.uint16)])
+def test_for_nemo_rl_rows_at_their_tokens_sentinel_and_carry_dtype(num_experts: int, dtype: type) -> None:
+    prompt_len, output_len, prompt_start = 7, 5, 3  # T = 12
+    routed = vllm_rows(12 - 1 - prompt_start, 2, 2, num_experts, dtype=dtype, seed=num_experts)
+    rows = replay.for_nemo_rl(align(routed, prompt_len, output_len, prompt_start), num_experts)
+    assert rows.shape == (12 - 1, 2, 2) and rows.dtype == nemo_rl_carry_dtype(num_experts)  # valid_len - 1 rows
+    assert (rows[:prompt_start] == -1).all()  # NeMo RL's missing-route sentinel: native routing
+    np.testing.assert_array_equal(rows[prompt_start:].astype(np.int64), routed.astype(np.int64))  # row t = token t
+    if num_experts > 256:
+        assert rows.max() > 255 and rows.dtype.kind == "i"  # not the uint16 NeMo RL's conversion fails on
+
+
+def test_slime_row_count_rule_is_aligns() -> None:
+    for prompt_start in (0, 4):
+        routed = vllm_rows(9 + 6 - 1 - prompt_start, 2, 2, 8)
+        assert slime_accepts(len(routed), 9 + 6, start=prompt_start)  # slime's start offset = prompt_start
+        align(routed, 9, 6, prompt_start)  # the same rule
+        assert not slime_accepts(len(routed), 9 + 6, start=prompt_start + 1)
+
+
 # ---- the runtime plugin never imports the bridge ----
 
 

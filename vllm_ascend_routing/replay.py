@@ -39,6 +39,7 @@ __all__ = [
     "align",
     "check",
     "check_alignment",
+    "for_nemo_rl",
     "keep_native",
     "model_routers",
     "moe_layers",
@@ -248,6 +249,24 @@ def to_megatron(
     packed[~valid_all] = filler[~valid_all][:, None, :]
     indices = [torch.from_numpy(np.ascontiguousarray(packed[:, j])) for j in range(len(layers))]
     return MegatronReplay(indices, torch.from_numpy(valid_all), tuple(layers))
+
+
+def for_nemo_rl(aligned: Aligned | tuple[np.ndarray, np.ndarray], num_experts: int) -> np.ndarray:
+    """One sample in NeMo RL's form: `[T-1, num_layers, top_k]`, row ``t`` = token ``t``, ``-1`` (its missing-route
+    sentinel: route natively) in rows without recorded routing, in its carry dtype for ``num_experts`` (the
+    narrowest signed integer holding ``num_experts - 1``: int8, int16, int32).
+
+    NeMo RL reads vLLM's array from token 0; with ``routed_experts_prompt_start > 0`` it would take row 0 for
+    token 0. This puts the rows at their tokens and the prompt rows before ``prompt_start`` on native routing.
+    A signed dtype also spares NeMo RL's conversion the uint16 arrays (more than 256 experts) it fails on.
+    """
+    routes, valid = np.asarray(aligned[0]), np.asarray(aligned[1], dtype=bool)
+    dtype = next(d for d in (np.int8, np.int16, np.int32) if num_experts - 1 <= np.iinfo(d).max)
+    rows = routes[:-1].copy()
+    rows[~valid[:-1]] = INVALID
+    if rows.size and (rows.max() >= num_experts or rows[valid[:-1]].min(initial=0) < 0):
+        raise ValueError(f"an expert id outside [0, {num_experts}) in the recorded rows")
+    return rows.astype(dtype)
 
 
 def model_routers(model: Any) -> list[tuple[int, Any]]:
