@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -67,6 +67,11 @@ def fresh_replay() -> Iterator[None]:
     RouterReplay.clear_global_router_replay_instances()
 
 
+class Request(NamedTuple):
+    aligned: Aligned  # the bridge's input: align() of the array as vLLM returned it
+    truth: np.ndarray  # [T, num_layers, top_k]: token t's routing as inference chose it, -1 where none was recorded
+
+
 def vllm_request(
     rng: np.random.Generator,
     prompt_len: int,
@@ -77,14 +82,17 @@ def vllm_request(
     top_k: int,
     dtype: type,
     prompt_start: int = 0,
-) -> Aligned:
-    """A request as vLLM returns it (inference's own top-k, dense rows zero), aligned."""
+) -> Request:
+    """A request as vLLM returns it (inference's own top-k, dense rows zero), aligned, and the truth the test
+    compares with, placed on the token axis here (not by the bridge)."""
     first = prompt_start if dtype is not np.int32 else 0
     rows = prompt_len + output_len - 1 - first
     routed = np.zeros((rows, num_layers, top_k), dtype=dtype)
     for layer in moe_layers:
         routed[:, layer] = np.argsort(-rng.random((rows, num_experts)), axis=1)[:, :top_k]
-    return align(routed, prompt_len, output_len, prompt_start)
+    truth = np.full((prompt_len + output_len, num_layers, top_k), -1, dtype=np.int64)
+    truth[first : first + rows] = routed
+    return Request(align(routed, prompt_len, output_len, prompt_start), truth)
 
 
 def routing_sets(routing_map: torch.Tensor) -> list[frozenset[int]]:
@@ -130,12 +138,12 @@ CASES = {
 def test_megatron_replays_vllm_rows(case: str, model_parallel: None, fresh_replay: None) -> None:
     moe, num_layers, num_experts, top_k, dtype = CASES[case]
     rng = np.random.default_rng(0)
-    samples = [
+    requests = [
         vllm_request(rng, 7, 5, num_layers, moe, num_experts, top_k, dtype),
         vllm_request(rng, 9, 3, num_layers, moe, num_experts, top_k, dtype, prompt_start=0 if dtype is np.int32 else 4),
         vllm_request(rng, 2, 6, num_layers, moe, num_experts, top_k, dtype),
     ]
-    replay: MegatronReplay = to_megatron(samples, moe, num_experts, pad_to=4)
+    replay: MegatronReplay = to_megatron([r.aligned for r in requests], moe, num_experts, pad_to=4)
     routers = megatron_routers([1 if layer in moe else 0 for layer in range(num_layers)], num_experts, top_k)
     assert [router.layer_number for router in routers] == [layer + 1 for layer in moe]  # Megatron counts from 1
 
@@ -144,7 +152,7 @@ def test_megatron_replays_vllm_rows(case: str, model_parallel: None, fresh_repla
             RouterReplay.set_replay_data([replay.indices[0]] * num_layers)
     RouterReplay.set_replay_data(replay.indices)
     valid = replay.valid.numpy()
-    recorded = np.concatenate([np.pad(s.routes, ((0, (-len(s.routes)) % 4), (0, 0), (0, 0))) for s in samples])
+    recorded = np.concatenate([np.pad(r.truth, ((0, (-len(r.truth)) % 4), (0, 0), (0, 0))) for r in requests])
     num_tokens = len(valid)
     torch.manual_seed(0)
     trainer_logits = [torch.randn(num_tokens, 1, num_experts) for _ in moe]  # [seq, batch, experts], THD: batch 1
@@ -175,8 +183,8 @@ def test_megatron_sigmoid_group_limited_routing_replays(fresh_replay: None) -> N
     function with one RouterReplay per MoE layer."""
     num_experts, top_k, moe = 320, 8, (1, 3)
     rng = np.random.default_rng(1)
-    samples = [vllm_request(rng, 11, 6, 4, moe, num_experts, top_k, np.uint16) for _ in range(2)]
-    replay = to_megatron(samples, moe, num_experts)
+    requests = [vllm_request(rng, 11, 6, 4, moe, num_experts, top_k, np.uint16) for _ in range(2)]
+    replay = to_megatron([r.aligned for r in requests], moe, num_experts)
     instances = [RouterReplay() for _ in moe]
     RouterReplay.set_replay_data(replay.indices)
     RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
@@ -198,7 +206,7 @@ def test_megatron_sigmoid_group_limited_routing_replays(fresh_replay: None) -> N
         assert routing_sets(routing_map) == [frozenset(row.tolist()) for row in ids]
         scores = torch.sigmoid(logits).gather(1, ids)  # without the bias, as Megatron gathers them
         torch.testing.assert_close(probs.gather(1, ids), 2.5 * scores / scores.sum(dim=1, keepdim=True))
-        recorded = np.concatenate([s.routes[:, moe[j]] for s in samples])
+        recorded = np.concatenate([r.truth[:, moe[j]] for r in requests])
         np.testing.assert_array_equal(ids.numpy()[replay.valid.numpy()], recorded[replay.valid.numpy()])
 
 
@@ -232,18 +240,18 @@ def test_prompt_start_rows_stay_native_through_the_recipe(
     the trainer's own top-k, in REPLAY_FORWARD and REPLAY_BACKWARD; every other row is vLLM's."""
     moe, num_layers, num_experts, top_k = (0, 2), 3, (8 if dtype is np.uint8 else 288), 2
     rng = np.random.default_rng(2)
-    samples = [
+    requests = [
         vllm_request(rng, 7, 5, num_layers, moe, num_experts, top_k, dtype, prompt_start=3),
         vllm_request(rng, 5, 4, num_layers, moe, num_experts, top_k, dtype, prompt_start=3),
     ]
-    data = to_megatron(samples, moe, num_experts, pad_to=8)  # 12 + 4 padding, 9 + 7 padding
+    data = to_megatron([r.aligned for r in requests], moe, num_experts, pad_to=8)  # 12 + 4 padding, 9 + 7 padding
     block = megatron_block([1, 0, 1], num_experts, top_k)
     assert set_model_targets(block, data) == [0, 2]
     routers = [router for _, router in model_routers(block)]
     torch.manual_seed(2)
     logits = [torch.randn(len(data.valid), 1, num_experts) for _ in moe]
     native = route(routers, logits)
-    recorded = np.concatenate([np.pad(s.routes, ((0, (-len(s.routes)) % 8), (0, 0), (0, 0))) for s in samples])
+    recorded = np.concatenate([np.pad(r.truth, ((0, (-len(r.truth)) % 8), (0, 0), (0, 0))) for r in requests])
     valid = data.valid.numpy()
     assert valid.sum() == (7 + 5 - 1 - 3) + (5 + 4 - 1 - 3) and (~valid).sum() == 3 + 1 + 4 + 3 + 1 + 7
     for action in (RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD):
@@ -265,7 +273,8 @@ def test_model_scoped_targets_survive_a_rebuilt_decoder_and_a_reference_model(
     the count); walking the policy reaches its own."""
     num_experts, top_k, moe = 8, 2, (0, 2)
     rng = np.random.default_rng(3)
-    data = to_megatron([vllm_request(rng, 6, 6, 3, moe, num_experts, top_k, np.uint8)], moe, num_experts)
+    request = vllm_request(rng, 6, 6, 3, moe, num_experts, top_k, np.uint8)
+    data = to_megatron([request.aligned], moe, num_experts)
     megatron_block([1, 0, 1], num_experts, top_k)  # discarded (e.g. rebuilt with other settings)
     policy = megatron_block([1, 0, 1], num_experts, top_k)
     megatron_block([1, 0, 1], num_experts, top_k)  # the reference model
@@ -277,7 +286,7 @@ def test_model_scoped_targets_survive_a_rebuilt_decoder_and_a_reference_model(
     logits = [torch.randn(len(data.valid), 1, num_experts) for _ in moe]
     valid = np.nonzero(data.valid.numpy())[0]
     for j, got in enumerate(route(routers, logits)):
-        assert [got[n] for n in valid] == [frozenset(data.indices[j][n].tolist()) for n in valid]
+        assert [got[n] for n in valid] == [frozenset(request.truth[n, moe[j]].tolist()) for n in valid]
     others = RouterReplay.global_router_replay_instances
     assert all(r.target_topk_idx is None for r in others if all(r is not x.router_replay for x in routers))
 
@@ -295,11 +304,11 @@ def test_model_routers_leave_mtp_out_and_refuse_foreign_layers(model_parallel: N
     assert [layer for layer, _ in model_routers(model)] == [0, 2]
     assert [layer for layer, _ in model_routers([model.decoder])] == [0, 2]  # VPP chunks: a list
     rng = np.random.default_rng(4)
-    request = vllm_request(rng, 5, 3, 3, (0, 1), num_experts, top_k, np.uint8)
+    request = vllm_request(rng, 5, 3, 3, (0, 1), num_experts, top_k, np.uint8).aligned
     with pytest.raises(ValueError, match=r"routes layer 2 .* MoE layers \[0, 1\]: read moe_layers"):
         set_model_targets(model, to_megatron([request], (0, 1), num_experts))
     with pytest.raises(ValueError, match="two routers"):
-        both = vllm_request(rng, 5, 3, 3, (0, 2), num_experts, top_k, np.uint8)
+        both = vllm_request(rng, 5, 3, 3, (0, 2), num_experts, top_k, np.uint8).aligned
         set_model_targets([model.decoder, model.decoder], to_megatron([both], (0, 2), num_experts))
 
 
@@ -307,19 +316,20 @@ def test_shift_check_against_megatron_recorded_routing(model_parallel: None, fre
     """A RECORD forward gives the trainer's own routing; rows in place pass, rows shifted by one are refused."""
     num_experts, top_k, moe = 8, 2, (0, 2)
     rng = np.random.default_rng(5)
-    aligned = vllm_request(rng, 9, 7, 3, moe, num_experts, top_k, np.uint8)
-    data = to_megatron([aligned], moe, num_experts)
+    request = vllm_request(rng, 9, 7, 3, moe, num_experts, top_k, np.uint8)
+    data = to_megatron([request.aligned], moe, num_experts)
     block = megatron_block([1, 0, 1], num_experts, top_k)
     routers = [router for _, router in model_routers(block)]
-    # The trainer's logits favour vLLM's experts (as a trainer with the same weights does), with noise.
+    # The trainer's logits favour inference's experts (as a trainer with the same weights does), with noise.
     logits = [torch.randn(len(data.valid), 1, num_experts) for _ in moe]
     for j, x in enumerate(logits):
-        x.view(-1, num_experts).scatter_add_(1, data.indices[j], torch.full(data.indices[j].shape, 4.0))
+        chosen = torch.from_numpy(np.where(request.truth[:, moe[j]] < 0, 0, request.truth[:, moe[j]]))
+        x.view(-1, num_experts).scatter_add_(1, chosen, torch.full(chosen.shape, 4.0))
     set_action(routers, RouterReplayAction.RECORD)
     route(routers, logits)
     recorded = recorded_routes(block, data.layers)
     assert check_alignment(data, recorded) > 0.8  # most rows, as a trainer with the same weights
-    shifted = align(np.roll(np.asarray(aligned.routes[:-1], dtype=np.uint8), 1, axis=0), 9, 7)
+    shifted = align(np.roll(request.truth[:-1].astype(np.uint8), 1, axis=0), 9, 7)
     with pytest.raises(AlignmentError, match="row t must be token t"):
         check_alignment(to_megatron([shifted], moe, num_experts), recorded)
 
@@ -351,8 +361,8 @@ def test_the_mask_in_verls_form(model_parallel: None, fresh_replay: None, verl_r
     (verl's own native fallback): prompt_start = 3 rows, the last token and padding stay native."""
     num_experts, top_k, moe = 8, 2, (0, 2)
     rng = np.random.default_rng(6)
-    aligned = vllm_request(rng, 8, 5, 3, moe, num_experts, top_k, np.uint8, prompt_start=3)
-    data = to_megatron([aligned], moe, num_experts, pad_to=8)
+    request = vllm_request(rng, 8, 5, 3, moe, num_experts, top_k, np.uint8, prompt_start=3)
+    data = to_megatron([request.aligned], moe, num_experts, pad_to=8)
     block = megatron_block([1, 0, 1], num_experts, top_k)
     routers = [router for _, router in model_routers(block)]
     assert all(isinstance(router.router_replay, verl_router_replay) for router in routers)
@@ -368,7 +378,7 @@ def test_the_mask_in_verls_form(model_parallel: None, fresh_replay: None, verl_r
     replayed = 0
     for j, got in enumerate(route(routers, logits)):
         for n in range(len(valid)):
-            want = frozenset(aligned.routes[n, moe[j]].tolist()) if valid[n] else native[j][n]
+            want = frozenset(request.truth[n, moe[j]].tolist()) if valid[n] else native[j][n]
             assert got[n] == want, f"layer {moe[j]} row {n}"
         replayed += int(valid.sum())
     assert replayed == 2 * (8 + 5 - 1 - 3)
