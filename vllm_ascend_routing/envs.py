@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     VLLM_ASCEND_ROUTING_TEST_SEED: str = ""
     VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC: str = ""
     VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS: str = ""
+    VLLM_ASCEND_ROUTING_TEST_TRAINER_RELEASES: str = ""
 
 
 def _bool(name: str) -> Callable[[], bool]:
@@ -91,6 +92,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Space-separated Python interpreters of trainer environments (scripts/venv.py trainer-MCORE: verl and a
     # Megatron-Core release) that the trainer hand-off test feeds vLLM's arrays to.
     "VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS": lambda: os.getenv("VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS", ""),
+    # vLLM releases besides 0.30.0 the trainer hand-off test runs on (space-separated, or "all").
+    "VLLM_ASCEND_ROUTING_TEST_TRAINER_RELEASES": lambda: os.getenv("VLLM_ASCEND_ROUTING_TEST_TRAINER_RELEASES", ""),
 }
 
 

@@ -102,11 +102,25 @@ def model_config(architecture: str) -> Any:
             decoder_sparse_step=1,
             mlp_only_layers=[],
         )
+    if architecture == "qwen3_moe_wide":
+        # More than 256 experts: vLLM returns uint16 (uint8 would wrap). Layer 0 is dense (DeepSeek-style
+        # first dense layer). Tiny experts (2 x 32 gate/up rows: vLLM's CPU grouped GEMM) keep it cheap.
+        return transformers.Qwen3MoeConfig(
+            **_common(),
+            num_hidden_layers=3,
+            num_experts=288,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            intermediate_size=256,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],
+        )
     raise ValueError(f"unknown architecture {architecture!r}; choose from {', '.join(ALL_ARCHITECTURES)}")
 
 
 ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen3_moe_dense")  # the e2e suite's models
-ALL_ARCHITECTURES = (*ARCHITECTURES, "qwen3_moe_bench")
+ALL_ARCHITECTURES = (*ARCHITECTURES, "qwen3_moe_bench", "qwen3_moe_wide")
 
 
 def _describe(path: Path, architecture: str, config: Any) -> TinyMoE:

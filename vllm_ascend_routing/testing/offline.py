@@ -40,13 +40,16 @@ def make_llm(model: TinyMoE, *, enforce_eager: bool = True, **kwargs: Any) -> An
     return LLM(**options)
 
 
-def generate(llm: Any, prompts: list[list[int]], max_tokens: int | list[int] = 8) -> list[Completion]:
+def generate(
+    llm: Any, prompts: list[list[int]], max_tokens: int | list[int] = 8, prompt_start: int = 0
+) -> list[Completion]:
     """Greedy generation of exactly ``max_tokens`` tokens per prompt (one value, or one per prompt; EOS
-    ignored), in prompt order."""
+    ignored), in prompt order; ``prompt_start`` > 0 asks vLLM 0.22+ for rows from that prompt token on."""
     from vllm import SamplingParams
 
     counts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in counts]
+    start = {"routed_experts_prompt_start": prompt_start} if prompt_start else {}
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **start) for n in counts]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [
         Completion(

@@ -3,11 +3,13 @@
 
     python -m vllm_ascend_routing.testing.scenarios offline --arch qwen3_moe --mode compiled
     python -m vllm_ascend_routing.testing.scenarios serve --arch mixtral
+    python -m vllm_ascend_routing.testing.scenarios verl-handoff --arch qwen3_moe_wide --out DIR
 
 ``offline`` runs, in one engine: a batch of mixed-length prompts (``batch``), a repeat of the first
 prompt served from the prefix cache (``prefix_repeat``), and a prompt longer than
 ``max_num_batched_tokens`` (``chunked_prefill``). Every returned row is compared with the transformers
-reference. ``serve`` does the same batch through the OpenAI completions API on loopback.
+reference. ``serve`` does the same batch through the OpenAI completions API on loopback. ``verl-handoff``
+saves vLLM's arrays for verl's R3 code in a trainer environment (``testing/verl_handoff.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_ascend_routing.testing import distributed, models, offline
+from vllm_ascend_routing.testing import distributed, models, offline, verl_handoff
 from vllm_ascend_routing.testing.bypass import run_bypass
 from vllm_ascend_routing.testing.data_parallel import run_data_parallel
 from vllm_ascend_routing.testing.server import Server, post
@@ -261,7 +263,8 @@ def run_serve(arch: str, num_prompts: int, spec: str = "none", k: int = 3) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument(
-        "scenario", choices=["offline", "serve", "speculative", "data-parallel", "bypass", "distributed"]
+        "scenario",
+        choices=["offline", "serve", "speculative", "data-parallel", "bypass", "distributed", "verl-handoff"],
     )
     parser.add_argument("--bypass", default="removed-hook", choices=["removed-hook", "xlite"], help="bypass: which")
     parser.add_argument(
@@ -271,7 +274,8 @@ def main() -> None:
         help="data-parallel: one server with both engines, or a second headless process",
     )
     parser.add_argument("--ep", action="store_true", help="data-parallel: with --enable-expert-parallel")
-    parser.add_argument("--arch", default="qwen3_moe", choices=models.ARCHITECTURES)
+    parser.add_argument("--arch", default="qwen3_moe", choices=models.ALL_ARCHITECTURES)
+    parser.add_argument("--out", default="", help="verl-handoff: where to write the arrays (a folder per model)")
     parser.add_argument("--mode", default="eager", choices=["eager", "compiled"])
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (offline)")
@@ -291,6 +295,8 @@ def main() -> None:
         result = distributed.run_distributed(args.arch, args.cases.split(","), args.mode)
     elif args.scenario == "bypass":
         result = run_bypass(args.arch, args.bypass)
+    elif args.scenario == "verl-handoff":
+        result = verl_handoff.run_verl_handoff(args.arch, Path(args.out), model_dir())
     elif args.scenario == "speculative":
         result = run_speculative(args.arch, args.spec, args.k)
     else:
