@@ -310,6 +310,7 @@ def set_model_targets(model: Any, data: MegatronReplay, *, native_rows: bool = T
     routers = model_routers(model)
     if not routers:
         raise ValueError("the model has no Megatron TopKRouter: nothing to replay")
+    mask = data.valid if native_rows and not bool(data.valid.all()) else None
     done: list[int] = []
     for layer, router in routers:
         if router.router_replay is None:
@@ -321,7 +322,6 @@ def set_model_targets(model: Any, data: MegatronReplay, *, native_rows: bool = T
                 f"the model routes layer {layer} (Megatron layer_number {layer + 1}) but the rows hold MoE layers "
                 f"{list(data.layers)}: read moe_layers from the config the model was built from"
             )
-        mask = data.valid if native_rows and not bool(data.valid.all()) else None
         _set_targets(router.router_replay, data.indices[position[layer]], mask)
         done.append(layer)
     return sorted(done)
@@ -419,8 +419,8 @@ def check_alignment(data: MegatronReplay, recorded: Sequence[torch.Tensor], min_
     """
     if len(recorded) != len(data.indices):
         raise ValueError(f"{len(recorded)} recorded tensors for {len(data.indices)} MoE layers")
-    valid = data.valid.numpy().astype(bool)
-    ours = [np.sort(ids.numpy(), axis=1) for ids in data.indices]
+    valid = data.valid.detach().cpu().numpy().astype(bool)
+    ours = [np.sort(ids.detach().cpu().numpy(), axis=1) for ids in data.indices]
     theirs = [np.sort(np.asarray(r.detach().cpu().numpy(), dtype=np.int64), axis=1) for r in recorded]
     if any(t.shape != o.shape for t, o in zip(theirs, ours, strict=True)):
         raise AlignmentError(f"recorded routing of shape {theirs[0].shape} for rows of shape {ours[0].shape}")
