@@ -53,9 +53,14 @@ TRAINERS = envs.VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS.split()
 
 
 @pytest.fixture(scope="module")
-def handoff(scenario: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+def handoff(scenario: Any, tmp_path_factory: pytest.TempPathFactory, generation: str) -> dict[str, dict[str, Any]]:
     """One engine per model writes its arrays (the scenario's verdict per model)."""
     release = distributed.vllm_release()
+    if generation == "shm":
+        pytest.skip(
+            f"vLLM {release} (0.20.x) has no routed_experts_prompt_start and verl 0.9.1 refuses vLLM < 0.22; "
+            "the bridge's int32 rows are tested in tests/test_replay.py and tests/test_replay_megatron.py"
+        )
     if not selected(release):
         pytest.skip(
             f"trainer hand-off runs on vLLM {FULL_RELEASE} in make test; on {release}: "
