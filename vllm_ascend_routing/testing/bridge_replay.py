@@ -76,6 +76,7 @@ def replay_pass(path: Path, meta: dict[str, Any], prompt_start: int, seed: int) 
     logits = {layer: torch.randn(len(data.valid), 1, meta["num_experts"], generator=generator) for layer in layers}
     with torch.no_grad():
         native = {layer: routed_sets(routers[layer].routing(logits[layer])[1]) for layer in layers}
+    expected = {layer: expected_rows(path, prompt_start, layer) for layer in layers}  # read once, both passes
     counts = {"replayed": 0, "native": 0, "wrong": 0, "discriminating": 0}
     problems: list[str] = []
     for action in (RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD):
@@ -86,7 +87,7 @@ def replay_pass(path: Path, meta: dict[str, Any], prompt_start: int, seed: int) 
         for layer in layers:
             with torch.no_grad():
                 got = routed_sets(routers[layer].routing(logits[layer])[1])
-            for n, want in enumerate(expected_rows(path, prompt_start, layer)):
+            for n, want in enumerate(expected[layer]):
                 if got[n] == (native[layer][n] if want is None else want):
                     counts["native" if want is None else "replayed"] += 1
                     counts["discriminating"] += int(want is not None and want != native[layer][n])
@@ -108,7 +109,6 @@ def shift_check(path: Path, meta: dict[str, Any], prompt_start: int) -> dict[str
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     requests = requests_of(path, prompt_start)
-    handoff = load_handoff(path)
     with np.load(path / ARRAYS) as arrays:
         reference_logits = [arrays[f"logits_{i}"] for i in range(len(requests))]
     block, _ = megatron_block(meta, tp=1)
@@ -136,7 +136,7 @@ def shift_check(path: Path, meta: dict[str, Any], prompt_start: int) -> dict[str
         result["shift_refused"] = ""
     except replay.AlignmentError as error:
         result["shift_refused"] = str(error)
-    result["requests"] = len(handoff.routed)
+    result["requests"] = len(requests)
     return result
 
 
