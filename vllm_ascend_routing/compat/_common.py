@@ -52,7 +52,8 @@ def refuse_unrepresentable_ids(prepared: PreparedCapture, generation: str) -> No
 
 
 def attach_buffer(prepared: PreparedCapture, capturer: Any) -> None:
-    """Hand vLLM's capturer the prepared buffer in place of the one it allocated (same shape and device).
+    """Hand vLLM's capturer the prepared buffer in place of the one it allocated (same shape and device), then
+    let vLLM's binder bind the layers left to it.
 
     Done before the runner allocates anything derived from it (pinned host mirrors, snapshots) and before
     any graph capture; never reallocated."""
@@ -63,6 +64,8 @@ def attach_buffer(prepared: PreparedCapture, capturer: Any) -> None:
             f"does not match the prepared {tuple(prepared.buffer.shape)} on {prepared.buffer.device}."
         )
     capturer.device_buffer = prepared.buffer
+    # Layers only vLLM's binder can bind, bound by it now, into that same buffer (``backends.upstream``).
+    backends.upstream.bind(prepared.deferred, capturer)
 
 
 # vllm-ascend's V1 runner snapshots the routed-experts slot mapping of KV cache group 0 (its own
@@ -170,8 +173,18 @@ def bind_target_model(
         # Zero experts' ids follow the routed experts': recorded as what they are, not as invalid.
         return LayerCapture(buffer, layer_id, num_experts + zero_experts, errors, layout)
 
-    bound = backends.bind_model(model, make_capture)
-    prepared = PreparedCapture.bound(buffer, errors, num_experts, tuple(layer_ids), id_range)
+    deferred: list[torch.nn.Module] = []
+
+    def defer(layer_id: int, module: torch.nn.Module) -> None:
+        if not 0 <= layer_id < num_layers:
+            raise backends.UnboundLayerError(
+                f"MoE layer id {layer_id} is outside the {num_layers} hidden layers of the output."
+            )
+        layer_ids.append(layer_id)
+        deferred.append(module)
+
+    bound = backends.bind_model(model, make_capture, defer)
+    prepared = PreparedCapture.bound(buffer, errors, num_experts, tuple(layer_ids), id_range, tuple(deferred))
     count = sum(bound.values())
     logger.info(
         "routed-experts capture bound to %d MoE layers at load (backend %s): buffer %s %s, %d experts, %s",
