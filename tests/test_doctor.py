@@ -61,6 +61,45 @@ def test_doctor_passes_on_this_release(tmp_path: Path) -> None:
     assert any("rows exact" in line and "batch" in line for line in lines)
 
 
+@pytest.mark.vllm
+@pytest.mark.e2e
+def test_doctor_checks_a_users_own_model(tmp_path: Path) -> None:
+    """``doctor --model PATH``: strict validation and the always-on check on a model the user names (here an
+    e2e model with a dense layer), per-layer rows: the dense layer's all zero, every MoE layer's none. Its code
+    is vLLM's public API and the plugin's checks, the same on every generation: it runs on the newest
+    (aux-output; make e2e-0.32.0)."""
+    from vllm_ascend_routing.compat import get_api
+    from vllm_ascend_routing.testing import models
+
+    if get_api().generation.value != "aux-output":
+        pytest.skip("doctor --model is generation-independent; it runs on the aux-output generation (0.32.0)")
+
+    model = models.build_tiny_moe("qwen3_moe_dense", tmp_path / "model")
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "cache")}
+    command = ["doctor", "--model", str(model.path), "--prompts", "3", "--max-tokens", "6", "--mode", "eager"]
+    done = subprocess.run(
+        [sys.executable, "-m", "vllm_ascend_routing", *command],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=tmp_path,
+    )
+    lines = done.stdout.strip().splitlines()
+    verdicts = [line for line in lines if line.startswith(doctor.VERDICT)]
+    assert done.returncode == 0 and verdicts == [doctor.VERDICT + "PASS"], done.stdout[-3000:] + done.stderr[-3000:]
+    table = lines[lines.index("  layer    rows  all-zero  experts routed to") + 1 :][: model.num_hidden_layers]
+    rows = {int(layer): (int(n), int(zero), int(experts)) for layer, n, zero, experts in map(str.split, table)}
+    assert set(rows) == set(range(model.num_hidden_layers))
+    for layer, (n, zero, experts) in rows.items():
+        assert n > 0
+        if layer in model.moe_layers:
+            assert zero == 0 and experts > model.top_k, (layer, rows)
+        else:
+            assert zero == n and experts == 1, (layer, rows)  # a dense layer: vLLM's zeros
+    assert any("strict validation passed" in line and "always-on check" in line for line in lines)
+
+
 def test_doctor_knows_the_platforms_the_runner_hooks_know() -> None:
     from vllm_ascend_routing.runner_mixin import RUNNER_CLASSES
 

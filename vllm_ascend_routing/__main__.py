@@ -66,6 +66,16 @@ def main() -> None:
         choices=["cuda", "cpu", "npu"],
         help="check the targets of this platform (default: vLLM's current platform)",
     )
+    check.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="the self-check engine's dtype (auto: float32 on the CPU, else bfloat16 where supported, else float16)",
+    )
+    check.add_argument("--model", help="check the plugin on this model (a path or name vLLM loads) instead")
+    check.add_argument("--tensor-parallel-size", type=int, default=1, help="with --model: vLLM's TP size")
+    check.add_argument("--max-tokens", type=int, default=16, help="with --model: tokens generated per prompt")
+    check.add_argument("--trust-remote-code", action="store_true", help="with --model: passed to vLLM")
     replay = sub.add_parser(
         "replay-check",
         help="vLLM's rows replayed in a transformers trainer: routing agreement "
@@ -89,7 +99,22 @@ def main() -> None:
     if args.command == "doctor":
         from vllm_ascend_routing import doctor
 
-        sys.exit(doctor.run(args.prompts, args.mode, surface=args.surface, platform=args.platform))
+        options = {
+            "tensor_parallel_size": args.tensor_parallel_size,
+            "max_tokens": args.max_tokens,
+            "trust_remote_code": args.trust_remote_code,
+        }
+        sys.exit(
+            doctor.run(
+                args.prompts,
+                args.mode,
+                surface=args.surface,
+                platform=args.platform,
+                dtype=args.dtype,
+                model=args.model,
+                model_options=options,
+            )
+        )
     sys.exit(demo(args.arch, args.prompts, args.mode))
 
 

@@ -3,12 +3,16 @@
 
 Prints the vLLM release, the API generation (or why it is refused), the platform, the kernel backend,
 every setting and every patch target the plugin relies on for that generation and platform, each checked
-against the installed source (``manifest``). Then runs vLLM with the plugin on the embedded tiny MoE and
-compares every returned row with the transformers reference. Ends with ``vllm-ascend-routing doctor: PASS``
-or ``... FAIL: <reason>``; exit status 0 / 1. Between the two, one line per kind of layer vLLM's own
-binder binds in that release, with whether the plugin binds it or leaves it to vLLM (a kind the plugin does not
-know fails). ``--surface`` stops after those checks (a release that cannot run here, e.g. a CUDA-only wheel):
+against the installed source (``manifest``), and one line per kind of layer vLLM's own binder binds in that
+release, with whether the plugin binds it or leaves it to vLLM (a kind the plugin does not know fails).
+``--surface`` stops there (a release that cannot run here, e.g. a CUDA-only wheel):
 ``PASS (static: N/N targets verified)``.
+
+Then runs vLLM with the plugin on the embedded tiny MoE in the platform's dtype (``--dtype``: float32 on the
+CPU, bfloat16 or float16 on GPUs and NPUs, the KV cache sized the platform's way) and compares every returned
+row with the float32 transformers reference, counting the near-tie flips that dtype's rounding allows.
+``--model PATH`` runs the user's own model instead (``model_check``). Ends with
+``vllm-ascend-routing doctor: PASS`` or ``... FAIL: <reason>``; exit status 0 / 1.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from vllm_ascend_routing import envs
 
 VERDICT = "vllm-ascend-routing doctor: "  # prefix of the last line (vLLM workers may log after it)
 PLATFORMS = ("cuda", "cpu", "npu")  # runner_mixin.RUNNER_CLASSES (not imported: doctor loads lazily)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def environment_report() -> tuple[list[tuple[str, str]], str | None]:
@@ -98,19 +103,33 @@ def _platform() -> str:
     return str(current_platform.device_type)
 
 
-def self_check(num_prompts: int, mode: str) -> tuple[bool, str]:
-    """Run the embedded tiny MoE through vLLM with the plugin; every row must equal the reference."""
+def self_check(num_prompts: int, mode: str, dtype: str = "float32") -> tuple[bool, str]:
+    """Run the embedded tiny MoE through vLLM with the plugin in ``dtype``; every row must equal the float32
+    reference, but for near-ties within ``dtype``'s rounding, which are counted (``compare.tie_tolerance``)."""
     os.environ["VLLM_ASCEND_ROUTING"] = "1"  # before the engine starts: the plugin loads with vLLM
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm_ascend_routing.testing import scenarios
 
-    result = scenarios.run_offline("qwen3_moe", mode, num_prompts)
+    result = scenarios.run_offline("qwen3_moe", mode, num_prompts, dtype=dtype)
     parts = [(name, result[name]) for name in ("batch", "chunked_prefill", "prefix_repeat")]
-    summary = ", ".join(f"{name} {part['matched']}/{part['rows']} rows exact" for name, part in parts)
+    summary = ", ".join(f"{name} {part['matched']}/{part['rows']} rows" for name, part in parts)
+    ties = sum(int(part["near_ties"]) for _, part in parts)
+    summary += f" exact, {ties} near-tie flips counted" if ties else " exact"
     failed = [f"{name}: {'; '.join(part['problems']) or 'mismatch'}" for name, part in parts if not part["ok"]]
     capture, problems = capture_report()
     failed += problems
     return not failed, f"{summary}; {capture}" if not failed else "; ".join(failed)
+
+
+def resolve_dtype(dtype: str) -> str:
+    """``auto``: the platform's choice (``testing.offline.platform_dtype``); anything else as given."""
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
+    if dtype != "auto":
+        return dtype
+    from vllm_ascend_routing.testing import offline
+
+    return offline.platform_dtype()
 
 
 def capture_report() -> tuple[str, list[str]]:
@@ -144,7 +163,12 @@ def run(
     print_fn: Callable[[str], Any] = _print,
     surface: bool = False,
     platform: str | None = None,
+    dtype: str = "auto",
+    model: str | None = None,
+    model_options: dict[str, Any] | None = None,
 ) -> int:
+    """The report, then the self-check in ``dtype`` (or, with ``model``, ``model_check`` on the user's model with
+    ``model_options``: tensor_parallel_size, max_tokens, trust_remote_code); 0 on PASS, 1 on FAIL."""
     lines, problem = environment_report()
     width = max(len(label) for label, _ in lines)
     print_fn("vllm-ascend-routing doctor")
@@ -175,8 +199,16 @@ def run(
     if surface:
         print_fn(f"{VERDICT}PASS (static: {verified}/{total} targets verified)")
         return 0
-    print_fn(f"self-check: tiny Qwen3-MoE, {num_prompts} prompts, {mode}, against transformers ...")
-    ok, detail = self_check(num_prompts, mode)
+    if model is not None:
+        from vllm_ascend_routing import model_check
+
+        ok, detail = model_check.run(model, print_fn, num_prompts, dtype=dtype, mode=mode, **(model_options or {}))
+        print_fn(f"  {detail}")
+        print_fn(f"{VERDICT}PASS" if ok else f"{VERDICT}FAIL: {detail}")
+        return 0 if ok else 1
+    chosen = resolve_dtype(dtype)
+    print_fn(f"self-check: tiny Qwen3-MoE, {num_prompts} prompts, {mode}, {chosen}, against float32 transformers ...")
+    ok, detail = self_check(num_prompts, mode, chosen)
     print_fn(f"  {detail}")
     print_fn(f"{VERDICT}PASS" if ok else f"{VERDICT}FAIL: {detail}")
     return 0 if ok else 1

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 import numpy as np
+import pytest
 
-from vllm_ascend_routing.testing.compare import compare
+from vllm_ascend_routing.testing.compare import TIE_EPS, compare
 
 
 def reference() -> np.ndarray:
@@ -78,3 +79,40 @@ def test_later_layers_of_a_tied_token_follow_the_tie_only() -> None:
     assert result.ok and result.ties == 2
     got[2, 2] = [0, 7]  # another token's later layer: not covered
     assert not compare(got, ref, (0, 2), logits=logits).ok
+
+
+def test_low_precision_engines_get_their_dtypes_rounding_and_no_more() -> None:
+    """Planted near-ties against the float32 reference: a bfloat16 engine may flip a boundary gap of a few
+    bfloat16 roundoffs (counted), a float32 engine may not, and no dtype excuses a gap beyond its rule."""
+    from vllm_ascend_routing.testing.compare import ROUNDOFF, TIE_ULPS, tie_tolerance
+
+    ref = reference()
+    bf16_gap = 4 * ROUNDOFF["bfloat16"]  # 0.0156: four bfloat16 roundoffs below the chosen expert's logit 1.0
+    logits = logits_for(ref)
+    logits[1, 2, 5] = 1.0 - bf16_gap
+    got = ref.astype(np.uint8)
+    got[1, 2] = [1, 5]
+    bf16 = compare(got, ref, (0, 2), logits=logits, dtype="bfloat16")
+    assert bf16.ok and bf16.ties == 1
+    assert not compare(got, ref, (0, 2), logits=logits, dtype="float32").ok  # 1.56e-2 is no float32 rounding
+    assert compare(got, ref, (0, 2), logits=logits, dtype="float16").ok == (bf16_gap <= tie_tolerance("float16", 1))
+    # Just beyond the bfloat16 rule: a real difference.
+    logits[1, 2, 5] = 1.0 - 1.01 * TIE_ULPS * ROUNDOFF["bfloat16"]
+    assert not compare(got, ref, (0, 2), logits=logits, dtype="bfloat16").ok
+    # The rule scales with the boundary logit's size (relative rounding), never below float32's.
+    assert tie_tolerance("bfloat16", 8.0) == 8 * tie_tolerance("bfloat16", 1.0)
+    assert tie_tolerance("float32", 0.0) == TIE_EPS
+    with pytest.raises(ValueError, match="no near-tie rule"):
+        tie_tolerance("int8", 1.0)
+
+
+def test_a_zero_row_is_never_a_near_tie_whatever_the_dtype() -> None:
+    """A zero (or padded) row repeats one id: with the chosen experts' logits packed close together it could
+    otherwise pass a loose low-precision rule."""
+    ref = reference()
+    logits = logits_for(ref)
+    logits[:, :, :] = 1.0  # every expert within any tolerance of the boundary
+    got = ref.astype(np.uint8)
+    got[1, 2] = [0, 0]
+    for dtype in ("float32", "bfloat16", "float16"):
+        assert not compare(got, ref, (0, 2), logits=logits, dtype=dtype).ok

@@ -1,12 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """Exact comparison of vLLM's returned routed experts with the reference, per (token, MoE layer) row.
 
-One principled allowance: a float32 near-tie. Where the reference's router logits of two experts at the
-top-k boundary differ by less than ``TIE_EPS`` (a few float32 ulps), vLLM's batched kernels and the
-reference's single-sequence forward may order them differently; such a row, and the same token's later
-layers (whose input then differs by another expert's output), are counted in ``ties`` (and reported),
-never silently. Any other difference (a zero row, another request's row, a shifted token, a
-physical id) changes experts whose logits are far from the boundary and fails.
+One principled allowance: a near-tie. Where the reference's router logits of two experts at the top-k
+boundary differ by less than the engine dtype's rounding (``tie_tolerance``: ``TIE_EPS``, a few float32 ulps,
+when vLLM runs float32 like the reference; ``TIE_ULPS`` units of bfloat16's or float16's rounding, relative to
+the boundary logit, when vLLM runs in that dtype against the float32 reference), vLLM's kernels and the
+reference's forward may order them differently; such a row, and the same token's later layers (whose input then
+differs by another expert's output), are counted in ``ties`` (and reported), never silently. Any other
+difference (a zero row, another request's row, a shifted token, a physical id) changes experts whose logits
+are far from the boundary and fails.
 """
 
 from __future__ import annotations
@@ -41,6 +43,18 @@ class Match:
 
 
 TIE_EPS = 1e-5  # router-logit difference below which two experts are a float32 near-tie
+# Unit roundoff of each engine dtype, and how many of them (relative to the boundary logit's size) a gap may be
+# to count as a near-tie when vLLM computes in that dtype: every layer before the router rounds too, so a
+# low-precision engine's router logits sit several roundoffs from the float32 reference's.
+ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
+TIE_ULPS = 16
+
+
+def tie_tolerance(dtype: str, boundary: float) -> float:
+    """The largest reference gap at the top-k boundary that a vLLM engine in ``dtype`` may order otherwise."""
+    if dtype not in ROUNDOFF:
+        raise ValueError(f"no near-tie rule for dtype {dtype!r} (known: {', '.join(ROUNDOFF)})")
+    return max(TIE_EPS, TIE_ULPS * ROUNDOFF[dtype] * max(1.0, abs(boundary)))
 
 
 def compare(
@@ -49,12 +63,13 @@ def compare(
     moe_layers: tuple[int, ...],
     label: str = "",
     logits: np.ndarray | None = None,
+    dtype: str = "float32",
 ) -> Match:
     """Compare ``got`` `[T, L, K]` (vLLM, any id order) with ``expected`` (reference, sorted).
 
     MoE-layer rows must hold the same id set; dense-layer rows must be all zero. With the reference's
-    router ``logits`` `[T, L, E]`, a differing row whose differing experts all sit within ``TIE_EPS`` of
-    the reference's k-th logit is a near-tie (``ties``).
+    router ``logits`` `[T, L, E]`, a differing row whose differing experts all sit within
+    ``tie_tolerance(dtype, …)`` of the reference's k-th logit is a near-tie (``ties``); ``dtype``: the engine's.
     """
     result = Match()
     if got is None:
@@ -72,7 +87,7 @@ def compare(
         tied_tokens: set[int] = set()
         for token, j in np.argwhere(~same):  # token-major, layers ascending
             if int(token) in tied_tokens or _near_tie(
-                got_sorted[token, j], expected[token, moe_layers[j]], logits[token, moe_layers[j]]
+                got_sorted[token, j], expected[token, moe_layers[j]], logits[token, moe_layers[j]], dtype
             ):
                 # After a near-tie flip, this token's later layers see another expert's output in vLLM
                 # than in the reference: the reference no longer decides them.
@@ -91,9 +106,13 @@ def compare(
     return result
 
 
-def _near_tie(got: np.ndarray, expected: np.ndarray, logits: np.ndarray) -> bool:
+def _near_tie(got: np.ndarray, expected: np.ndarray, logits: np.ndarray, dtype: str) -> bool:
+    """``got`` holds ``k`` distinct ids (a zero or padded row repeats one: never a tie), and every id in one row
+    but not the other has a reference logit within the dtype's tolerance of the reference's k-th logit."""
+    if len(np.unique(got)) != len(got):
+        return False
     boundary = float(np.min(logits[expected]))  # the reference's k-th largest logit
     differing = np.setxor1d(got, expected)
     if np.any((differing < 0) | (differing >= logits.shape[0])):
         return False
-    return bool(np.all(np.abs(logits[differing] - boundary) <= TIE_EPS))
+    return bool(np.all(np.abs(logits[differing] - boundary) <= tie_tolerance(dtype, boundary)))

@@ -23,21 +23,42 @@ class Completion:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
-def make_llm(model: TinyMoE, *, enforce_eager: bool = True, **kwargs: Any) -> Any:
-    """An ``LLM`` for ``model`` with routed-experts return on, sized for a small CPU machine."""
+def make_llm(model: TinyMoE, *, enforce_eager: bool = True, dtype: str = "float32", **kwargs: Any) -> Any:
+    """An ``LLM`` for ``model`` with routed-experts return on: on the CPU a fixed KV cache sized for a small
+    machine; on a GPU or NPU vLLM's own sizing from device memory."""
     from vllm import LLM
 
     options: dict[str, Any] = {
         "model": str(model.path),
-        "dtype": "float32",
+        "dtype": dtype,
         "enable_return_routed_experts": True,
-        "kv_cache_memory_bytes": KV_CACHE_BYTES,
         "max_model_len": 1024,
         "enforce_eager": enforce_eager,
         "seed": 0,
     }
+    if on_cpu():
+        options["kv_cache_memory_bytes"] = KV_CACHE_BYTES
     options.update(kwargs)
     return LLM(**options)
+
+
+def on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def platform_dtype() -> str:
+    """The dtype a self-check runs in by default: float32 (the reference's) where the platform serves it well
+    (the CPU), else bfloat16 where the device supports it, else float16."""
+    if on_cpu():
+        return "float32"
+    import torch
+    from vllm.platforms import current_platform
+
+    device = getattr(torch, str(current_platform.device_type), None)  # torch.cuda, torch.npu (torch_npu)
+    supports_bf16 = getattr(device, "is_bf16_supported", None)
+    return "bfloat16" if not callable(supports_bf16) or supports_bf16() else "float16"
 
 
 def generate(
@@ -62,8 +83,15 @@ def generate(
     ]
 
 
-def check(reference: RouterReference, model: TinyMoE, completions: list[Completion], prompt_start: int = 0) -> Match:
-    """Every (token, MoE layer) row of every completion against the reference, exactly."""
+def check(
+    reference: RouterReference,
+    model: TinyMoE,
+    completions: list[Completion],
+    prompt_start: int = 0,
+    dtype: str = "float32",
+) -> Match:
+    """Every (token, MoE layer) row of every completion against the (float32) reference, exactly; near-ties by
+    the rule for the engine's ``dtype`` (``compare.tie_tolerance``)."""
     total = Match()
     for i, c in enumerate(completions):
         tokens = c.prompt_ids + c.output_ids[:-1]  # the last sampled token is never forwarded
@@ -75,6 +103,7 @@ def check(reference: RouterReference, model: TinyMoE, completions: list[Completi
                 model.moe_layers,
                 label=f"request {i}",
                 logits=logits[prompt_start:],
+                dtype=dtype,
             )
         )
     return total

@@ -55,7 +55,11 @@ def _describe(arrays: list[np.ndarray | None]) -> list[Any]:
     return [None if a is None else {"shape": list(a.shape), "dtype": str(a.dtype)} for a in arrays]
 
 
-def run_offline(arch: str, mode: str, num_prompts: int, tensor_parallel: int = 1) -> dict[str, Any]:
+def run_offline(
+    arch: str, mode: str, num_prompts: int, tensor_parallel: int = 1, dtype: str = "float32"
+) -> dict[str, Any]:
+    """vLLM (in ``dtype``) on a tiny MoE: a batch, a chunked prefill and its prefix-cached repeat, every row
+    against the float32 reference (near-ties by ``dtype``'s rule, counted in each part's ``ties``)."""
     if tensor_parallel > 1:  # vLLM's CPU workers need a NUMA node each, or explicit cores: one per rank
         cores = sorted(os.sched_getaffinity(0))[:tensor_parallel]
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, cores)))
@@ -65,6 +69,7 @@ def run_offline(arch: str, mode: str, num_prompts: int, tensor_parallel: int = 1
     llm = offline.make_llm(
         model,
         enforce_eager=(mode == "eager"),
+        dtype=dtype,
         max_num_batched_tokens=MAX_BATCHED_TOKENS,
         enable_prefix_caching=True,
         **(
@@ -75,22 +80,22 @@ def run_offline(arch: str, mode: str, num_prompts: int, tensor_parallel: int = 1
     )
     reference = offline.reference_for(model)
     prompts = models.mixed_prompts(num_prompts, seed=1)
-    out: dict[str, Any] = {"arch": arch, "mode": mode, "tensor_parallel": tensor_parallel}
+    out: dict[str, Any] = {"arch": arch, "mode": mode, "tensor_parallel": tensor_parallel, "dtype": dtype}
 
     batch = offline.generate(llm, prompts, MAX_TOKENS)
-    out["batch"] = _verdict(offline.check(reference, model, batch))
+    out["batch"] = _verdict(offline.check(reference, model, batch, dtype=dtype))
     out["batch"]["arrays"] = _describe([c.routed_experts for c in batch])
     out["batch"]["output_ids"] = [c.output_ids for c in batch]
 
     long_prompt = models.mixed_prompts(1, seed=7, min_len=LONG_PROMPT, max_len=LONG_PROMPT)
     (chunked,) = offline.generate(llm, long_prompt, MAX_TOKENS)
-    out["chunked_prefill"] = _verdict(offline.check(reference, model, [chunked]))
+    out["chunked_prefill"] = _verdict(offline.check(reference, model, [chunked], dtype=dtype))
     out["chunked_prefill"]["prompt_tokens"] = LONG_PROMPT
     out["chunked_prefill"]["max_num_batched_tokens"] = MAX_BATCHED_TOKENS
 
     # The long prompt again: its full KV blocks now come from the prefix cache (no forward for them).
     (repeat,) = offline.generate(llm, long_prompt, MAX_TOKENS)
-    out["prefix_repeat"] = _verdict(offline.check(reference, model, [repeat]))
+    out["prefix_repeat"] = _verdict(offline.check(reference, model, [repeat], dtype=dtype))
     out["prefix_repeat"]["identical_to_first"] = bool(
         chunked.routed_experts is not None
         and repeat.routed_experts is not None
