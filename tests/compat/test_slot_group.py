@@ -58,7 +58,7 @@ def test_runner_output_re_takes_the_snapshot_from_the_attention_group() -> None:
     api, prepared = RunnerOutputAPI(), SimpleNamespace()
     hybrid = runner(ASCEND_V1, 1)
     capturer = SimpleNamespace(device_buffer=torch.zeros(16, 2, 2, dtype=torch.int16))
-    prepared = SimpleNamespace(buffer=capturer.device_buffer)
+    prepared = SimpleNamespace(buffer=capturer.device_buffer, deferred=())  # no layer left to vLLM
     api.attach(hybrid, prepared, capturer)  # type: ignore[arg-type]
     api.after_forward(hybrid, prepared, 5)  # type: ignore[arg-type]
     assert hybrid.routed_experts_slot_mapping_device[:5].tolist() == [0, 1, 2, 3, 4]  # the attention slots
