@@ -63,6 +63,42 @@ def test_doctor_passes_on_this_release(tmp_path: Path) -> None:
 
 @pytest.mark.vllm
 @pytest.mark.e2e
+def test_doctor_in_bfloat16_passes_with_its_flips_counted(tmp_path: Path) -> None:
+    """The self-check as on a GPU or NPU (bfloat16 against the float32 reference, flips within bfloat16's
+    rounding counted), on the CPU build; generation-independent like --model, so on aux-output (0.32.0)."""
+    from vllm_ascend_routing.compat import get_api
+
+    if get_api().generation.value != "aux-output":
+        pytest.skip("doctor --dtype is generation-independent; it runs on the aux-output generation (0.32.0)")
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path)}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm_ascend_routing",
+            "doctor",
+            "--dtype",
+            "bfloat16",
+            "--prompts",
+            "4",
+            "--mode",
+            "eager",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=tmp_path,
+    )
+    lines = done.stdout.strip().splitlines()
+    verdicts = [line for line in lines if line.startswith(doctor.VERDICT)]
+    assert done.returncode == 0 and verdicts == [doctor.VERDICT + "PASS"], done.stdout[-3000:] + done.stderr[-3000:]
+    assert any(line.startswith("self-check:") and "qwen3_moe_robust" in line and "bfloat16" in line for line in lines)
+    print(next(line for line in lines if "rows" in line and "batch" in line))
+
+
+@pytest.mark.vllm
+@pytest.mark.e2e
 def test_doctor_checks_a_users_own_model(tmp_path: Path) -> None:
     """``doctor --model PATH``: strict validation and the always-on check on a model the user names (here an
     e2e model with a dense layer), per-layer rows: the dense layer's all zero, every MoE layer's none. Its code
