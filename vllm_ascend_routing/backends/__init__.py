@@ -123,25 +123,20 @@ def bind_model(
     """
     bound: dict[str, int] = {}
 
+    deferred: set[int] = set()  # ids of the modules left to vLLM
+
     def left_to_vllm(module: torch.nn.Module, layer_id: int) -> bool:
         if defer is None or not upstream.defers(module):
             return False
+        deferred.add(id(module))
         defer(layer_id, module)
         bound["vllm"] = bound.get("vllm", 0) + 1
         return True
 
-    sources = [(name, module) for name, module in model.named_modules() if upstream.is_capture_source(module)]
-    for name, module in sources:  # vLLM's binder takes a capture source before looking for a router
-        if not left_to_vllm(module, int(getattr(module, "layer_id"))):  # noqa: B009
-            raise UnboundLayerError(
-                f"MoE layer {name!r} ({type(module).__name__}) records its routing through vLLM's "
-                "RoutedExpertsCaptureSource, which only vLLM's binder can bind, and this path hands nothing to it; "
-                "refusing instead of returning zeros."
-            )
-    taken = {id(module) for _, module in sources}
+    taken: list[str] = []  # names of the layers bound or deferred: their sub-modules are theirs
+    backend_layers: set[int] = set()  # layer ids a backend of this plugin records
     for name, module, layer_id in moe_layers(model):
-        if id(module) in taken:
-            continue
+        taken.append(name)
         backend = next((key for key, candidate in BACKENDS if candidate.handles(module)), None)
         if backend is None:
             if left_to_vllm(module, layer_id):
@@ -156,6 +151,26 @@ def bind_model(
         capture = make_capture(layer_id, int(counted(module)) if counted is not None else 0)
         chosen.bind(module, capture, name)
         bound[backend] = bound.get(backend, 0) + 1
+        backend_layers.add(layer_id)
+    # Modules vLLM's binder binds by their own capture_fn (RoutedExpertsCaptureSource), outside the layers above
+    # and on layer ids no backend here records. (vllm-ascend's layers and their parts have a capture_fn too: an
+    # Ascend backend records them, and vllm-ascend's own capture stays off.)
+    for name, module in model.named_modules():
+        if id(module) in deferred or not upstream.is_capture_source(module):
+            continue
+        if any(name == other or name.startswith(other + ".") for other in taken):
+            continue
+        layer_id = getattr(module, "layer_id")  # noqa: B009
+        if not isinstance(layer_id, int):
+            raise UnboundLayerError(f"MoE layer {name!r} ({type(module).__name__}) has no layer id ({layer_id!r}).")
+        if layer_id in backend_layers:
+            continue
+        if not left_to_vllm(module, layer_id):
+            raise UnboundLayerError(
+                f"MoE layer {name!r} ({type(module).__name__}) records its routing through vLLM's "
+                "RoutedExpertsCaptureSource, which only vLLM's binder can bind, and this path hands nothing to it; "
+                "refusing instead of returning zeros."
+            )
     if not bound:
         raise UnboundLayerError("No MoE layer found in the model: nothing to capture.")
     return bound

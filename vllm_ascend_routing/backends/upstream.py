@@ -65,7 +65,9 @@ def _resolved(target: str) -> Any:
 def is_capture_source(module: torch.nn.Module) -> bool:
     """A module vLLM binds by setting its ``capture_fn`` (``RoutedExpertsCaptureSource``), where it has a binder."""
     protocol = _resolved(CAPTURE_SOURCE)
-    return binder() is not None and protocol is not None and isinstance(module, protocol)
+    if protocol is None or binder() is None or is_vllm_ascend_layer(module):
+        return False  # vllm-ascend's layers have a capture_fn too: an Ascend backend's, or refused, never vLLM's
+    return isinstance(module, protocol)
 
 
 def monolithic_experts(module: torch.nn.Module) -> Any:
