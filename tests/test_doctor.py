@@ -14,7 +14,13 @@ from vllm_ascend_routing import doctor
 from vllm_ascend_routing.compat import UnsupportedVllmError
 
 
-def test_report_lists_every_setting_with_its_effective_value(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_report_lists_every_setting_with_its_effective_value(
+    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    from vllm_ascend_routing.compat import get_api
+
+    request.addfinalizer(get_api.cache_clear)  # the adapter the override picked must not outlive this test
+    get_api.cache_clear()
     monkeypatch.setenv("VLLM_ASCEND_ROUTING_VLLM_API", "shm")
     lines, _ = doctor.environment_report()
     values = dict(lines)
@@ -42,12 +48,11 @@ def test_malformed_setting_is_a_finding(monkeypatch: pytest.MonkeyPatch) -> None
     assert "expected 0 or 1" in dict(lines)["VLLM_ASCEND_ROUTING"] and problem is not None
 
 
-@pytest.mark.vllm
-@pytest.mark.e2e
-def test_doctor_passes_on_this_release(tmp_path: Path) -> None:
-    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path)}
+def passing_doctor(tmp_path: Path, *args: str) -> list[str]:
+    """``python -m vllm_ascend_routing doctor ARGS`` in a process of its own: its output lines, once it passed."""
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "cache")}
     done = subprocess.run(
-        [sys.executable, "-m", "vllm_ascend_routing", "doctor", "--prompts", "2", "--mode", "eager"],
+        [sys.executable, "-m", "vllm_ascend_routing", "doctor", *args],
         capture_output=True,
         text=True,
         env=env,
@@ -56,7 +61,22 @@ def test_doctor_passes_on_this_release(tmp_path: Path) -> None:
     )
     lines = done.stdout.strip().splitlines()
     verdicts = [line for line in lines if line.startswith(doctor.VERDICT)]  # vLLM workers may log after it
-    assert done.returncode == 0 and verdicts == [doctor.VERDICT + "PASS"], done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.returncode == 0 and verdicts == [doctor.VERDICT + "PASS"], done.stdout[-3000:] + done.stderr[-3000:]
+    return lines
+
+
+def on_the_newest_generation_only(option: str) -> None:
+    """Options whose code is the same on every generation run on the newest (aux-output: make e2e-0.32.0)."""
+    from vllm_ascend_routing.compat._detect import detect_generation  # not get_api: other tests override it
+
+    if detect_generation().value != "aux-output":
+        pytest.skip(f"doctor {option} is generation-independent; it runs on the aux-output generation (0.32.0)")
+
+
+@pytest.mark.vllm
+@pytest.mark.e2e
+def test_doctor_passes_on_this_release(tmp_path: Path) -> None:
+    lines = passing_doctor(tmp_path, "--prompts", "2", "--mode", "eager")
     assert any(line.strip().startswith("API generation") for line in lines)
     assert any("rows exact" in line and "batch" in line for line in lines)
 
@@ -65,34 +85,9 @@ def test_doctor_passes_on_this_release(tmp_path: Path) -> None:
 @pytest.mark.e2e
 def test_doctor_in_bfloat16_passes_with_its_flips_counted(tmp_path: Path) -> None:
     """The self-check as on a GPU or NPU (bfloat16 against the float32 reference, flips within bfloat16's
-    rounding counted), on the CPU build; generation-independent like --model, so on aux-output (0.32.0)."""
-    from vllm_ascend_routing.compat import get_api
-
-    if get_api().generation.value != "aux-output":
-        pytest.skip("doctor --dtype is generation-independent; it runs on the aux-output generation (0.32.0)")
-    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path)}
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "vllm_ascend_routing",
-            "doctor",
-            "--dtype",
-            "bfloat16",
-            "--prompts",
-            "4",
-            "--mode",
-            "eager",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-        cwd=tmp_path,
-    )
-    lines = done.stdout.strip().splitlines()
-    verdicts = [line for line in lines if line.startswith(doctor.VERDICT)]
-    assert done.returncode == 0 and verdicts == [doctor.VERDICT + "PASS"], done.stdout[-3000:] + done.stderr[-3000:]
+    rounding counted), on the CPU build."""
+    on_the_newest_generation_only("--dtype")
+    lines = passing_doctor(tmp_path, "--dtype", "bfloat16", "--prompts", "4", "--mode", "eager")
     assert any(line.startswith("self-check:") and "qwen3_moe_robust" in line and "bfloat16" in line for line in lines)
     print(next(line for line in lines if "rows" in line and "batch" in line))
 
@@ -101,29 +96,14 @@ def test_doctor_in_bfloat16_passes_with_its_flips_counted(tmp_path: Path) -> Non
 @pytest.mark.e2e
 def test_doctor_checks_a_users_own_model(tmp_path: Path) -> None:
     """``doctor --model PATH``: strict validation and the always-on check on a model the user names (here an
-    e2e model with a dense layer), per-layer rows: the dense layer's all zero, every MoE layer's none. Its code
-    is vLLM's public API and the plugin's checks, the same on every generation: it runs on the newest
-    (aux-output; make e2e-0.32.0)."""
-    from vllm_ascend_routing.compat import get_api
+    e2e model with a dense layer), per-layer rows: the dense layer's all zero, every MoE layer's none."""
     from vllm_ascend_routing.testing import models
 
-    if get_api().generation.value != "aux-output":
-        pytest.skip("doctor --model is generation-independent; it runs on the aux-output generation (0.32.0)")
-
+    on_the_newest_generation_only("--model")
     model = models.build_tiny_moe("qwen3_moe_dense", tmp_path / "model")
-    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "cache")}
-    command = ["doctor", "--model", str(model.path), "--prompts", "3", "--max-tokens", "6", "--mode", "eager"]
-    done = subprocess.run(
-        [sys.executable, "-m", "vllm_ascend_routing", *command],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-        cwd=tmp_path,
+    lines = passing_doctor(
+        tmp_path, "--model", str(model.path), "--prompts", "3", "--max-tokens", "6", "--mode", "eager"
     )
-    lines = done.stdout.strip().splitlines()
-    verdicts = [line for line in lines if line.startswith(doctor.VERDICT)]
-    assert done.returncode == 0 and verdicts == [doctor.VERDICT + "PASS"], done.stdout[-3000:] + done.stderr[-3000:]
     table = lines[lines.index("  layer    rows  all-zero  experts routed to") + 1 :][: model.num_hidden_layers]
     rows = {int(layer): (int(n), int(zero), int(experts)) for layer, n, zero, experts in map(str.split, table)}
     assert set(rows) == set(range(model.num_hidden_layers))
