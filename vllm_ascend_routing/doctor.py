@@ -112,9 +112,9 @@ def self_check(num_prompts: int, mode: str, dtype: str = "float32") -> tuple[boo
 
     result = scenarios.run_offline(self_check_model(dtype), mode, num_prompts, dtype=dtype)
     parts = [(name, result[name]) for name in ("batch", "chunked_prefill", "prefix_repeat")]
-    summary = ", ".join(f"{name} {part['matched']}/{part['rows']} rows" for name, part in parts)
+    summary = ", ".join(f"{name} {part['matched']}/{part['rows']} rows exact" for name, part in parts)
     ties = sum(int(part["near_ties"]) for _, part in parts)
-    summary += f" exact, {ties} near-tie flips counted" if ties else " exact"
+    summary += f" ({ties} of them near-tie flips within {dtype} rounding)" if ties else ""
     failed = [f"{name}: {'; '.join(part['problems']) or 'mismatch'}" for name, part in parts if not part["ok"]]
     capture, problems = capture_report()
     failed += problems
