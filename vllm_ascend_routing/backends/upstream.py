@@ -6,7 +6,8 @@ From vLLM 0.28 a module-level ``bind_routed_experts_capturer(model, capturer)`` 
   * modules that satisfy ``RoutedExpertsCaptureSource`` (a ``layer_id`` and a ``capture_fn`` they call with
     logical ids; 0.33's DeepGEMM MegaMoE experts);
   * monolithic kernels whose experts declare ``supports_routing_replay_capture()`` (FlashInfer TRT-LLM), through
-    a ``RoutedExpertsSink`` (0.32+) or ``fused_experts.set_capture_fn`` (0.28-0.31).
+    a ``RoutedExpertsSink`` (0.32+) or ``fused_experts.set_capture_fn`` (0.28-0.31; on 0.27 the runner's own
+    ``_bind_routed_experts_capturer`` does it, ``deferral_binder``).
 The last two record ids from inside vLLM's kernels, where the plugin has no hook of its own. It defers them:
 vLLM's binder runs on exactly those layers once vLLM hands over its capturer (whose buffer is then the
 plugin's), so they are bound as without the plugin, and the always-on check covers their rows too.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import dis
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -33,6 +35,7 @@ CAPTURE_SOURCE = f"{CAPTURER}:RoutedExpertsCaptureSource"
 SINK = f"{CAPTURER}:RoutedExpertsSink"
 MONOLITHIC_EXPERTS = "vllm.model_executor.layers.fused_moe.modular_kernel:FusedMoEExpertsMonolithic"
 ROUTER = "vllm.model_executor.layers.fused_moe.router.base_router:BaseRouter"
+RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 
 # Classes vLLM's binder may name, and what each is to this plugin. Any other class it names is a new seam.
 KNOWN_NAMES = {
@@ -55,6 +58,21 @@ def binder() -> Callable[[Any, Any], None] | None:
     return found
 
 
+def deferral_binder() -> Callable[[Any, Any], None] | None:
+    """What binds the layers left to vLLM: its module-level binder (0.28+), or on 0.27, whose runner method
+    already binds monolithic kernels, that method as vLLM wrote it (unwrapped from the plugin's hook) on a
+    stand-in runner whose model is the deferred layers; ``None`` before (nothing is left to vLLM there)."""
+    found = binder()
+    if found is not None:
+        return found
+    runner_class = _resolved(RUNNER)
+    method = getattr(runner_class, "_bind_routed_experts_capturer", None)
+    original = getattr(method, "__wrapped__", method)
+    if original is None or "FusedMoEExpertsMonolithic" not in referenced_classes(original):
+        return None
+    return lambda model, capturer: original(SimpleNamespace(model=model), capturer)
+
+
 def _resolved(target: str) -> Any:
     try:
         return patching.resolve(target)
@@ -64,7 +82,7 @@ def _resolved(target: str) -> Any:
 
 def is_capture_source(module: torch.nn.Module) -> bool:
     """A module vLLM binds by setting its ``capture_fn`` (``RoutedExpertsCaptureSource``), where it has a binder."""
-    protocol = _resolved(CAPTURE_SOURCE)
+    protocol = _resolved(CAPTURE_SOURCE)  # 0.28+, with the module-level binder
     if protocol is None or binder() is None or is_vllm_ascend_layer(module):
         return False  # vllm-ascend's layers have a capture_fn too: an Ascend backend's, or refused, never vLLM's
     return isinstance(module, protocol)
@@ -82,7 +100,7 @@ def captures_monolithic(module: torch.nn.Module) -> bool:
     """A monolithic kernel vLLM's binder binds: experts that declare replay capture, where it has a binder."""
     experts = monolithic_experts(module)
     monolithic = _resolved(MONOLITHIC_EXPERTS)
-    if experts is None or monolithic is None or binder() is None or is_vllm_ascend_layer(module):
+    if experts is None or monolithic is None or is_vllm_ascend_layer(module) or deferral_binder() is None:
         return False
     supports = getattr(experts, "supports_routing_replay_capture", None)
     return isinstance(experts, monolithic) and callable(supports) and bool(supports())
@@ -108,7 +126,7 @@ def bind(layers: Iterable[torch.nn.Module], capturer: Any) -> None:
     deferred = tuple(layers)
     if not deferred:
         return
-    bind_upstream = binder()
+    bind_upstream = deferral_binder()
     if bind_upstream is None:  # bind_model defers only where the binder exists
         raise RuntimeError("vllm-ascend-routing: layers were left to vLLM's binder, but this vLLM has none")
     bind_upstream(_Layers(deferred), capturer)
