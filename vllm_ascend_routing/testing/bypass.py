@@ -78,8 +78,8 @@ def _serve_without_moe_python(top_k: int, renormalize: bool) -> None:
 
     bind_model = backends.bind_model
 
-    def bind_then_bypass(model: Any, make_capture: Any) -> dict[str, int]:
-        bound = bind_model(model, make_capture)
+    def bind_then_bypass(model: Any, make_capture: Any, defer: Any = None) -> dict[str, int]:
+        bound = bind_model(model, make_capture, defer)
         for _, layer, _ in backends.moe_layers(model):
             layer.forward = _native_moe(layer, top_k, renormalize)
         return bound
