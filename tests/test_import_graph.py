@@ -95,7 +95,7 @@ def test_the_check_finds_a_cycle() -> None:
 
 def test_leaf_modules_import_nothing_of_the_package_but_the_release_table() -> None:
     graph = import_graph()
-    table = "vllm_ascend_routing.compat.releases"
+    table = "vllm_ascend_routing.releases"
     assert graph[table] == set()
     assert graph["vllm_ascend_routing.runner_state"] == set()
     # The package root and compat's package module are imported implicitly with any of their submodules.

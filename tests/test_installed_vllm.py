@@ -13,8 +13,8 @@ import torch
 
 from vllm_ascend_routing import _cpu_compat, doctor, integration, manifest
 from vllm_ascend_routing.compat import UnsupportedVllmError, get_api
-from vllm_ascend_routing.compat.releases import generation_of
 from vllm_ascend_routing.patching import Patch, resolve
+from vllm_ascend_routing.releases import generation_of
 
 pytestmark = pytest.mark.vllm
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests import scripts
-from vllm_ascend_routing.compat import releases
+from vllm_ascend_routing import releases
 
 matrix = scripts.load("scripts/matrix.py", "_matrix_script")
 venv_script = scripts.load("scripts/venv.py", "_venv_script_under_test")

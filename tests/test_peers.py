@@ -198,7 +198,7 @@ def test_each_generation_says_where_routed_experts_are_requested() -> None:
 
 def test_the_hook_point_is_in_the_manifest() -> None:
     from vllm_ascend_routing import manifest
-    from vllm_ascend_routing.compat.releases import Generation
+    from vllm_ascend_routing.releases import Generation
 
     for generation in (Generation.SHM, Generation.RUNNER_OUTPUT, Generation.AUX_OUTPUT):
         targets = [patch.target for patch in manifest.patches_for(generation, "cpu")]

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import inspect
 
-from vllm_ascend_routing.compat.releases import Generation
 from vllm_ascend_routing.patching import Patch, resolve
+from vllm_ascend_routing.releases import Generation
 
 ACTIVATION_TABLE = Patch(
     "vllm.model_executor.layers.fused_moe.cpu_fused_moe:_CPU_MOE_ACT_FN",

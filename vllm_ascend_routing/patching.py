@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_ascend_routing.compat.releases import Generation, span_text
+from vllm_ascend_routing.releases import Generation, span_text
 
 PATCHED = "_vllm_ascend_routing_patched"  # marker on every replacement: patching twice is a no-op
 CAPTURING = (Generation.SHM, Generation.RUNNER_OUTPUT, Generation.AUX_OUTPUT)  # every supported generation

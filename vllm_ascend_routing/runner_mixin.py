@@ -22,8 +22,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm_ascend_routing import peers, runner_state, sentinel
-from vllm_ascend_routing.compat.releases import Generation
 from vllm_ascend_routing.patching import Patch
+from vllm_ascend_routing.releases import Generation
 from vllm_ascend_routing.runner_state import RunnerHook
 
 if TYPE_CHECKING:

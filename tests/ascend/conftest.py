@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from tests.ascend import npu_stub
-from vllm_ascend_routing import envs
-from vllm_ascend_routing.compat import releases
+from vllm_ascend_routing import envs, releases
 
 ASCEND_SRC = envs.VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC
 # scripts/ascend_src.py caches each release's source under .../vllm-ascend/<release>/src.

@@ -5,7 +5,7 @@ through the methods installed on the runner class (``execute_model`` / ``sample_
 the runner's own statements, synchronous and asynchronous, over real MoE forwards — see ``npu_runner_step``.
 Each case runs in a fresh process: the post-import patch must see the runner module's first import.
 
-Which runner serves routed experts, per vllm-ascend release (``compat/releases.py`` ``ASCEND_RELEASES``): the
+Which runner serves routed experts, per vllm-ascend release (``releases.py`` ``ASCEND_RELEASES``): the
 V1 runner up to 0.29.0rc1;
 Model Runner V2 from 0.28.0rc1 (vLLM 0.28 added routed experts to it; before, vLLM's config validation refuses
 the combination, and so does the plugin); 0.30.x refuses routed experts on V1 itself (its platform check)."""
@@ -69,7 +69,7 @@ def case_id(case: tuple[str, str, bool]) -> str:
 
 
 def test_the_release_is_in_the_release_table() -> None:
-    assert EXPECTED is not None, f"vllm-ascend {ASCEND_RELEASE}: add it to compat/releases.py ASCEND_RELEASES"
+    assert EXPECTED is not None, f"vllm-ascend {ASCEND_RELEASE}: add it to releases.py ASCEND_RELEASES"
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)

@@ -83,7 +83,7 @@ def test_detection(
 
 def test_0_21_is_refused_naming_supported_releases(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_vllm(monkeypatch, "0.21.0", ["bind_routing_capture_to_model", "RoutedExpertsCapturer"], [])
-    supported = re.escape(SUPPORTED_RELEASES)  # "0.20.0-0.20.2 and 0.22.0-<newest>", from compat/releases.py
+    supported = re.escape(SUPPORTED_RELEASES)  # "0.20.0-0.20.2 and 0.22.0-<newest>", from releases.py
     with pytest.raises(UnsupportedVllmError, match=rf"0\.21\.0.*reverted.*{supported}"):
         _detect.detect_generation()
 

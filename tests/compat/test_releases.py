@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The one release table (``compat/releases.py``): consistent, read by detection, and failing the day an old
+"""The one release table (``releases.py``): consistent, read by detection, and failing the day an old
 generation's path can be deleted (compat tests in the style of vllm-spyre)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from vllm_ascend_routing import manifest
 from vllm_ascend_routing.compat import _detect, releases
 from vllm_ascend_routing.compat.base import SUPPORTED_RELEASES
-from vllm_ascend_routing.compat.releases import GENERATIONS, Generation, version_key
+from vllm_ascend_routing.releases import GENERATIONS, Generation, version_key
 
 COMPAT = Path(releases.__file__).parent
 # The adapter module of each generation, deleted together with its manifest rows.

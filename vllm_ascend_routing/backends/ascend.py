@@ -38,8 +38,8 @@ from vllm_ascend_routing.backends._recorded import (
     mark_wrapper,
 )
 from vllm_ascend_routing.capture import LayerCapture
-from vllm_ascend_routing.compat.releases import Generation
 from vllm_ascend_routing.patching import Patch
+from vllm_ascend_routing.releases import Generation
 
 __all__ = ["PATCHES", "RoutingNotRecordedError", "bind", "handles"]
 

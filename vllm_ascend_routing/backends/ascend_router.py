@@ -28,8 +28,8 @@ import torch
 from vllm_ascend_routing.backends._recorded import LayerRecord, RoutingNotRecordedError, guard_forward
 from vllm_ascend_routing.backends.ascend import ROUTING_SEAM, function_of, global_names
 from vllm_ascend_routing.capture import LayerCapture
-from vllm_ascend_routing.compat.releases import Generation
 from vllm_ascend_routing.patching import Patch
+from vllm_ascend_routing.releases import Generation
 
 __all__ = ["PATCHES", "bind", "handles"]
 

@@ -17,8 +17,8 @@ import torch
 
 from vllm_ascend_routing.backends._layer import quant_method
 from vllm_ascend_routing.capture import LayerCapture
-from vllm_ascend_routing.compat.releases import Generation
 from vllm_ascend_routing.patching import Patch
+from vllm_ascend_routing.releases import Generation
 
 FORWARD_METHOD = Patch(
     "vllm.model_executor.layers.fused_moe.cpu_fused_moe:CPUFusedMOE",

@@ -6,8 +6,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from vllm_ascend_routing import envs
-from vllm_ascend_routing.compat import releases
+from vllm_ascend_routing import envs, releases
 from vllm_ascend_routing.compat.base import SUPPORTED_RELEASES, Generation, UnsupportedVllmError
 
 _CAPTURER = "vllm.model_executor.layers.fused_moe.routed_experts_capturer"

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from vllm_ascend_routing.capture import PreparedCapture
     from vllm_ascend_routing.runner_state import RunnerHook
 
-from vllm_ascend_routing.compat.releases import Generation, supported_releases_text
+from vllm_ascend_routing.releases import Generation, supported_releases_text
 
 __all__ = ["SUPPORTED_RELEASES", "CaptureAPI", "Generation", "StepHooksNotUsed", "UnsupportedVllmError"]
 

