@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ascend_routing import manifest
-from vllm_ascend_routing.compat import _detect, releases
+from vllm_ascend_routing import manifest, releases
+from vllm_ascend_routing.compat import _detect
 from vllm_ascend_routing.compat.base import SUPPORTED_RELEASES
 from vllm_ascend_routing.releases import GENERATIONS, Generation, version_key
 
