@@ -13,7 +13,7 @@ from vllm_ascend_routing.compat import _detect
 from vllm_ascend_routing.compat.base import SUPPORTED_RELEASES
 from vllm_ascend_routing.releases import GENERATIONS, Generation, version_key
 
-COMPAT = Path(releases.__file__).parent
+COMPAT = Path(releases.__file__).parent / "compat"
 # The adapter module of each generation, deleted together with its manifest rows.
 ADAPTER_MODULES = {
     Generation.SHM: ("shm.py", "_shm_store.py"),
