@@ -117,9 +117,9 @@ def test_doctor_checks_a_users_own_model(tmp_path: Path) -> None:
 
 
 def test_doctor_knows_the_platforms_the_runner_hooks_know() -> None:
-    from vllm_ascend_routing.runner_mixin import RUNNER_CLASSES
+    from vllm_ascend_routing.manifest import platforms
 
-    assert set(doctor.PLATFORMS) == set(RUNNER_CLASSES)
+    assert set(doctor.PLATFORMS) == set(platforms())
 
 
 def test_an_unknown_platform_is_a_clear_fail(monkeypatch: pytest.MonkeyPatch) -> None:

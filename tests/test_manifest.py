@@ -13,7 +13,7 @@ from vllm_ascend_routing.compat import aux_output, runner_output, shm
 from vllm_ascend_routing.compat.base import UnsupportedVllmError
 from vllm_ascend_routing.patching import CAPTURING, VALIDATION, Patch
 
-GENERATIONS = [api.generation for api in manifest.ADAPTERS]
+GENERATIONS = [api.generation for api in manifest.adapters()]
 
 
 def test_every_declared_row_is_collected() -> None:
@@ -32,7 +32,7 @@ def test_rows_name_a_module_and_a_symbol() -> None:
 
 
 @pytest.mark.parametrize("generation", GENERATIONS, ids=lambda g: g.value)
-@pytest.mark.parametrize("platform", manifest.PLATFORMS)
+@pytest.mark.parametrize("platform", manifest.platforms())
 def test_rows_are_unique_and_runner_hooks_come_first(generation: object, platform: str) -> None:
     rows = manifest.patches_for(generation, platform)  # type: ignore[arg-type]
     targets = [patch.target for patch in rows]

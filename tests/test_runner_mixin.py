@@ -9,10 +9,12 @@ import pytest
 
 from vllm_ascend_routing import runner_mixin, runner_state
 from vllm_ascend_routing.compat import runner_output
+from vllm_ascend_routing.compat._runners import CAPTURER_HOOKS, RUNNER_CLASSES
 
 
 class FakeAPI:
-    runner_hooks = runner_mixin.CAPTURER_HOOKS
+    runner_hooks = CAPTURER_HOOKS
+    runner_classes = RUNNER_CLASSES
     rows_read_in_front_end = False
 
     def __init__(self) -> None:

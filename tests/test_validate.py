@@ -109,5 +109,5 @@ def test_front_end_hooks_check_finished_requests(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(RoutingValidationError, match="5 rows, expected 6"):
         original(request_state(array, prompt_start=0), [], "stop", None)
     installed = state_cls.__dict__["_new_completion_output"]
-    assert getattr(installed, patching.PATCHED, False)
-    assert getattr(vllm_method, patching.PATCHED, False) or installed.__wrapped__ is vllm_method
+    assert patching.is_wrapped(installed)
+    assert patching.is_wrapped(vllm_method) or patching.original_of(installed) is vllm_method

@@ -3,15 +3,18 @@
 
 vLLM's pure-PyTorch CPU MoE (``cpu_fused_moe._CPU_MOE_ACT_FN``, releases 0.20-0.27) builds a
 ``SiluAndMul`` CustomOp on every forward; outside vLLM's config context (always, at forward time) that
-raises ``AssertionError: Current vLLM config is not set``. The table entry is replaced by the op's own
-static ``SiluAndMul.forward_native`` (identical arithmetic, no object built). Only this entry changes.
+raises ``AssertionError: Current vLLM config is not set``. The table entry is replaced (``patching.wrap``) by a call
+of the op's own static ``SiluAndMul.forward_native`` (identical arithmetic, no object built). Only this entry changes.
 Remove when: the lowest supported release no longer has ``_CPU_MOE_ACT_FN`` constructing the op.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from typing import Any
 
+from vllm_ascend_routing import patching
 from vllm_ascend_routing.patching import Patch, resolve
 from vllm_ascend_routing.releases import Generation
 
@@ -40,7 +43,17 @@ def apply() -> bool:
     if not isinstance(inspect.getattr_static(activation, "forward_native", None), staticmethod):
         return False  # needs an instance there: not the arithmetic-only function this fix relies on
     native = activation.forward_native
-    if silu not in table or table[silu] is native:
+    if silu not in table or patching.is_wrapped(table[silu]):
         return False
-    table[silu] = native
+    patching.wrap(table, silu, lambda _: _silu_and_mul(native))
     return True
+
+
+def _silu_and_mul(native: Callable[..., Any]) -> Callable[..., Any]:
+    """The table entry: the op's own arithmetic, called without building the op (a function of this package,
+    so it can carry ``patching``'s marker; ``native`` is vLLM's and stays unmarked)."""
+
+    def silu_and_mul(*args: Any, **kwargs: Any) -> Any:
+        return native(*args, **kwargs)
+
+    return silu_and_mul

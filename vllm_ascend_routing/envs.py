@@ -51,6 +51,13 @@ def _choice(name: str, default: str, choices: tuple[str, ...]) -> Callable[[], s
     return read
 
 
+def _generations() -> tuple[str, ...]:
+    """``auto`` and the generations the release table says the plugin implements (read when the variable is)."""
+    from vllm_ascend_routing import releases
+
+    return ("auto", *(span.generation.value for span in releases.implemented()))
+
+
 def _validate_mode() -> str:
     value = os.getenv("VLLM_ASCEND_ROUTING_VALIDATE", "0").strip().lower()
     modes = {"": "off", "0": "off", "off": "off", "1": "log", "log": "log", "strict": "strict"}
@@ -64,9 +71,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Master switch: the plugin does nothing at all unless this is 1.
     "VLLM_ASCEND_ROUTING": _bool("VLLM_ASCEND_ROUTING"),
     # Force the vLLM API generation instead of detecting it (tests, source builds with odd versions).
-    "VLLM_ASCEND_ROUTING_VLLM_API": _choice(
-        "VLLM_ASCEND_ROUTING_VLLM_API", "auto", ("auto", "shm", "runner-output", "aux-output")
-    ),
+    "VLLM_ASCEND_ROUTING_VLLM_API": lambda: _choice("VLLM_ASCEND_ROUTING_VLLM_API", "auto", _generations())(),
     # Check every returned routed-experts array: "1" logs violations, "strict" raises ("0": off).
     "VLLM_ASCEND_ROUTING_VALIDATE": _validate_mode,
     # Use the PyTorch reference of record_topk_ids even where a native kernel is built.

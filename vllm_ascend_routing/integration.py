@@ -18,7 +18,7 @@ from vllm_ascend_routing._post_import import when_imported
 from vllm_ascend_routing.compat import UnsupportedVllmError, get_api, vllm_version
 from vllm_ascend_routing.compat.base import CaptureAPI
 from vllm_ascend_routing.patching import resolve
-from vllm_ascend_routing.runner_mixin import RUNNER_CLASSES, apply_mixin
+from vllm_ascend_routing.runner_mixin import apply_mixin
 
 logger = get_logger(__name__)
 
@@ -37,22 +37,22 @@ def install() -> None:
     from vllm.platforms import current_platform
 
     device = str(current_platform.device_type)
-    if device not in RUNNER_CLASSES:
+    if device not in api.runner_classes:
         raise UnsupportedVllmError(
             f"vllm-ascend-routing: platform '{device}' is not supported by this version "
-            f"(supported: {', '.join(sorted(RUNNER_CLASSES))}); unset VLLM_ASCEND_ROUTING."
+            f"(supported: {', '.join(sorted(api.runner_classes))}); unset VLLM_ASCEND_ROUTING."
         )
     findings = manifest.verify(api.generation, device, "vllm")
-    vllm_runners = [path for path, _ in RUNNER_CLASSES[device] if not path.startswith("vllm_ascend")]
-    for cls in filter(None, map(_load, vllm_runners)):
+    runners = api.runner_classes[device]
+    for cls in filter(None, (_load(runner.path) for runner in runners if not runner.in_vllm_ascend)):
         apply_mixin(cls, api)
     api.install()
     validate.install()
     peers.install(api.routed_experts_requested)
     if device == "npu":
-        for path, _ in RUNNER_CLASSES[device]:
-            if path.startswith("vllm_ascend"):
-                module_name, _, attr = path.partition(":")
+        for runner in runners:
+            if runner.in_vllm_ascend:
+                module_name, _, attr = runner.path.partition(":")
                 when_imported(module_name, functools.partial(_patch_npu_runner, attr=attr, api=api))
     fixed = device == "cpu" and _cpu_compat.apply()
     logger.info(

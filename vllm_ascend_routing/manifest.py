@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Patch manifest: every symbol the plugin patches or relies on in vLLM and vllm-ascend, collected from the
-modules that apply them (each declares its ``Patch`` rows next to the code and applies them through the
-same target strings), filtered by API generation and platform, and verified.
+"""Patch manifest: every symbol the plugin replaces or relies on in vLLM and vllm-ascend, collected from the
+modules that apply them (each declares its ``Patch`` rows next to the code; a row that replaces is applied
+through ``patching.replace`` with that row), filtered by API generation and platform, and verified. The
+generation modules come from the release table (``releases.implemented()``): each contributes its runner
+hooks on its runner classes and its own ``PATCHES``.
 
 ``verify`` runs at start-up with the plugin on (vLLM's targets when the plugin registers, vllm-ascend's
 when its runner module is imported): a target that is missing or lost a parameter the plugin relies on
@@ -11,23 +13,31 @@ prints every row it checked. Nothing is patched while the plugin is off.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import ModuleType
 
-from vllm_ascend_routing import _cpu_compat, envs, peers, runner_mixin, validate
+from vllm_ascend_routing import _cpu_compat, envs, peers, releases, runner_mixin, validate
 from vllm_ascend_routing.backends import ascend, ascend_router, cpu_moe, zero_expert_router
-from vllm_ascend_routing.compat import aux_output, runner_output, shm
-from vllm_ascend_routing.compat.base import Generation, UnsupportedVllmError
+from vllm_ascend_routing.compat.base import CaptureAPI, Generation, UnsupportedVllmError
 from vllm_ascend_routing.patching import VALIDATION, Patch, problem, resolve
 
 __all__ = ["Finding", "Patch", "all_patches", "check", "patches_for", "verify"]
 
-# The adapters (their runner hooks) and every other module that patches something.
-ADAPTERS = (shm.ShmAPI, runner_output.RunnerOutputAPI, aux_output.AuxOutputAPI)
+
+def generation_modules() -> tuple[ModuleType, ...]:
+    """The module of every generation the release table says the plugin implements, oldest first."""
+    return tuple(importlib.import_module(span.adapter) for span in releases.implemented())
+
+
+def adapters() -> tuple[type[CaptureAPI], ...]:
+    """Each implemented generation's ``CaptureAPI`` class."""
+    return tuple(module.ADAPTER for module in generation_modules())
+
+
+# Modules outside the generations that patch or rely on something (the generation modules are added to these).
 _DECLARING = (
-    shm,
-    runner_output,
-    aux_output,
     cpu_moe,
     zero_expert_router,
     ascend,
@@ -36,19 +46,25 @@ _DECLARING = (
     validate,
     peers,
 )
-PLATFORMS = tuple(runner_mixin.RUNNER_CLASSES)
+
+
+def platforms() -> tuple[str, ...]:
+    """Every platform device type some generation hooks runner classes on."""
+    return tuple(dict.fromkeys(platform for api in adapters() for platform in api.runner_classes))
 
 
 def _runner_rows(generation: Generation, platform: str) -> list[Patch]:
-    hooks = next(api.runner_hooks for api in ADAPTERS if api.generation is generation)
-    return runner_mixin.runner_patches(hooks, (generation,), platform)
+    api = next((api for api in adapters() if api.generation is generation), None)
+    if api is None or platform not in api.runner_classes:
+        return []
+    return runner_mixin.runner_patches(api.runner_hooks, api.runner_classes[platform], (generation,), platform)
 
 
 def patches_for(generation: Generation, platform: str) -> list[Patch]:
     """The rows that apply to ``generation`` on ``platform`` (runner hooks first)."""
     declared = [
         patch
-        for module in _DECLARING
+        for module in (*generation_modules(), *_DECLARING)
         for patch in module.PATCHES
         if generation in patch.generations and patch.platform in ("any", platform)
     ]
@@ -58,8 +74,8 @@ def patches_for(generation: Generation, platform: str) -> list[Patch]:
 def all_patches() -> list[Patch]:
     """Every row of every supported generation and platform, once."""
     rows: dict[str, Patch] = {}
-    for api in ADAPTERS:
-        for platform in PLATFORMS:
+    for api in adapters():
+        for platform in platforms():
             for patch in patches_for(api.generation, platform):
                 rows.setdefault(f"{patch.target}|{patch.generations}|{patch.platform}", patch)
     return list(rows.values())

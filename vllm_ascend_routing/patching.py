@@ -1,23 +1,31 @@
 # SPDX-License-Identifier: Apache-2.0
-"""One patched symbol (``Patch``): how the plugin names, finds, checks and replaces it.
+"""One patched symbol (``Patch``), and the one way the plugin replaces anything in vLLM or vllm-ascend (``wrap``).
 
 Every module that patches vLLM or vllm-ascend declares its ``Patch`` rows next to the code that applies
-them and applies them through these target strings (``"module:Qualified.name"``), so the rows that
-``manifest`` verifies at start-up are the ones actually patched. A leaf module: it imports nothing of the
-package beyond the release table.
+them. A row either *replaces* its target (applied through ``replace`` with that row, so the rows ``manifest``
+verifies at start-up are the ones actually patched) or says what the code *relies on* there (a class whose
+instances get per-layer wrappers, a class the plugin creates): both are verified the same way.
+
+Every replacement, whatever it replaces (a class attribute, an instance attribute of one layer, a module
+global, an entry of a module's table), is installed by ``wrap`` and carries one marker, ``ORIGINAL``: what it
+replaced. Wrapping a marked value again is a no-op, or with ``rebind`` replaces the wrapper around the same
+original (a layer bound twice never stacks two captures). A leaf module: it imports nothing of the package
+beyond the release table.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_ascend_routing.releases import Generation, span_text
 
-PATCHED = "_vllm_ascend_routing_patched"  # marker on every replacement: patching twice is a no-op
+ORIGINAL = "_vllm_ascend_routing_original"  # the one marker, on every replacement: what it replaced
+REPLACE = "replace"  # Patch.action: the plugin replaces the target (through ``replace``)
+RELY = "rely"  # Patch.action: the plugin uses the target as it is, or wraps it per instance (``wrap``)
 CAPTURING = (Generation.SHM, Generation.RUNNER_OUTPUT, Generation.AUX_OUTPUT)  # every supported generation
 VALIDATION = "validation"  # Patch.feature of the validation-mode patches (VLLM_ASCEND_ROUTING_VALIDATE)
 
@@ -39,6 +47,7 @@ class Patch:
     one_of: str = ""
     releases: str = ""  # narrower than the generations' spans, e.g. "vLLM 0.28.0-0.30.0"
     feature: str = ""  # non-empty: applied (and verified) only while that feature is on, e.g. VALIDATION
+    action: str = REPLACE  # REPLACE or RELY
 
     @property
     def package(self) -> str:
@@ -82,7 +91,7 @@ def problem(patch: Patch) -> str | None:
 
 
 def replace(patch: Patch, make: Callable[[Any], Any]) -> bool:
-    """Set ``patch``'s target to ``make(current)``, once (a marked current value is left alone).
+    """Set ``patch``'s target to ``make(current)`` through ``wrap`` (once: a replacement is left alone).
 
     Returns whether the target exists; an absent optional target is skipped, an absent required one
     raises ``LookupError`` (start-up verification refuses it earlier, with its name).
@@ -95,17 +104,52 @@ def replace(patch: Patch, make: Callable[[Any], Any]) -> bool:
         if patch.required:
             raise
         return False
-    current = inspect.getattr_static(owner, name, None) if isinstance(owner, type) else getattr(owner, name, None)
-    if current is None:
+    if wrap(owner, name, make) is None:
         if patch.required:
             raise LookupError(f"{module_name} has no {qualname}")
         return False
-    if not getattr(current, PATCHED, False) and not getattr(getattr(current, "__func__", None), PATCHED, False):
-        setattr(owner, name, mark(make(current)))
     return True
 
 
-def mark(replacement: Any) -> Any:
-    """Mark ``replacement`` as the plugin's (the unwrapped function of a static/class method too)."""
-    setattr(getattr(replacement, "__func__", replacement), PATCHED, True)
+def wrap(owner: Any, name: Any, make: Callable[[Any], Any], *, rebind: bool = False, add: bool = False) -> Any:
+    """Set ``owner``'s ``name`` to ``make(current)``, marked with ``current``; returns what is installed there.
+
+    ``owner`` is a class (``name`` found through its bases, set on the class itself), a module or an instance
+    (an attribute), or a mapping (an entry: a module's globals, a table). Where ``current`` is already a
+    replacement: left alone, or with ``rebind``, replaced by ``make(original)``. Where there is no ``current``:
+    ``None`` is returned and nothing set, unless ``add`` (then ``make(None)`` is added).
+    """
+    if isinstance(owner, MutableMapping):
+        current = owner.get(name)
+    elif isinstance(owner, type):
+        current = inspect.getattr_static(owner, name, None)
+    else:
+        current = getattr(owner, name, None)
+    if current is None and not add:
+        return None
+    if is_wrapped(current):
+        if not rebind:
+            return current
+        current = original_of(current)
+    replacement = make(current)
+    setattr(_function(replacement), ORIGINAL, current)
+    if isinstance(owner, MutableMapping):
+        owner[name] = replacement
+    else:
+        setattr(owner, name, replacement)
     return replacement
+
+
+def is_wrapped(value: Any) -> bool:
+    """Whether ``value`` is a replacement ``wrap`` installed."""
+    return value is not None and hasattr(_function(value), ORIGINAL)
+
+
+def original_of(value: Any) -> Any:
+    """What the replacement ``value`` replaced (``value`` itself if it is not one)."""
+    return getattr(_function(value), ORIGINAL) if is_wrapped(value) else value
+
+
+def _function(value: Any) -> Any:
+    """The function behind a static or class method (or bound method): where the marker lives."""
+    return getattr(value, "__func__", value)

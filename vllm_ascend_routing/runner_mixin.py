@@ -21,87 +21,33 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from vllm_ascend_routing import peers, runner_state, sentinel
-from vllm_ascend_routing.patching import Patch
+from vllm_ascend_routing import patching, peers, runner_state, sentinel
+from vllm_ascend_routing.compat.base import RunnerClass, RunnerHook
+from vllm_ascend_routing.patching import RELY, Patch
 from vllm_ascend_routing.releases import Generation
-from vllm_ascend_routing.runner_state import RunnerHook
 
 if TYPE_CHECKING:
     from vllm_ascend_routing.compat.base import CaptureAPI
 
 _SAMPLING = "_vllm_ascend_routing_sampling"
-# Where vLLM hands its capturer the buffer: the runner method (0.20-0.27) or a module function (0.28-0.30).
-CAPTURER_BINDER = "vLLM's capturer binder"
-_LOAD = RunnerHook("load_model", ("self",), "bind MoE layers to the static buffer before vLLM first compiles the model")
-# 0.20-0.30: vLLM's runner has its own routed-experts capturer; the hooks hand it the prepared buffer.
-CAPTURER_HOOKS: tuple[RunnerHook, ...] = (
-    _LOAD,
-    RunnerHook("execute_model", ("self", "scheduler_output"), "start moving the step's rows off the device"),
-    RunnerHook(
-        "init_routed_experts_capturer",
-        ("self",),
-        "vLLM creates its capturer here; the runner is the binding runner meanwhile",
-    ),
-    RunnerHook(
-        "_bind_routed_experts_capturer",
-        ("self", "capturer"),
-        "hand vLLM's capturer the prepared buffer (added where vLLM binds through a module function)",
-        added_if_absent=True,
-        one_of=CAPTURER_BINDER,
-    ),
-)
-# 0.31+: the hooks drive vLLM's AuxOutput connector on runners without connector code of their own.
-CONNECTOR_HOOKS: tuple[RunnerHook, ...] = (
-    _LOAD,
-    RunnerHook(
-        "initialize_kv_cache",
-        ("self", "kv_cache_config"),
-        "create vLLM's AuxOutput worker connector (Model Runner V2 binds in here)",
-    ),
-    RunnerHook("execute_model", ("self", "scheduler_output"), "connector.begin_step before the batch is updated"),
-    RunnerHook("sample_tokens", ("self",), "prepare_output / process_output around sampling; set the output field"),
-)
-
-# Model-runner classes hooked, per platform device type. Optional ones are absent from some releases.
-_GPU_RUNNERS = (
-    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner", True),  # V1 runner
-    ("vllm.v1.worker.gpu.model_runner:GPUModelRunner", False),  # Model Runner V2 (0.26+)
-)
-RUNNER_CLASSES: dict[str, tuple[tuple[str, bool], ...]] = {
-    "cuda": _GPU_RUNNERS,
-    # The CPU runners subclass the GPU ones and override load_model, so they are hooked too.
-    "cpu": (
-        *_GPU_RUNNERS,
-        ("vllm.v1.worker.cpu_model_runner:CPUModelRunner", True),
-        ("vllm.v1.worker.cpu.model_runner:CPUModelRunner", False),
-    ),
-    # vllm-ascend's runners override the hooked methods: hooked when the worker imports them.
-    "npu": (
-        *_GPU_RUNNERS,
-        ("vllm_ascend.worker.model_runner_v1:NPUModelRunner", True),
-        ("vllm_ascend.worker.v2.model_runner:NPUModelRunner", False),
-    ),
-}
-# Runner methods a subclass inherits and need not define itself (checked on the base class).
-_INHERITED = {
-    "vllm.v1.worker.cpu_model_runner:CPUModelRunner",
-    "vllm.v1.worker.cpu.model_runner:CPUModelRunner",
-}
 
 
-def runner_patches(hooks: tuple[RunnerHook, ...], generations: tuple[Generation, ...], platform: str) -> list[Patch]:
-    """The manifest rows of ``hooks`` on every runner class of ``platform``."""
+def runner_patches(
+    hooks: tuple[RunnerHook, ...], classes: tuple[RunnerClass, ...], generations: tuple[Generation, ...], platform: str
+) -> list[Patch]:
+    """The manifest rows of ``hooks`` on each of ``classes`` (one platform's runner classes)."""
     rows: list[Patch] = []
-    for cls_path, cls_required in RUNNER_CLASSES[platform]:
-        if cls_path in _INHERITED:
+    for runner in classes:
+        if runner.inherits_hooks:
             rows.append(
                 Patch(
-                    cls_path,
+                    runner.path,
                     "the platform's runner (hooks on its own overrides)",
                     "never",
                     generations,
                     platform=platform,
-                    required=cls_required,
+                    required=runner.required,
+                    action=RELY,
                 )
             )
             continue
@@ -109,18 +55,17 @@ def runner_patches(hooks: tuple[RunnerHook, ...], generations: tuple[Generation,
         # _bind_routed_experts_capturer up to 0.26.0rc1 and inherit vLLM's binding from 0.27.1rc1). vllm-ascend's
         # rows are verified apart from vLLM's (when its runner module is imported), so they join no group of
         # vLLM's: vLLM's own rows already require one binder.
-        own_group = not cls_path.startswith("vllm_ascend")
         for hook in hooks:
             rows.append(
                 Patch(
-                    f"{cls_path}.{hook.name}",
+                    f"{runner.path}.{hook.name}",
                     hook.why,
                     "never (the runner mixin's hook points)",
                     generations,
                     hook.params,
                     platform=platform,
-                    required=cls_required and not hook.added_if_absent,
-                    one_of=hook.one_of if cls_required and own_group else "",
+                    required=runner.required and not hook.added_if_absent,
+                    one_of=hook.one_of if runner.required and not runner.in_vllm_ascend else "",
                 )
             )
     return rows
@@ -195,9 +140,6 @@ class RoutingCaptureRunnerMixin:
         api.attach(self, prepared, capturer)
 
 
-_HOOK_MARK = "_vllm_ascend_routing_hook"
-
-
 def _hook(name: str, original: Callable[..., Any] | None, api: CaptureAPI) -> Callable[..., Any]:
     hook = getattr(RoutingCaptureRunnerMixin, name)
 
@@ -205,27 +147,22 @@ def _hook(name: str, original: Callable[..., Any] | None, api: CaptureAPI) -> Ca
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         return hook(self, api, original, *args, **kwargs)
 
-    setattr(method, _HOOK_MARK, True)
     return method
 
 
 def is_hooked(method: Any) -> bool:
-    """Whether ``method`` is one of the hooks ``apply_mixin`` installed."""
-    return bool(getattr(method, _HOOK_MARK, False))
+    """Whether ``method`` is one of the hooks ``apply_mixin`` installed (or another of the plugin's replacements)."""
+    return patching.is_wrapped(method)
 
 
 def apply_mixin(runner_cls: type, api: CaptureAPI) -> None:
-    """Install ``api``'s runner hooks on ``runner_cls`` (idempotent); each wraps that class's own original."""
-    if runner_cls.__dict__.get(_PATCHED):
-        return
+    """Install ``api``'s runner hooks on ``runner_cls`` (idempotent), each through ``patching.wrap`` around that
+    class's own original. A method the class inherits from an already hooked base is left alone: wrapping it
+    again would run the hook twice."""
     for spec in api.runner_hooks:
-        current = getattr(runner_cls, spec.name, None)
-        if current is None and not spec.added_if_absent:
-            continue
-        if is_hooked(current):
-            continue  # inherited from a hooked base class: wrapping it again would run the hook twice
-        setattr(runner_cls, spec.name, _hook(spec.name, current, api))
-    setattr(runner_cls, _PATCHED, True)
-
-
-_PATCHED = "_vllm_ascend_routing_patched"
+        patching.wrap(
+            runner_cls,
+            spec.name,
+            functools.partial(_hook, spec.name, api=api),
+            add=spec.added_if_absent,
+        )

@@ -11,7 +11,6 @@ import contextlib
 import contextvars
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -24,19 +23,6 @@ _CAPTURES: weakref.WeakSet[PreparedCapture] = weakref.WeakSet()
 # The runner creating its capturer or connector, for vLLM releases whose binder is a module-level function
 # that is not given the runner (0.28+).
 _binding_runner: contextvars.ContextVar[Any] = contextvars.ContextVar("binding_runner", default=None)
-
-
-@dataclass(frozen=True)
-class RunnerHook:
-    """One model-runner method a generation hooks."""
-
-    name: str
-    params: tuple[str, ...]  # leading parameters of vLLM's method the hook relies on
-    why: str
-    # True: added where vLLM's runner lacks the method (the generation's module-level binder routes to it);
-    # otherwise a method is hooked only where the runner class has it.
-    added_if_absent: bool = False
-    one_of: str = ""  # manifest group: this method or another target of the group must exist
 
 
 def prepared_capture(runner: Any) -> PreparedCapture | None:

@@ -22,8 +22,10 @@ import torch
 from tests.ascend import moe_methods, real_moe
 from tests.ascend.conftest import ASCEND_SRC
 from vllm_ascend_routing.backends import ascend
-from vllm_ascend_routing.backends._recorded import RoutingNotRecordedError, inner_of, is_wrapped
+from vllm_ascend_routing.backends._recorded import RoutingNotRecordedError
 from vllm_ascend_routing.capture import LayerCapture, new_capture_buffer, new_error_counter
+from vllm_ascend_routing.patching import is_wrapped
+from vllm_ascend_routing.patching import original_of as inner_of
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ascend]
 

@@ -9,8 +9,9 @@ import contextvars
 import pytest
 import torch
 
-from vllm_ascend_routing.backends._recorded import LayerRecord, RoutingNotRecordedError, guard_forward, inner_of
+from vllm_ascend_routing.backends._recorded import LayerRecord, RoutingNotRecordedError, guard_forward
 from vllm_ascend_routing.capture import LayerCapture, new_capture_buffer, new_error_counter
+from vllm_ascend_routing.patching import original_of as inner_of
 
 
 class Layer(torch.nn.Module):

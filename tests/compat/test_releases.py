@@ -63,7 +63,7 @@ def test_old_generation_is_deleted_once_the_lowest_supported_release_passes_it(
 
 
 def test_every_supported_generation_has_an_adapter_and_manifest_rows() -> None:
-    adapters = {api.generation for api in manifest.ADAPTERS}
+    adapters = {api.generation for api in manifest.adapters()}
     assert adapters == {span.generation for span in GENERATIONS if span.supported}
     for generation in adapters:
         assert manifest.patches_for(generation, "cpu")

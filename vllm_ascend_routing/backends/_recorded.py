@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 
+from vllm_ascend_routing import patching
 from vllm_ascend_routing.capture import LayerCapture
-
-_WRAPPED = "_vllm_ascend_routing_inner"
 
 
 class RoutingNotRecordedError(RuntimeError):
@@ -55,17 +54,23 @@ def guard_forward(
     active: contextvars.ContextVar[LayerRecord | None] | None,
     missing: str,
 ) -> None:
-    """Replace ``module.<method>`` (instance attribute) by a wrapper that raises when the forward finished
-    without ``record`` having run; rebinding replaces the wrapper, never stacks it.
+    """Wrap ``module.<method>`` (an instance attribute, through ``patching.wrap``) so that it raises when the
+    forward finished without ``record`` having run; rebinding replaces the wrapper, never stacks it.
 
     Args:
         active: set to ``record`` while the forward runs (where the recording call site is not given the
             layer), or ``None``.
         missing: the end of the error message (what the forward did not call).
     """
-    current: Callable[..., Any] = getattr(module, method)
-    inner: Callable[..., Any] = getattr(current, _WRAPPED, current)
+    patching.wrap(module, method, lambda inner: _guarded(inner, record, active, missing), rebind=True)
 
+
+def _guarded(
+    inner: Callable[..., Any],
+    record: LayerRecord,
+    active: contextvars.ContextVar[LayerRecord | None] | None,
+    missing: str,
+) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
         record.recorded = False
         token = active.set(record) if active is not None else None
@@ -81,19 +86,4 @@ def guard_forward(
             )
         return result
 
-    mark_wrapper(forward, inner)
-    setattr(module, method, forward)
-
-
-def mark_wrapper(wrapper: Any, inner: Any) -> None:
-    """Remember ``inner`` on ``wrapper``: wrapping again wraps ``inner``, never the wrapper."""
-    setattr(wrapper, _WRAPPED, inner)
-
-
-def inner_of(function: Any) -> Any:
-    """The original behind a wrapper this package installed (the function itself otherwise)."""
-    return getattr(function, _WRAPPED, function)
-
-
-def is_wrapped(function: Any) -> bool:
-    return hasattr(function, _WRAPPED)
+    return forward

@@ -29,13 +29,12 @@ from typing import Any
 
 import torch
 
+from vllm_ascend_routing import patching
 from vllm_ascend_routing.backends._layer import quant_method
 from vllm_ascend_routing.backends._recorded import (
     LayerRecord,
     RoutingNotRecordedError,
     guard_forward,
-    is_wrapped,
-    mark_wrapper,
 )
 from vllm_ascend_routing.capture import LayerCapture
 from vllm_ascend_routing.patching import Patch
@@ -145,17 +144,14 @@ def recording_selector(original: Callable[..., Any]) -> Callable[..., Any]:
             record(topk_ids)
         return topk_weights, topk_ids
 
-    mark_wrapper(select_experts, original)
     return select_experts
 
 
 def _wrap_selector(namespace: dict[str, Any]) -> bool:
-    """Replace ``select_experts`` in a module's namespace (idempotent); False if it has none."""
-    selector = namespace.get(_SELECTOR)
-    if not callable(selector):
+    """Replace ``select_experts`` in a module's namespace (idempotent, ``patching.wrap``); False if it has none."""
+    if not callable(namespace.get(_SELECTOR)):
         return False
-    if not is_wrapped(selector):
-        namespace[_SELECTOR] = recording_selector(selector)
+    patching.wrap(namespace, _SELECTOR, recording_selector)
     return True
 
 

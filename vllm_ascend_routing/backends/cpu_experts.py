@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
+from vllm_ascend_routing import patching
 from vllm_ascend_routing.backends._layer import quant_method
 from vllm_ascend_routing.capture import LayerCapture
 
-_WRAPPED = "_vllm_ascend_routing_inner"
 _OWNER = "_vllm_ascend_routing_owner"
 
 
@@ -47,8 +47,7 @@ def bind(module: torch.nn.Module, capture: LayerCapture, name: str) -> None:
             f"{type(experts).__name__} is shared by two MoE layers; their routing cannot be told apart. "
             "Report the model architecture to vllm-ascend-routing."
         )
-    inner = getattr(current, _WRAPPED, current)  # rebinding replaces the capture, never stacks
-    experts._select_experts = _recording(inner, capture, id(module))
+    patching.wrap(experts, "_select_experts", lambda inner: _recording(inner, capture, id(module)), rebind=True)
 
 
 def _recording(inner: Callable[..., Any], capture: LayerCapture, owner: int) -> Callable[..., Any]:
@@ -57,6 +56,5 @@ def _recording(inner: Callable[..., Any], capture: LayerCapture, owner: int) -> 
         capture(topk_ids)
         return topk_weights, topk_ids
 
-    setattr(select_experts, _WRAPPED, inner)
     setattr(select_experts, _OWNER, owner)
     return select_experts

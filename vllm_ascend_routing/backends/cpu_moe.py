@@ -15,22 +15,23 @@ from typing import Any
 
 import torch
 
+from vllm_ascend_routing import patching
 from vllm_ascend_routing.backends._layer import quant_method
 from vllm_ascend_routing.capture import LayerCapture
-from vllm_ascend_routing.patching import Patch
+from vllm_ascend_routing.patching import RELY, Patch
 from vllm_ascend_routing.releases import Generation
 
 FORWARD_METHOD = Patch(
     "vllm.model_executor.layers.fused_moe.cpu_fused_moe:CPUFusedMOE",
-    "per bound layer, the instance's forward_method records the ids the CPU MoE computed itself",
+    "per bound layer, the instance's forward_method is wrapped to record the ids the CPU MoE computed itself",
     "the lowest supported vLLM is 0.28.0 or newer (CPU MoE routes through BaseRouter)",
     (Generation.SHM, Generation.RUNNER_OUTPUT),
     platform="cpu",
     required=False,
     releases="vLLM 0.20.0-0.27.1",
+    action=RELY,
 )
 PATCHES = (FORWARD_METHOD,)
-_WRAPPED = "_vllm_ascend_routing_inner"
 
 
 def _cpu_impl(module: torch.nn.Module) -> Any:
@@ -49,8 +50,7 @@ def bind(module: torch.nn.Module, capture: LayerCapture, name: str) -> None:
             f"{type(impl).__name__} (VLLM_CPU_SGL_KERNEL=1) does not expose its top-k ids to the "
             "routed-experts capture; unset VLLM_CPU_SGL_KERNEL to use vLLM's default CPU MoE."
         )
-    inner = getattr(forward, _WRAPPED, forward)  # rebinding replaces the capture, never stacks
-    impl.forward_method = _recording(inner, capture)
+    patching.wrap(impl, "forward_method", lambda inner: _recording(inner, capture), rebind=True)
 
 
 def _recording(inner: Callable[..., torch.Tensor], capture: LayerCapture) -> Callable[..., torch.Tensor]:
@@ -65,5 +65,4 @@ def _recording(inner: Callable[..., torch.Tensor], capture: LayerCapture) -> Cal
         capture(topk_ids)
         return inner(layer, x, topk_weights, topk_ids, *args, **kwargs)
 
-    setattr(forward_method, _WRAPPED, inner)
     return forward_method

@@ -67,7 +67,7 @@ def deferral_binder() -> Callable[[Any, Any], None] | None:
         return found
     runner_class = _resolved(RUNNER)
     method = getattr(runner_class, "_bind_routed_experts_capturer", None)
-    original = getattr(method, "__wrapped__", method)
+    original = patching.original_of(method)
     if original is None or "FusedMoEExpertsMonolithic" not in referenced_classes(original):
         return None
     return lambda model, capturer: original(SimpleNamespace(model=model), capturer)

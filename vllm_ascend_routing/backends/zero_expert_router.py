@@ -31,7 +31,6 @@ ZERO_EXPERT_IDS = Patch(
     required=False,
 )
 PATCHES = (ZERO_EXPERT_IDS,)
-_WRAPPED = "_vllm_ascend_routing_inner"
 
 # The capture of the zero-expert router computing its routing now (set around its ``_compute_routing``).
 _active: contextvars.ContextVar[_Recording | None] = contextvars.ContextVar("zero_expert_capture", default=None)
@@ -61,8 +60,9 @@ def zero_experts(module: torch.nn.Module) -> int:
 def bind(module: torch.nn.Module, capture: LayerCapture, name: str) -> None:
     patching.replace(ZERO_EXPERT_IDS, _recording_zero_experts)
     router: Any = getattr(module, "router")  # noqa: B009
-    compute = getattr(router._compute_routing, _WRAPPED, router._compute_routing)  # rebinding never stacks
-    router._compute_routing = _recording_routing(compute, _Recording(capture), name)
+    patching.wrap(
+        router, "_compute_routing", lambda compute: _recording_routing(compute, _Recording(capture), name), rebind=True
+    )
     router.set_capture_fn(None)  # its hook would see the masked ids
 
 
@@ -82,7 +82,6 @@ def _recording_routing(compute: Callable[..., Any], recording: _Recording, name:
             )
         return result
 
-    setattr(compute_routing, _WRAPPED, compute)
     return compute_routing
 
 

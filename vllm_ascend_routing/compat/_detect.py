@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Decide, once, which vLLM API generation is installed: features first, version as tie-break."""
+"""Decide, once, which vLLM API generation is installed: the release table's markers first (newest generation
+first), the version number as tie-break."""
 
 from __future__ import annotations
 
@@ -8,8 +9,6 @@ from types import ModuleType
 
 from vllm_ascend_routing import envs, releases
 from vllm_ascend_routing.compat.base import SUPPORTED_RELEASES, Generation, UnsupportedVllmError
-
-_CAPTURER = "vllm.model_executor.layers.fused_moe.routed_experts_capturer"
 
 
 def _module(name: str) -> ModuleType | None:
@@ -29,19 +28,19 @@ def vllm_version() -> str:
     return str(getattr(vllm, "__version__", "unknown"))
 
 
+def _holds(marker: str) -> bool:
+    """``"module"`` / ``"module:attribute"`` exists (``"!..."``: does not)."""
+    negated = marker.startswith("!")
+    module_name, _, attribute = marker.lstrip("!").partition(":")
+    module = _module(module_name)
+    found = module is not None and (not attribute or hasattr(module, attribute))
+    return found != negated
+
+
 def _by_features() -> Generation | None:
-    if _module("vllm.distributed.aux_output_connector") is not None:
-        return Generation.AUX_OUTPUT
-    capturer = _module(_CAPTURER)
-    if capturer is None:
-        return None
-    if hasattr(capturer, "RoutedExpertsReader"):
-        return Generation.SHM
-    if hasattr(capturer, "bind_routing_capture_to_model"):
-        return Generation.REVERTED
-    outputs = _module("vllm.v1.outputs")
-    if hasattr(capturer, "RoutedExpertsManager") and hasattr(outputs, "RoutedExpertsLists"):
-        return Generation.RUNNER_OUTPUT
+    for span in reversed(releases.GENERATIONS):
+        if span.markers and all(_holds(marker) for marker in span.markers):
+            return span.generation
     return None
 
 
@@ -57,7 +56,7 @@ def detect_generation() -> Generation:
     """The installed vLLM's generation, or ``UnsupportedVllmError`` saying what to install."""
     forced = envs.VLLM_ASCEND_ROUTING_VLLM_API
     if forced != "auto":
-        return Generation(forced)
+        return next(span.generation for span in releases.GENERATIONS if span.generation.value == forced)
     version = vllm_version()
     generation = _by_features() or _by_version(version)
     if generation is None:

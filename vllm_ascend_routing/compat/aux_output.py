@@ -21,7 +21,7 @@ it into Model Runner V2 only. This adapter:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -33,14 +33,25 @@ from vllm_ascend_routing import patching
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import PreparedCapture
 from vllm_ascend_routing.compat._common import attach_buffer, prepare_capture
-from vllm_ascend_routing.compat.base import Generation, UnsupportedVllmError
+from vllm_ascend_routing.compat._runners import LOAD_MODEL, RUNNER_CLASSES
+from vllm_ascend_routing.compat.base import Generation, RunnerClass, RunnerHook, UnsupportedVllmError
 from vllm_ascend_routing.patching import Patch
-from vllm_ascend_routing.runner_mixin import CONNECTOR_HOOKS
-from vllm_ascend_routing.runner_state import RunnerHook, as_binding_runner, binding_runner, prepared_capture
+from vllm_ascend_routing.runner_state import as_binding_runner, binding_runner, prepared_capture
 
 logger = get_logger(__name__)
 
 _AUX = (Generation.AUX_OUTPUT,)
+# The hooks drive vLLM's AuxOutput connector on runners without connector code of their own.
+CONNECTOR_HOOKS: tuple[RunnerHook, ...] = (
+    LOAD_MODEL,
+    RunnerHook(
+        "initialize_kv_cache",
+        ("self", "kv_cache_config"),
+        "create vLLM's AuxOutput worker connector (Model Runner V2 binds in here)",
+    ),
+    RunnerHook("execute_model", ("self", "scheduler_output"), "connector.begin_step before the batch is updated"),
+    RunnerHook("sample_tokens", ("self",), "prepare_output / process_output around sampling; set the output field"),
+)
 _WORKER = "vllm.distributed.aux_output_connector.worker"
 BINDER = Patch(
     f"{_WORKER}:bind_routed_experts_capturer",
@@ -77,9 +88,6 @@ def _attach_prepared_buffer(model: torch.nn.Module, capturer: Any) -> None:
             "initialize_kv_cache(); this runner class is not supported."
         )
     attach_buffer(prepared, capturer)  # snapshot_routing_data narrows it to uint8/uint16
-
-
-patching.mark(_attach_prepared_buffer)
 
 
 @contextlib.contextmanager
@@ -125,6 +133,7 @@ def connector_class() -> Any:
 class AuxOutputAPI:
     generation = Generation.AUX_OUTPUT
     runner_hooks: tuple[RunnerHook, ...] = CONNECTOR_HOOKS
+    runner_classes: Mapping[str, tuple[RunnerClass, ...]] = RUNNER_CLASSES
     rows_read_in_front_end = False  # rows travel through vLLM's AuxOutput connector
 
     def routed_experts_requested(self, vllm_config: Any) -> bool:
@@ -229,3 +238,6 @@ def _step_batch(runner: Any, scheduler_output: Any) -> SimpleNamespace:
     np.cumsum(scheduled, out=query_start_loc[1:])
     computed = np.array(runner.input_batch.num_computed_tokens_cpu[: len(request_ids)], dtype=np.int32)
     return SimpleNamespace(req_ids=request_ids, query_start_loc_np=query_start_loc, num_computed_tokens_np=computed)
+
+
+ADAPTER = AuxOutputAPI

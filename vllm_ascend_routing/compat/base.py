@@ -1,20 +1,36 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The small interface every vLLM API generation implements, and the generation names."""
+"""What every vLLM API generation module provides: the ``CaptureAPI`` adapter and the runner hooks and runner
+classes it declares.
+
+A generation module (``compat/shm.py``, ``runner_output.py``, ``aux_output.py``) defines ``ADAPTER`` (its
+``CaptureAPI`` class, whose ``runner_hooks`` and ``runner_classes`` say which methods of which runner classes
+it hooks) and ``PATCHES`` (every other symbol it replaces or relies on); the release table
+(``vllm_ascend_routing/releases.py``) names the module in its ``GenerationReleases`` row. ``get_api``, the
+manifest, ``integration``, ``envs`` and ``doctor`` read both from there; nothing else lists generations.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
 
     from vllm_ascend_routing.capture import PreparedCapture
-    from vllm_ascend_routing.runner_state import RunnerHook
 
 from vllm_ascend_routing.releases import Generation, supported_releases_text
 
-__all__ = ["SUPPORTED_RELEASES", "CaptureAPI", "Generation", "StepHooksNotUsed", "UnsupportedVllmError"]
+__all__ = [
+    "SUPPORTED_RELEASES",
+    "CaptureAPI",
+    "Generation",
+    "RunnerClass",
+    "RunnerHook",
+    "StepHooksNotUsed",
+    "UnsupportedVllmError",
+]
 
 SUPPORTED_RELEASES = supported_releases_text()
 
@@ -23,12 +39,42 @@ class UnsupportedVllmError(RuntimeError):
     """Raised at start-up for a vLLM release or configuration the plugin refuses."""
 
 
+@dataclass(frozen=True)
+class RunnerHook:
+    """One model-runner method a generation hooks (``runner_mixin.RoutingCaptureRunnerMixin`` has the hook)."""
+
+    name: str
+    params: tuple[str, ...]  # leading parameters of vLLM's method the hook relies on
+    why: str
+    # True: added where vLLM's runner lacks the method (the generation's module-level binder routes to it);
+    # otherwise a method is hooked only where the runner class has it.
+    added_if_absent: bool = False
+    one_of: str = ""  # manifest group: this method or another target of the group must exist
+
+
+@dataclass(frozen=True)
+class RunnerClass:
+    """One model-runner class a generation hooks (``"module:Class"``)."""
+
+    path: str
+    required: bool  # False: absent from some supported releases (then skipped)
+    # True: a subclass that gets the hooks through its base class's methods; the manifest checks that the class
+    # exists, not its methods (a CPU runner overrides some of them, and those are hooked on it too).
+    inherits_hooks: bool = False
+
+    @property
+    def in_vllm_ascend(self) -> bool:
+        """vllm-ascend's runners are hooked (and verified) when its worker imports them, not at start-up."""
+        return self.path.startswith("vllm_ascend")
+
+
 class CaptureAPI(Protocol):
     """What the runner mixin and ``integration`` need from one vLLM API generation."""
 
     generation: Generation
-    # The runner methods this generation hooks (``runner_mixin.CAPTURER_HOOKS`` / ``CONNECTOR_HOOKS``).
+    # The runner methods this generation hooks, and the runner classes it hooks them on, per platform device type.
     runner_hooks: tuple[RunnerHook, ...]
+    runner_classes: Mapping[str, tuple[RunnerClass, ...]]
     # True where the front-end reads the rows from the plugin's own store (not vLLM's transport): a worker
     # running the plugin under an engine without it must then refuse (``peers.worker_ready``).
     rows_read_in_front_end: bool
@@ -37,7 +83,7 @@ class CaptureAPI(Protocol):
         """Whether this engine was started with ``--enable-return-routed-experts`` (where this generation keeps it)."""
 
     def install(self) -> None:
-        """Patch this generation's runner hooks into vLLM (idempotent)."""
+        """Apply this generation's own ``PATCHES`` in vLLM (idempotent; ``integration`` installs the runner hooks)."""
 
     def install_ascend(self) -> None:
         """Patch this generation's call sites in vllm-ascend (idempotent; run when its worker imports them)."""

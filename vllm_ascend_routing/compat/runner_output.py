@@ -18,6 +18,7 @@ SCAFFOLDING: remove when the lowest supported vLLM is >= 0.31 (AuxOutput connect
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -25,10 +26,16 @@ import torch
 from vllm_ascend_routing import patching
 from vllm_ascend_routing.capture import PreparedCapture
 from vllm_ascend_routing.compat._common import attach_buffer, misplaced_slot_group, prepare_capture
-from vllm_ascend_routing.compat.base import Generation, StepHooksNotUsed, UnsupportedVllmError
+from vllm_ascend_routing.compat._runners import CAPTURER_BINDER, CAPTURER_HOOKS, RUNNER_CLASSES
+from vllm_ascend_routing.compat.base import (
+    Generation,
+    RunnerClass,
+    RunnerHook,
+    StepHooksNotUsed,
+    UnsupportedVllmError,
+)
 from vllm_ascend_routing.patching import Patch
-from vllm_ascend_routing.runner_mixin import CAPTURER_BINDER, CAPTURER_HOOKS
-from vllm_ascend_routing.runner_state import RunnerHook, binding_runner
+from vllm_ascend_routing.runner_state import binding_runner
 
 # The module-level binder (0.28-0.30), as each runner module imported it; absent in older releases.
 _BINDER_WHY = "vLLM's module-level binder, as the runner imported it, routes to the runner's bind hook"
@@ -53,7 +60,6 @@ def _bind_through_runner(model: torch.nn.Module, capturer: Any) -> None:
     runner._bind_routed_experts_capturer(capturer)
 
 
-patching.mark(_bind_through_runner)
 _V2_CAPTURER = "vllm.v1.worker.gpu.model_runner:GPUModelRunner.init_routed_experts_capturer"
 _SLOT_GROUP = "_vllm_ascend_routing_slot_group"  # runner attribute: the KV group whose slots to re-snapshot
 
@@ -69,6 +75,7 @@ def _v2_runner_captures() -> bool:
 class RunnerOutputAPI(StepHooksNotUsed):
     generation = Generation.RUNNER_OUTPUT
     runner_hooks: tuple[RunnerHook, ...] = CAPTURER_HOOKS
+    runner_classes: Mapping[str, tuple[RunnerClass, ...]] = RUNNER_CLASSES
     rows_read_in_front_end = False  # rows travel in vLLM's runner output
 
     def routed_experts_requested(self, vllm_config: Any) -> bool:
@@ -118,3 +125,6 @@ class RunnerOutputAPI(StepHooksNotUsed):
     def attach(self, runner: Any, prepared: PreparedCapture, capturer: Any) -> None:
         attach_buffer(prepared, capturer)  # before the runner allocates its pinned host mirror of it
         setattr(runner, _SLOT_GROUP, misplaced_slot_group(runner))
+
+
+ADAPTER = RunnerOutputAPI

@@ -19,6 +19,7 @@ SCAFFOLDING: remove when the lowest supported vLLM is >= 0.22.
 from __future__ import annotations
 
 import atexit
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -28,11 +29,10 @@ from vllm_ascend_routing import contract, patching
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import PreparedCapture
 from vllm_ascend_routing.compat._common import prepare_capture, refuse_misplaced_slots
+from vllm_ascend_routing.compat._runners import CAPTURER_HOOKS, RUNNER_CLASSES
 from vllm_ascend_routing.compat._shm_store import SegmentReader, SegmentSpec, SegmentWriter
-from vllm_ascend_routing.compat.base import Generation, StepHooksNotUsed
+from vllm_ascend_routing.compat.base import Generation, RunnerClass, RunnerHook, StepHooksNotUsed
 from vllm_ascend_routing.patching import Patch
-from vllm_ascend_routing.runner_mixin import CAPTURER_HOOKS
-from vllm_ascend_routing.runner_state import RunnerHook
 
 logger = get_logger(__name__)
 
@@ -214,13 +214,10 @@ class _CaptureOff:
         return None
 
 
-for _substitute in (ShmRoutedExpertsCapturer, ShmRoutedExpertsReader, _CaptureOff):
-    patching.mark(_substitute)
-
-
 class ShmAPI(StepHooksNotUsed):
     generation = Generation.SHM
     runner_hooks: tuple[RunnerHook, ...] = CAPTURER_HOOKS
+    runner_classes: Mapping[str, tuple[RunnerClass, ...]] = RUNNER_CLASSES
     rows_read_in_front_end = True  # the front-end reads the plugin's shared-memory store
 
     def routed_experts_requested(self, vllm_config: Any) -> bool:
@@ -249,3 +246,6 @@ class ShmAPI(StepHooksNotUsed):
         capturer = ShmRoutedExpertsCapturer.get_instance()
         if capturer is not None:
             capturer.stage(num_tokens)
+
+
+ADAPTER = ShmAPI

@@ -1,0 +1,57 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Building blocks the generation modules declare their runner hooks and runner classes from.
+
+Each generation module says which of these it hooks (``ADAPTER.runner_hooks`` / ``runner_classes``); this
+module only names the pieces several of them share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from vllm_ascend_routing.compat.base import RunnerClass, RunnerHook
+
+# Where vLLM hands its capturer the buffer: the runner method (0.20-0.27) or a module function (0.28-0.30).
+CAPTURER_BINDER = "vLLM's capturer binder"
+
+LOAD_MODEL = RunnerHook(
+    "load_model", ("self",), "bind MoE layers to the static buffer before vLLM first compiles the model"
+)
+# Generations whose vLLM runner has its own routed-experts capturer: the hooks hand it the prepared buffer.
+CAPTURER_HOOKS: tuple[RunnerHook, ...] = (
+    LOAD_MODEL,
+    RunnerHook("execute_model", ("self", "scheduler_output"), "start moving the step's rows off the device"),
+    RunnerHook(
+        "init_routed_experts_capturer",
+        ("self",),
+        "vLLM creates its capturer here; the runner is the binding runner meanwhile",
+    ),
+    RunnerHook(
+        "_bind_routed_experts_capturer",
+        ("self", "capturer"),
+        "hand vLLM's capturer the prepared buffer (added where vLLM binds through a module function)",
+        added_if_absent=True,
+        one_of=CAPTURER_BINDER,
+    ),
+)
+
+_GPU = (
+    RunnerClass("vllm.v1.worker.gpu_model_runner:GPUModelRunner", True),  # V1 runner
+    RunnerClass("vllm.v1.worker.gpu.model_runner:GPUModelRunner", False),  # Model Runner V2 (0.26+)
+)
+# The model-runner classes hooked, per platform device type.
+RUNNER_CLASSES: Mapping[str, tuple[RunnerClass, ...]] = {
+    "cuda": _GPU,
+    # The CPU runners subclass the GPU ones and override load_model, so they are hooked too.
+    "cpu": (
+        *_GPU,
+        RunnerClass("vllm.v1.worker.cpu_model_runner:CPUModelRunner", True, inherits_hooks=True),
+        RunnerClass("vllm.v1.worker.cpu.model_runner:CPUModelRunner", False, inherits_hooks=True),
+    ),
+    # vllm-ascend's runners override the hooked methods: hooked when the worker imports them.
+    "npu": (
+        *_GPU,
+        RunnerClass("vllm_ascend.worker.model_runner_v1:NPUModelRunner", True),
+        RunnerClass("vllm_ascend.worker.v2.model_runner:NPUModelRunner", False),
+    ),
+}
