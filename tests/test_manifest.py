@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import inspect
+from types import ModuleType
 
 import pytest
 
@@ -11,7 +14,7 @@ from vllm_ascend_routing import _cpu_compat, manifest, validate
 from vllm_ascend_routing.backends import ascend, cpu_moe
 from vllm_ascend_routing.compat import aux_output, runner_output, shm
 from vllm_ascend_routing.compat.base import UnsupportedVllmError
-from vllm_ascend_routing.patching import CAPTURING, VALIDATION, Patch
+from vllm_ascend_routing.patching import CAPTURING, RELY, REPLACE, VALIDATION, Patch
 
 GENERATIONS = [api.generation for api in manifest.adapters()]
 
@@ -68,3 +71,44 @@ def test_an_optional_absent_target_is_not_a_problem() -> None:
     patch = Patch("vllm_ascend_routing_absent_module:thing", "why", "never", required=False)
     assert manifest.problem(patch) is None
     assert manifest.problem(Patch("vllm_ascend_routing_absent_module:thing", "why", "never")) is not None
+
+
+def _replaced_in(module: ModuleType) -> set[str]:
+    """Targets of the rows ``module`` passes to ``patching.replace`` (a row constant, or each row of a tuple the
+    call's loop iterates over), read from its source."""
+    tree = ast.parse(inspect.getsource(module))
+    loops = {
+        node.target.id: node.iter.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.For) and isinstance(node.target, ast.Name) and isinstance(node.iter, ast.Name)
+    }
+    targets: set[str] = set()
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and ast.unparse(node.func) in ("patching.replace", "replace")):
+            continue
+        argument = node.args[0]
+        assert isinstance(argument, ast.Name), ast.unparse(node)
+        value = getattr(module, loops.get(argument.id, argument.id))
+        rows = value if isinstance(value, tuple) else (value,)
+        targets.update(row.target for row in rows)
+    return targets
+
+
+def test_a_row_says_replace_exactly_when_its_module_replaces_its_target() -> None:
+    modules = (*manifest.generation_modules(), *manifest._DECLARING)
+    for module in modules:
+        replaced = _replaced_in(module)
+        declared = {patch.target: patch.action for patch in module.PATCHES}
+        assert replaced <= set(declared), f"{module.__name__} replaces an undeclared target"
+        for target, action in declared.items():
+            assert action == (REPLACE if target in replaced else RELY), f"{module.__name__}: {target} says {action}"
+
+
+@pytest.mark.parametrize("platform", ["cpu", "npu"], ids=lambda platform: f"{platform}-runners")
+def test_runner_rows_replace_hooked_methods_and_rely_on_subclasses_that_inherit_them(platform: str) -> None:
+    for api in manifest.adapters():
+        rows = manifest.patches_for(api.generation, platform)[: len(api.runner_hooks) * 4]
+        for runner in api.runner_classes[platform]:
+            mine = [row for row in rows if row.target.startswith(runner.path)]
+            expected = RELY if runner.inherits_hooks else REPLACE
+            assert mine and {row.action for row in mine} == {expected}, runner.path

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_ascend_routing import patching
-from vllm_ascend_routing.patching import Patch, resolve
+from vllm_ascend_routing.patching import RELY, Patch, resolve
 from vllm_ascend_routing.releases import Generation
 
 ACTIVATION_TABLE = Patch(
@@ -26,6 +26,7 @@ ACTIVATION_TABLE = Patch(
     platform="cpu",
     required=False,
     releases="vLLM 0.20.0-0.27.1",
+    action=RELY,
 )
 PATCHES = (ACTIVATION_TABLE,)
 _MODULE = ACTIVATION_TABLE.target.partition(":")[0]

@@ -37,7 +37,7 @@ from vllm_ascend_routing.backends._recorded import (
     guard_forward,
 )
 from vllm_ascend_routing.capture import LayerCapture
-from vllm_ascend_routing.patching import Patch
+from vllm_ascend_routing.patching import RELY, Patch
 from vllm_ascend_routing.releases import Generation
 
 __all__ = ["PATCHES", "RoutingNotRecordedError", "bind", "handles"]
@@ -58,6 +58,7 @@ SELECTOR = Patch(
     required=False,
     one_of=ROUTING_SEAM,
     releases="vllm-ascend 0.20.2rc1-0.26.0rc1",
+    action=RELY,
 )
 LAYER_FORWARD = Patch(
     "vllm_ascend.ops.fused_moe.fused_moe:AscendFusedMoE.forward_impl",
@@ -68,6 +69,7 @@ LAYER_FORWARD = Patch(
     platform="npu",
     required=False,
     releases="vllm-ascend 0.20.2rc1-0.23.0.post1",
+    action=RELY,
 )
 RUNNER_FORWARD = Patch(
     "vllm_ascend.ops.fused_moe.fused_moe:AscendMoERunner._forward_impl",
@@ -79,6 +81,7 @@ RUNNER_FORWARD = Patch(
     platform="npu",
     required=False,
     releases="vllm-ascend 0.24.0rc1-0.26.0rc1",
+    action=RELY,
 )
 PATCHES = (SELECTOR, LAYER_FORWARD, RUNNER_FORWARD)
 _PACKAGE = SELECTOR.package

@@ -28,7 +28,7 @@ import torch
 from vllm_ascend_routing.backends._recorded import LayerRecord, RoutingNotRecordedError, guard_forward
 from vllm_ascend_routing.backends.ascend import ROUTING_SEAM, function_of, global_names
 from vllm_ascend_routing.capture import LayerCapture
-from vllm_ascend_routing.patching import Patch
+from vllm_ascend_routing.patching import RELY, Patch
 from vllm_ascend_routing.releases import Generation
 
 __all__ = ["PATCHES", "bind", "handles"]
@@ -48,6 +48,7 @@ ROUTED_SELECT = Patch(
     required=False,
     one_of=ROUTING_SEAM,
     releases=_RELEASES,
+    action=RELY,
 )
 ROUTED_FORWARD = Patch(
     "vllm_ascend.ops.fused_moe.routed_experts:AscendRoutedExperts.forward_impl",
@@ -58,6 +59,7 @@ ROUTED_FORWARD = Patch(
     platform="npu",
     required=False,
     releases=_RELEASES,
+    action=RELY,
 )
 PATCHES = (ROUTED_SELECT, ROUTED_FORWARD)
 _PACKAGE = ROUTED_SELECT.package

@@ -35,7 +35,7 @@ from vllm_ascend_routing.capture import PreparedCapture
 from vllm_ascend_routing.compat._common import attach_buffer, prepare_capture
 from vllm_ascend_routing.compat._runners import LOAD_MODEL, RUNNER_CLASSES
 from vllm_ascend_routing.compat.base import Generation, RunnerClass, RunnerHook, UnsupportedVllmError
-from vllm_ascend_routing.patching import Patch
+from vllm_ascend_routing.patching import RELY, Patch
 from vllm_ascend_routing.runner_state import as_binding_runner, binding_runner, prepared_capture
 
 logger = get_logger(__name__)
@@ -66,6 +66,7 @@ CONNECTOR = Patch(
     "vLLM's V1 runner drives the connector itself",
     _AUX,
     ("vllm_config", "model", "kv_cache_config"),
+    action=RELY,
 )
 CONFIG_CHECK = Patch(
     "vllm.config.vllm:VllmConfig._verify_aux_output_compatibility",
