@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""No module of the package imports one that imports it back (function-level imports included)."""
+"""Imports go down the package's layers: no module imports one of a higher layer, none imports one that imports
+it back (function-level imports included), and the runtime package never imports the tests' harness."""
 
 from __future__ import annotations
 
@@ -100,3 +101,61 @@ def test_leaf_modules_import_nothing_of_the_package_but_the_release_table() -> N
     assert graph["vllm_ascend_routing.runner_state"] == set()
     # The package root and compat's package module are imported implicitly with any of their submodules.
     assert graph["vllm_ascend_routing.patching"] <= {table}
+
+
+# The package's layers, lowest first (a module is placed by its longest matching name; the package's own
+# ``__init__`` is ``register()``, wiring). A module may import its own layer or lower ones.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    # leaves: plain data and state, no package imports
+    ("releases", "runner_state", "_logging", "contract", "parallel", "_post_import", "compat._shm_store",
+     "ops._reference", "backends._layer"),
+    ("envs", "patching"),  # settings; Patch and the one way to patch
+    ("ops", "capture", "sentinel", "validate", "_cpu_compat", "replay"),  # the op, the capture, the checks
+    ("compat.base", "compat._detect", "compat", "compat._runners", "runner_mixin", "peers"),  # the interface
+    ("backends",),  # where routing is intercepted
+    ("compat._common", "compat.shm", "compat.runner_output", "compat.aux_output"),  # the generations
+    ("manifest", "integration", ""),  # wiring: collect, verify, install; register()
+    ("doctor", "model_check", "__main__", "selfcheck", "testing"),  # user-facing tools
+)  # fmt: skip
+
+
+def layer_of(module: str) -> int:
+    name = module.removeprefix("vllm_ascend_routing").removeprefix(".")
+    best = None
+    for index, members in enumerate(LAYERS):
+        for member in members:
+            matches = name == member or (member and name.startswith(member + "."))
+            if matches and (best is None or len(member) > best[1]):
+                best = (index, len(member))
+    assert best is not None, f"{module} is in no layer of LAYERS: place it"
+    return best[0]
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    upward = [
+        f"{module} (layer {layer_of(module)}) imports {target} (layer {layer_of(target)})"
+        for module, targets in import_graph().items()
+        for target in sorted(targets)
+        if layer_of(target) > layer_of(module)
+    ]
+    assert upward == []
+
+
+def test_the_layer_check_finds_an_upward_import() -> None:
+    assert layer_of("vllm_ascend_routing.releases") < layer_of("vllm_ascend_routing.manifest")
+    assert layer_of("vllm_ascend_routing.backends.ascend") > layer_of("vllm_ascend_routing.compat.base")
+    assert layer_of("vllm_ascend_routing.backends._layer") == 0
+
+
+def test_the_runtime_package_never_imports_the_tests() -> None:
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            assert not any(name == "tests" or name.startswith("tests.") for name in names), path

@@ -11,8 +11,12 @@ Two moments matter:
     as usual and is handed the static buffer instead of binding layers itself.
 Where the runner has no routed-experts code of its own (vLLM 0.31+'s V1 runner, which the CPU and Ascend
 runners build on), ``initialize_kv_cache`` / ``execute_model`` / ``sample_tokens`` let the generation drive
-vLLM's connector itself. Each generation adapter declares the hooks it needs (``CAPTURER_HOOKS`` or
-``CONNECTOR_HOOKS``); ``apply_mixin(runner_cls, api)`` installs those, calling that adapter.
+vLLM's connector itself. Each generation module declares the hooks it needs and the runner classes it hooks
+them on (``ADAPTER.runner_hooks`` / ``runner_classes``); ``apply_mixin(runner_cls, api)`` installs those,
+calling that adapter.
+
+The mixin is never inherited: vLLM (and vllm-ascend) instantiate their own runner classes, so each hook is
+installed on those classes in place, through ``patching.wrap``, around the class's own method.
 """
 
 from __future__ import annotations
