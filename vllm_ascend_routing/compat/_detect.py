@@ -64,10 +64,12 @@ def detect_generation() -> Generation:
             f"vLLM {version} has no routed-experts capture this plugin knows. Supported releases: "
             f"{SUPPORTED_RELEASES}. Install one of them or unset VLLM_ASCEND_ROUTING."
         )
-    if generation is Generation.REVERTED:
+    span = releases.span_of(generation)
+    if not span.supported:
+        span_text = span.first if span.first == span.last_tested else f"{span.first}-{span.last_tested}"
         raise UnsupportedVllmError(
-            f"vLLM {version} (0.21.0) shipped a routed-experts design that upstream reverted in 0.22; "
-            f"this plugin does not support it. Use a supported release ({SUPPORTED_RELEASES}) or "
+            f"vLLM {version} ({span_text}) ships the '{generation.value}' routed-experts design, which this "
+            f"plugin does not support: {span.delete_when}. Use a supported release ({SUPPORTED_RELEASES}) or "
             "unset VLLM_ASCEND_ROUTING."
         )
     return generation
