@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""No module of the package imports one that imports it back (function-level imports included)."""
+"""No module of the package imports one that imports it back (function-level imports included), and none imports
+the checkout's tests (their harness is not in the installed package)."""
 
 from __future__ import annotations
 
@@ -100,3 +101,27 @@ def test_leaf_modules_import_nothing_of_the_package_but_the_release_table() -> N
     assert graph["vllm_ascend_routing.runner_state"] == set()
     # The package root and compat's package module are imported implicitly with any of their submodules.
     assert graph["vllm_ascend_routing.patching"] <= {table}
+
+
+def imported_names(path: Path) -> set[str]:
+    """Every absolute module name ``path`` imports, at any depth (``if TYPE_CHECKING:`` blocks included)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module)
+    return found
+
+
+def test_the_package_never_imports_the_tests() -> None:
+    """The test harness (tests/harness: stand-ins, DP/server/stress scenarios) stays out of the wheel; a runtime
+    import of it would fail once installed."""
+    offenders = {
+        module_name(path): sorted(name for name in imported_names(path) if name == "tests" or name.startswith("tests."))
+        for path in sorted(PACKAGE.rglob("*.py"))
+    }
+    assert {name: found for name, found in offenders.items() if found} == {}
+    assert "tests.harness" in imported_names(
+        Path(__file__).resolve().parent / "e2e" / "conftest.py"
+    )  # it would see one
