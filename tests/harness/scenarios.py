@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""End-to-end scenarios, one vLLM engine per process, printing a JSON verdict (used by tests and benchmarks).
+"""End-to-end scenarios, one vLLM engine per process, printing a JSON verdict (e2e tests, test-distributed, matrix).
 
     python -m tests.harness.scenarios offline --arch qwen3_moe --mode compiled
     python -m tests.harness.scenarios serve --arch mixtral
