@@ -126,14 +126,16 @@ ascend-%:
 		$$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m ascend tests/ascend/test_moe_capture.py
 
 ## make test-distributed [RELEASE=0.23.0] [CASES=ray-v2:driver-env,...] [MODE=compiled]: every Ray executor and
-## external-launcher case of vllm_ascend_routing/testing/distributed.py (TP=2, local Ray nodes on this machine) on
-## one release, one JSON verdict per case (make test runs three of them on 0.30.0)
+## external-launcher case of tests/harness/distributed.py (TP=2, local Ray nodes on this machine) on one release,
+## one JSON verdict per case (make test runs three of them on 0.30.0); the test harness is the checkout's, not the
+## installed package's: the checkout goes on PYTHONPATH
 CASES ?=
 MODE  ?= compiled
 test-distributed:
 	@py=$$($(PYTHON) scripts/venv.py $(RELEASE) --with ray --print) && cd $$HOME && \
+		PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} \
 		VLLM_ALLOW_INSECURE_SERIALIZATION=1 VLLM_ASCEND_ROUTING_VALIDATE=strict \
-		$$py -m vllm_ascend_routing.testing.scenarios distributed --mode $(MODE) $(if $(CASES),--cases $(CASES))
+		$$py -m tests.harness.scenarios distributed --mode $(MODE) $(if $(CASES),--cases $(CASES))
 
 ## make build-cuda: compile the CUDA kernel's torch binding against a CUDA build of torch (no GPU needed),
 ## check it registers; on a machine with a GPU also run the GPU kernel tests against it
@@ -182,12 +184,12 @@ bench-kernel:
 ## chunked prefill, aborts; every completed request exact (also in the suite, bounded: tests/e2e/test_stress.py)
 stress:
 	@py=$(call VENV,$(RELEASE)) && VLLM_ASCEND_ROUTING=1 VLLM_ASCEND_ROUTING_VALIDATE=strict \
-		$$py -m vllm_ascend_routing.testing.stress --requests 300 --concurrency 64 --abort-every 10
+		$$py -m tests.harness.stress --requests 300 --concurrency 64 --abort-every 10
 
 ## make soak [RELEASE=0.23.0]: 2,000 requests through one engine; resident memory at start and end, bounded growth
 soak:
 	@py=$(call VENV,$(RELEASE)) && VLLM_ASCEND_ROUTING=1 VLLM_ASCEND_ROUTING_VALIDATE=strict \
-		$$py -m vllm_ascend_routing.testing.stress --requests 2000 --concurrency 16 --abort-every 0 \
+		$$py -m tests.harness.stress --requests 2000 --concurrency 16 --abort-every 0 \
 		--deadline 3000 --max-rss-growth-mib 128
 
 ## make venv RELEASE=0.25.1: build (or reuse) one release's environment and print its python

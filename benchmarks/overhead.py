@@ -73,6 +73,12 @@ from typing import Any
 import numpy as np
 import sampling
 
+# The CPU-kernel probe (tests.harness.cpu_moe_choice) is the checkout's test harness, not in the installed package:
+# the checkout goes after the environment's own paths, so the installed plugin stays the one measured.
+CHECKOUT = str(Path(__file__).resolve().parents[1])
+if CHECKOUT not in sys.path:
+    sys.path.append(CHECKOUT)
+
 ARCH = "qwen3_moe_bench"
 KV_CACHE_BYTES = 512 * 1024 * 1024
 
@@ -98,7 +104,7 @@ def worker(mode: str, requests: int, tokens: int, eager: bool = False) -> None:
     """One engine, one mode: warm up, print READY, then time one batch per ``run`` line read from stdin."""
     from vllm import LLM, SamplingParams
 
-    from vllm_ascend_routing.testing import models, scenarios
+    from vllm_ascend_routing.selfcheck import models, scenarios
 
     if mode == "unchecked":  # the plugin with its always-on check's per-step work removed (in-process engine)
         from vllm_ascend_routing.sentinel import Sentinel
@@ -218,14 +224,14 @@ def machine() -> str:
 def vllm_alone_runs() -> bool:
     """vLLM 0.20-0.27 crash in their pure-PyTorch CPU MoE unless the plugin's compat fix is applied; they
     take it without the grouped-GEMM kernels (CPUs without AVX-512) and, for float32, on AMX CPUs."""
-    from vllm_ascend_routing.testing.cpu_moe_choice import CpuMoeKernel, vllm_cpu_moe_kernel
+    from tests.harness.cpu_moe_choice import CpuMoeKernel, vllm_cpu_moe_kernel
 
     return vllm_cpu_moe_kernel(ARCH) is not CpuMoeKernel.PURE_TORCH
 
 
 def refuse_where_vllm_cannot_start() -> None:
     """vLLM 0.27 refuses float32 MoE weights on AMX CPUs (no kernel for them), plugin or not."""
-    from vllm_ascend_routing.testing.cpu_moe_choice import CpuMoeKernel, vllm_cpu_moe_kernel
+    from tests.harness.cpu_moe_choice import CpuMoeKernel, vllm_cpu_moe_kernel
 
     if vllm_cpu_moe_kernel(ARCH) is CpuMoeKernel.REFUSED:
         import vllm
@@ -517,7 +523,7 @@ def main() -> None:
         if m != "off"
     }
     plugin_run = next(r for r in runs if r["mode"] == "plugin")
-    from vllm_ascend_routing.testing import models, scenarios
+    from vllm_ascend_routing.selfcheck import models, scenarios
 
     info = models.build_tiny_moe(ARCH, scenarios.model_dir() / ARCH)
     # KV slots the 512 MiB KV budget holds: K and V, every layer, 4 KV heads x 64 dims, float32.

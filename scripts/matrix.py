@@ -108,7 +108,7 @@ STATIC_CHECK = Check("static surface", (*DOCTOR, "--surface", "--platform", "cud
 STATIC_PREFIX = "static-"  # scripts/venv.py's name for a release's static environment
 
 # Speculative decoding (n-gram, k=3) end to end: the scenario the e2e suite runs, in-process engine.
-SPEC_ARGS = ("-m", "vllm_ascend_routing.testing.scenarios", "speculative", "--spec", "ngram", "--k", "3")
+SPEC_ARGS = ("-m", "tests.harness.scenarios", "speculative", "--spec", "ngram", "--k", "3")
 SPEC_PREFIX = "SCENARIO_RESULT "
 SPEC_CRASHES = "vLLM's CPU path crashes"
 SPEC_NOT_RUN = "not run"
@@ -301,6 +301,8 @@ def run_speculative(python: Path, timeout_s: float, log_path: Path) -> str:
     with tempfile.TemporaryDirectory(prefix="vllm_ascend_routing_matrix_") as scratch:
         env = check_environment(dict(os.environ), Path(scratch) / "vllm_cache")
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # The scenario is the checkout's test harness (tests/harness), not part of the installed package.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
         with log_path.open("w") as log:
             log.write(f"+ {python} {' '.join(SPEC_ARGS)}\n")
             log.flush()
@@ -603,7 +605,7 @@ def render_markdown(document: dict[str, Any]) -> str:
         + ("exact; static rows: every patch target verified" if static else "exact")
         + "), `refused as designed`, `fail` (doctor's reason), `timeout`, `no verdict` (the check died), "
         "`env build failed` (see the log named), `env not built` (not attempted, e.g. no disk). Speculative "
-        "decoding (after a passing doctor): `python -m vllm_ascend_routing.testing.scenarios speculative --spec "
+        "decoding (after a passing doctor): `python -m tests.harness.scenarios speculative --spec "
         "ngram --k 3` (repetitive prompts, uneven max_tokens, chunked prefill, prefix-cache repeat; every row "
         "exact and drafts accepted), `vLLM's CPU path crashes` (vLLM's own CPU rejection sampler, with or "
         "without the plugin), `not run` (rows checked before this column existed"

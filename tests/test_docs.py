@@ -100,8 +100,8 @@ def test_readme_gives_the_test_command_ci_runs() -> None:
 def test_test_stand_ins_are_named_in_docs_and_said_in_readme() -> None:
     development = (ROOT / "docs" / "development.md").read_text()
     for standin in (
-        "vllm_ascend_routing/testing/cpu_dp_collectives.py",
-        "vllm_ascend_routing/testing/no_amx_standin/sitecustomize.py",
+        "tests/harness/cpu_dp_collectives.py",
+        "tests/harness/no_amx_standin/sitecustomize.py",
     ):
         assert (ROOT / standin).exists()
         assert standin in development

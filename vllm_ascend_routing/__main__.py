@@ -13,7 +13,7 @@ def demo(arch: str, prompts: int, mode: str) -> int:
     """Run vLLM with the plugin on a tiny MoE; print shapes, the match rate and the expert load."""
     os.environ["VLLM_ASCEND_ROUTING"] = "1"  # before vLLM is imported: the plugin loads with it
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm_ascend_routing.testing import models, scenarios
+    from vllm_ascend_routing.selfcheck import models, scenarios
 
     result = scenarios.run_offline(arch, mode, prompts)
     info = models.build_tiny_moe(arch, scenarios.model_dir() / arch)
@@ -93,7 +93,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.command == "replay-check":
-        from vllm_ascend_routing.testing import replay_check
+        from vllm_ascend_routing.selfcheck import replay_check
 
         sys.exit(replay_check.run(args.arch, args.prompts, args.max_tokens, args.mode, args.dtype))
     if args.command == "doctor":

@@ -108,7 +108,7 @@ def self_check(num_prompts: int, mode: str, dtype: str = "float32") -> tuple[boo
     reference, but for near-ties within ``dtype``'s rounding, which are counted (``compare.tie_tolerance``)."""
     os.environ["VLLM_ASCEND_ROUTING"] = "1"  # before the engine starts: the plugin loads with vLLM
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm_ascend_routing.testing import scenarios
+    from vllm_ascend_routing.selfcheck import scenarios
 
     result = scenarios.run_offline(self_check_model(dtype), mode, num_prompts, dtype=dtype)
     parts = [(name, result[name]) for name in ("batch", "chunked_prefill", "prefix_repeat")]
@@ -127,12 +127,12 @@ def self_check_model(dtype: str) -> str:
 
 
 def resolve_dtype(dtype: str) -> str:
-    """``auto``: the platform's choice (``testing.offline.platform_dtype``); anything else as given."""
+    """``auto``: the platform's choice (``selfcheck.offline.platform_dtype``); anything else as given."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
     if dtype != "auto":
         return dtype
-    from vllm_ascend_routing.testing import offline
+    from vllm_ascend_routing.selfcheck import offline
 
     return offline.platform_dtype()
 

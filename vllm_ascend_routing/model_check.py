@@ -55,7 +55,7 @@ def run(
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # TP 1: the engine in this process
     from vllm import LLM, SamplingParams
 
-    from vllm_ascend_routing.testing import offline
+    from vllm_ascend_routing.selfcheck import offline
 
     options: dict[str, Any] = {
         "model": path,

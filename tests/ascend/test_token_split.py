@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from vllm_ascend_routing.testing.server import free_port
+from tests.harness.server import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ascend]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from vllm_ascend_routing.testing import cpu_moe_choice
+from tests.harness import cpu_moe_choice, pythonpath
 
 
 class Scenarios:
@@ -33,9 +33,10 @@ class Scenarios:
         if in_process:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         env["VLLM_CACHE_ROOT"] = str(self.cache_root)
-        if self.standin is not None:
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.standin), env.get("PYTHONPATH", "")]))
-        cmd = [sys.executable, "-m", "vllm_ascend_routing.testing.scenarios", *args]
+        # The scenarios are the checkout's test harness, not part of the installed package: the root goes on
+        # PYTHONPATH (after the stand-in, which imports it too), inherited by the engine's own processes.
+        pythonpath(env, *([self.standin] if self.standin is not None else []))
+        cmd = [sys.executable, "-m", "tests.harness.scenarios", *args]
         # Own session: a test can kill the engine's whole process tree.
         return subprocess.Popen(
             cmd,

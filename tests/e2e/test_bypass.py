@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The always-on check (``sentinel``) catches bypasses no hook can see, with validation mode off: an engine
 where one MoE layer's hook is removed, and an xlite-style runner that never calls the MoE forward's Python
-(``testing/bypass.py``, test-only stand-ins)."""
+(``tests/harness/bypass.py``, test-only stand-ins)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from vllm_ascend_routing.testing.bypass import REMOVED_LAYER
+from tests.harness.bypass import REMOVED_LAYER
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 

@@ -9,7 +9,7 @@ go in concurrently, so the ranks' token counts differ every step and a rank runs
 other works. Which case the router sees depends on the release: all DP ranks' tokens gathered before routing
 (vLLM's naive dispatch: 0.20-0.27's CPU MoE), or only local tokens (dispatch inside the modular kernel:
 0.28+). vLLM's CPU build cannot run an MoE under DP alone; the engines get the TEST-ONLY collectives stand-in
-(``vllm_ascend_routing/testing/cpu_dp_collectives.py``).
+(``tests/harness/cpu_dp_collectives.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from vllm_ascend_routing.testing import data_parallel, models, scenarios
+from tests.harness import data_parallel, scenarios
+from vllm_ascend_routing.selfcheck import models
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 

@@ -12,8 +12,8 @@ refused at start-up naming the worker and the cause instead of returning all-zer
 environment says ``VLLM_ASCEND_ROUTING=0``, and the variable on the non-carry-over list.
 
 ``make test`` runs ``FULL_SET`` on ``FULL_RELEASE``; ``make test-distributed`` runs every case. vLLM's CPU
-platform refuses Ray by itself: the driver and the Ray nodes get the TEST-ONLY stand-in ``testing/ray_standin/``
-(``testing/cpu_ray_standin.py``). Ray is not a dependency of vLLM's CPU wheels: the Ray cases need a venv
+platform refuses Ray by itself: the driver and the Ray nodes get the TEST-ONLY stand-in ``tests/harness/ray_standin/``
+(``tests/harness/cpu_ray_standin.py``). Ray is not a dependency of vLLM's CPU wheels: the Ray cases need a venv
 built with ``scripts/venv.py RELEASE --with ray``.
 """
 
@@ -24,7 +24,8 @@ from typing import Any
 
 import pytest
 
-from vllm_ascend_routing.testing import distributed, models, scenarios
+from tests.harness import distributed, scenarios
+from vllm_ascend_routing.selfcheck import models
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 

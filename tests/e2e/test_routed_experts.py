@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from vllm_ascend_routing.testing import models, scenarios
-from vllm_ascend_routing.testing.cpu_moe_choice import CpuMoeKernel, vllm_cpu_moe_kernel
+from tests.harness import scenarios
+from tests.harness.cpu_moe_choice import CpuMoeKernel, vllm_cpu_moe_kernel
+from vllm_ascend_routing.selfcheck import models
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from vllm_ascend_routing.testing import scenarios
+from tests.harness import scenarios
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.spec]
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import pythonpath
+
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
 
@@ -24,10 +26,11 @@ def test_exact_routing_under_load(generation: str, tmp_path: Path) -> None:
         "VLLM_ASCEND_ROUTING_VALIDATE": "strict",
         "VLLM_CACHE_ROOT": str(tmp_path),
     }
+    pythonpath(env)  # the stress harness is the checkout's (tests/harness), not the installed package's
     cmd = [
         sys.executable,
         "-m",
-        "vllm_ascend_routing.testing.stress",
+        "tests.harness.stress",
         "--requests",
         "96",
         "--concurrency",

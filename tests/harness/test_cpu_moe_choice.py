@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from vllm_ascend_routing.testing import cpu_moe_choice
-from vllm_ascend_routing.testing.cpu_moe_choice import CPU_MOE_MODULE, CpuMoeKernel, vllm_cpu_moe_kernel
+from tests.harness import cpu_moe_choice
+from tests.harness.cpu_moe_choice import CPU_MOE_MODULE, CpuMoeKernel, vllm_cpu_moe_kernel
 
 
 def fake_cpu_fused_moe(monkeypatch: pytest.MonkeyPatch, answer: Any, seen: list[Any]) -> types.ModuleType:

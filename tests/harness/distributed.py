@@ -27,7 +27,7 @@ vLLM's CPU platform has no Ray device key: the driver and the Ray nodes get the 
 resource as worker slots. The engine core runs in the driver (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a
 start-up refusal reaches the driver as the exception itself.
 
-    python -m vllm_ascend_routing.testing.scenarios distributed --cases ray-v2:driver-env,external-launcher
+    python -m tests.harness.scenarios distributed --cases ray-v2:driver-env,external-launcher
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_ascend_routing.testing import models, offline
-from vllm_ascend_routing.testing.server import free_port
+from tests.harness import pythonpath
+from tests.harness.server import free_port
+from vllm_ascend_routing.selfcheck import models, offline
 
 STANDIN = Path(__file__).with_name("ray_standin")
 TENSOR_PARALLEL = 2
@@ -116,8 +117,7 @@ def _cores() -> list[int]:
 
 
 def _with_standin(env: dict[str, str]) -> dict[str, str]:
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(STANDIN), env.get("PYTHONPATH", "")]))
-    return env
+    return pythonpath(env, STANDIN)  # the stand-in imports tests.harness: the checkout root follows it
 
 
 def _common_env() -> dict[str, str]:
@@ -309,7 +309,7 @@ def run_case(case: str, arch: str, model_path: Path, mode: str, cluster: LocalRa
     scratch = Path(tempfile.mkdtemp(prefix="routing_case_"))
     result_file = scratch / "result.json"
     env = _driver_env(case, cluster, scratch)
-    me = [sys.executable, "-m", "vllm_ascend_routing.testing.distributed"]
+    me = [sys.executable, "-m", "tests.harness.distributed"]
     common = ["--arch", arch, "--model", str(model_path), "--mode", mode, "--out", str(result_file)]
     if case == "external-launcher":
         cmd = [
@@ -321,7 +321,7 @@ def run_case(case: str, arch: str, model_path: Path, mode: str, cluster: LocalRa
             "--master-addr=127.0.0.1",
             f"--master-port={free_port()}",
             "--module",
-            "vllm_ascend_routing.testing.distributed",
+            "tests.harness.distributed",
             "launcher",
             *common,
         ]

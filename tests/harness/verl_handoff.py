@@ -6,9 +6,9 @@ prompt/response shapes stress verl's placement and padding (``SHAPES``). For eac
 directory keeps vLLM's ``routed_experts`` untouched (its dtype is the contract: uint8 up to 256 experts,
 uint16 above), the prompt and output ids, and the transformers reference's top-k for the same tokens; plus
 the model's tokenizer (verl pads with the real tokenizer) and what the trainer must build (layers, dense
-layers, experts, top-k). ``testing/verl_replay.py`` reads it in a trainer environment (no vLLM there).
+layers, experts, top-k). ``tests/harness/verl_replay.py`` reads it in a trainer environment (no vLLM there).
 
-    python -m vllm_ascend_routing.testing.scenarios verl-handoff --arch qwen3_moe_dense --out DIR
+    python -m tests.harness.scenarios verl-handoff --arch qwen3_moe_dense --out DIR
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_ascend_routing.testing import models, offline
+from vllm_ascend_routing.selfcheck import models, offline
 
 # The models the hand-off covers: uint8 with a dense middle layer, and uint16 (288 experts, dense layer 0).
 ARCHITECTURES = ("qwen3_moe_dense", "qwen3_moe_wide")
@@ -39,7 +39,7 @@ SHAPES = (
 # Below the long prompt, so it is prefilled in two chunks (as long prompts are in production).
 MAX_BATCHED_TOKENS = 48
 # The same requests again with SamplingParams(routed_experts_prompt_start=...): rows from that prompt token on
-# (vLLM 0.22+), for the bridge's recipe (testing/bridge_replay.py), whose rows before it must stay native.
+# (vLLM 0.22+), for the bridge's recipe (tests/harness/bridge_replay.py), whose rows before it must stay native.
 PROMPT_START = 3
 
 

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Load and soak: ``vllm serve`` with the plugin under concurrency, preemption, prefix hits and aborts.
 
-    python -m vllm_ascend_routing.testing.stress --requests 300 --concurrency 64
-    python -m vllm_ascend_routing.testing.stress --requests 2000 --concurrency 16 --abort-every 0   # soak
+    python -m tests.harness.stress --requests 300 --concurrency 64
+    python -m tests.harness.stress --requests 2000 --concurrency 16 --abort-every 0   # soak
 
 One OpenAI server on loopback, a KV cache small enough to force preemption, ``max_num_batched_tokens``
 below the longest prompts (chunked prefill), a third of the prompts sharing one of three long prefixes
@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from vllm_ascend_routing.testing import models, offline
-from vllm_ascend_routing.testing.server import Server
+from tests.harness.server import Server
+from vllm_ascend_routing.selfcheck import models, offline
 
 MAX_BATCHED_TOKENS = 128
 KV_CACHE_BYTES = 2 * 1024 * 1024  # ~1,360 tokens of the tiny model (10 CPU blocks): long decodes preempt

@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""TEST-ONLY: imported by vLLM in the worker (``worker_extension_cls``, ``testing/bypass.py``), before it loads the
+"""TEST-ONLY: imported by vLLM in the worker (``worker_extension_cls``, ``bypass.py``), before it loads the
 model; importing it installs the xlite bypass stand-in there. Never imported by the plugin."""
 
 from __future__ import annotations
 
-from vllm_ascend_routing.testing import bypass
+from tests.harness import bypass
 
 bypass.install("xlite")
 

@@ -1,15 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""End-to-end scenarios, one vLLM engine per process, printing a JSON verdict (used by tests and demo).
+"""End-to-end scenarios, one vLLM engine per process, printing a JSON verdict (e2e tests, test-distributed, matrix).
 
-    python -m vllm_ascend_routing.testing.scenarios offline --arch qwen3_moe --mode compiled
-    python -m vllm_ascend_routing.testing.scenarios serve --arch mixtral
-    python -m vllm_ascend_routing.testing.scenarios verl-handoff --arch qwen3_moe_wide --out DIR
+    python -m tests.harness.scenarios offline --arch qwen3_moe --mode compiled
+    python -m tests.harness.scenarios serve --arch mixtral
+    python -m tests.harness.scenarios verl-handoff --arch qwen3_moe_wide --out DIR
 
-``offline`` runs, in one engine: a batch of mixed-length prompts (``batch``), a repeat of the first
-prompt served from the prefix cache (``prefix_repeat``), and a prompt longer than
-``max_num_batched_tokens`` (``chunked_prefill``). Every returned row is compared with the transformers
-reference. ``serve`` does the same batch through the OpenAI completions API on loopback. ``verl-handoff``
-saves vLLM's arrays for verl's R3 code in a trainer environment (``testing/verl_handoff.py``).
+(from the checkout root, or with it on ``PYTHONPATH``: the harness is not part of the installed package).
+
+``offline`` is doctor's and demo's scenario (``vllm_ascend_routing.selfcheck.scenarios.run_offline``): a batch of
+mixed-length prompts (``batch``), a repeat of the first prompt served from the prefix cache (``prefix_repeat``),
+and a prompt longer than ``max_num_batched_tokens`` (``chunked_prefill``), every returned row compared with the
+transformers reference. ``serve`` does the same batch through the OpenAI completions API on loopback.
+``verl-handoff`` saves vLLM's arrays for verl's R3 code in a trainer environment (``verl_handoff.py``).
 """
 
 from __future__ import annotations
@@ -18,98 +20,27 @@ import argparse
 import base64
 import io
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from vllm_ascend_routing.testing import distributed, models, offline, verl_handoff
-from vllm_ascend_routing.testing.bypass import run_bypass
-from vllm_ascend_routing.testing.data_parallel import run_data_parallel
-from vllm_ascend_routing.testing.server import Server, post
+from tests.harness import distributed, verl_handoff
+from tests.harness.bypass import run_bypass
+from tests.harness.data_parallel import run_data_parallel
+from tests.harness.server import Server, post
+from vllm_ascend_routing.selfcheck import models, offline
 
-MAX_BATCHED_TOKENS = 128
-LONG_PROMPT = 300  # > MAX_BATCHED_TOKENS: prefilled in three chunks
-MAX_TOKENS = 8
-
-
-def model_dir() -> Path:
-    """Where tiny models are built (cached by recipe)."""
-    from vllm_ascend_routing import envs
-
-    return Path(envs.VLLM_ASCEND_ROUTING_MODELS)
-
-
-def _verdict(result: Any) -> dict[str, Any]:
-    return {
-        "rows": result.rows,
-        "matched": result.matched,
-        "near_ties": result.ties,
-        "ok": result.ok,
-        "problems": result.problems[:5],
-    }
-
-
-def _describe(arrays: list[np.ndarray | None]) -> list[Any]:
-    return [None if a is None else {"shape": list(a.shape), "dtype": str(a.dtype)} for a in arrays]
-
-
-def run_offline(
-    arch: str, mode: str, num_prompts: int, tensor_parallel: int = 1, dtype: str = "float32"
-) -> dict[str, Any]:
-    """vLLM (in ``dtype``) on a tiny MoE: a batch, a chunked prefill and its prefix-cached repeat, every row
-    against the float32 reference (near-ties by ``dtype``'s rule, counted in each part's ``ties``)."""
-    if tensor_parallel > 1:  # vLLM's CPU workers need a NUMA node each, or explicit cores: one per rank
-        cores = sorted(os.sched_getaffinity(0))[:tensor_parallel]
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, cores)))
-    from vllm_ascend_routing.runner_mixin import is_hooked
-
-    model = models.build_tiny_moe(arch, model_dir() / arch)
-    llm = offline.make_llm(
-        model,
-        enforce_eager=(mode == "eager"),
-        dtype=dtype,
-        max_num_batched_tokens=MAX_BATCHED_TOKENS,
-        enable_prefix_caching=True,
-        **(
-            {"tensor_parallel_size": tensor_parallel, "distributed_executor_backend": "mp"}
-            if tensor_parallel > 1
-            else {}
-        ),
-    )
-    reference = offline.reference_for(model)
-    prompts = models.mixed_prompts(num_prompts, seed=1)
-    out: dict[str, Any] = {"arch": arch, "mode": mode, "tensor_parallel": tensor_parallel, "dtype": dtype}
-
-    batch = offline.generate(llm, prompts, MAX_TOKENS)
-    out["batch"] = _verdict(offline.check(reference, model, batch, dtype=dtype))
-    out["batch"]["arrays"] = _describe([c.routed_experts for c in batch])
-    out["batch"]["output_ids"] = [c.output_ids for c in batch]
-
-    long_prompt = models.mixed_prompts(1, seed=7, min_len=LONG_PROMPT, max_len=LONG_PROMPT)
-    (chunked,) = offline.generate(llm, long_prompt, MAX_TOKENS)
-    out["chunked_prefill"] = _verdict(offline.check(reference, model, [chunked], dtype=dtype))
-    out["chunked_prefill"]["prompt_tokens"] = LONG_PROMPT
-    out["chunked_prefill"]["max_num_batched_tokens"] = MAX_BATCHED_TOKENS
-
-    # The long prompt again: its full KV blocks now come from the prefix cache (no forward for them).
-    (repeat,) = offline.generate(llm, long_prompt, MAX_TOKENS)
-    out["prefix_repeat"] = _verdict(offline.check(reference, model, [repeat], dtype=dtype))
-    out["prefix_repeat"]["identical_to_first"] = bool(
-        chunked.routed_experts is not None
-        and repeat.routed_experts is not None
-        and np.array_equal(chunked.routed_experts, repeat.routed_experts)
-    )
-    out["prefix_repeat"]["cached_tokens"] = repeat.num_cached_tokens
-
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    out["runner_patched"] = is_hooked(GPUModelRunner.load_model)
-    out["load_table"] = expert_load(batch, model)
-    out["sentinel"] = offline.sentinel_totals(llm)
-    return out
-
+# doctor's scenario and its constants, re-exported: tests and benchmarks name them through this module.
+from vllm_ascend_routing.selfcheck.scenarios import (
+    LONG_PROMPT,
+    MAX_BATCHED_TOKENS,
+    MAX_TOKENS,
+    _describe,
+    _verdict,
+    model_dir,
+    run_offline,
+)
 
 SPEC_MAX_TOKENS = [5, 9, 14, 23, 31, 40]  # uneven: requests stop inside accepted draft runs
 # Draft slots per sequence must fit max_num_batched_tokens (vLLM's check on some releases).
@@ -208,19 +139,6 @@ def _run_speculative(arch: str, method: str, k: int) -> dict[str, Any]:
     return out
 
 
-def expert_load(completions: list[offline.Completion], model: models.TinyMoE) -> dict[str, list[int]]:
-    """How many (token, slot) choices each expert received, per MoE layer."""
-    table: dict[str, list[int]] = {}
-    for layer in model.moe_layers:
-        counts = np.zeros(model.num_experts, dtype=np.int64)
-        for c in completions:
-            if c.routed_experts is not None:
-                ids = c.routed_experts[:, layer].astype(np.int64).ravel()
-                counts += np.bincount(ids[ids < model.num_experts], minlength=model.num_experts)
-        table[str(layer)] = counts.tolist()
-    return table
-
-
 def run_serve(arch: str, num_prompts: int, spec: str = "none", k: int = 3) -> dict[str, Any]:
     model = models.build_tiny_moe(arch, model_dir() / arch)
     args = [
@@ -289,7 +207,7 @@ def main() -> None:
     parser.add_argument(
         "--cases",
         default=",".join(distributed.CASES),
-        help="distributed: comma-separated cases (Ray executors, external launcher), see testing/distributed.py",
+        help="distributed: comma-separated cases (Ray executors, external launcher), see tests/harness/distributed.py",
     )
     args = parser.parse_args()
     if args.scenario == "offline":

@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """The bridge's recipe on vLLM's own arrays, into Megatron-Core's routers: the trainer hand-off test's other half.
 
-    python -m vllm_ascend_routing.testing.bridge_replay HANDOFF_DIR...
+    python -m tests.harness.bridge_replay HANDOFF_DIR...
 
 Runs in a trainer environment (``scripts/venv.py trainer-MCORE``; no vLLM) on the directories
-``testing/verl_handoff.py`` wrote: each request's array as vLLM returned it, once with rows from token 0 and once
+``tests/harness/verl_handoff.py`` wrote: each request's array as vLLM returned it, once with rows from token 0 and once
 with ``routed_experts_prompt_start`` (``PROMPT_START`` there). For each, the recipe of docs/training.md:
 ``replay.align`` → ``replay.to_megatron`` (packed, padded to a multiple of ``PAD_TO``) → ``replay.set_model_targets``
 into a real ``TransformerBlock`` built like the model, in both mask forms:
@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tests.harness.verl_replay import ARRAYS, load_handoff, megatron_block, routed_sets, versions
 from vllm_ascend_routing import replay
-from vllm_ascend_routing.testing.verl_replay import ARRAYS, load_handoff, megatron_block, routed_sets, versions
 
 PAD_TO = 8  # as Megatron pads packed sequences (TP x CP x 2 elsewhere): padding rows in every request
 
@@ -175,7 +175,7 @@ def run(dirs: list[Path]) -> list[dict[str, Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("dirs", nargs="+", help="hand-off directories (testing/verl_handoff.py)")
+    parser.add_argument("dirs", nargs="+", help="hand-off directories (tests/harness/verl_handoff.py)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # Megatron warns that Transformer Engine and Apex are absent
     started = time.monotonic()

@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """The trainer half of the trainer hand-off test: vLLM's arrays through verl's own R3 code into Megatron-Core.
 
-    python -m vllm_ascend_routing.testing.verl_replay [--tp 1|2] HANDOFF_DIR...
+    python -m tests.harness.verl_replay [--tp 1|2] HANDOFF_DIR...
 
 Runs in a trainer environment (verl + Megatron-Core, ``scripts/venv.py trainer-MCORE``; no vLLM) on the
-directories ``testing/verl_handoff.py`` wrote, and prints one ``RESULT <json>`` line. For each model the
+directories ``tests/harness/verl_handoff.py`` wrote, and prints one ``RESULT <json>`` line. For each model the
 requests go through verl 0.9.1 as a rollout + Megatron training step runs them:
 
 1. **Agent loop.** Each request becomes verl's ``AgentLoopOutput`` holding vLLM's array as returned (uint8 or
@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
-ARRAYS = "handoff.npz"  # as testing/verl_handoff.py writes them (not imported: that module is vLLM's side)
+ARRAYS = "handoff.npz"  # as tests/harness/verl_handoff.py writes them (not imported: that module is vLLM's side)
 META = "meta.json"
 TOKENIZER = "tokenizer"
 # Tokens per micro-batch for verl's dynamic batch size: below the four requests' total, so they are regrouped.
@@ -441,7 +441,7 @@ def versions() -> dict[str, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("dirs", nargs="+", help="hand-off directories (testing/verl_handoff.py)")
+    parser.add_argument("dirs", nargs="+", help="hand-off directories (tests/harness/verl_handoff.py)")
     parser.add_argument("--tp", type=int, default=1, choices=[1, 2], help="tensor-parallel ranks (gloo)")
     args = parser.parse_args()
     started = time.monotonic()

@@ -9,7 +9,7 @@ built): vLLM then takes the packed AVX-512 kernel it uses on every CPU without A
 ``select_experts``, where the plugin captures) runs before and apart from the kernel choice.
 """
 
+from tests.harness.cpu_moe_choice import CPU_MOE_MODULE, hide_amx
 from vllm_ascend_routing._post_import import when_imported
-from vllm_ascend_routing.testing.cpu_moe_choice import CPU_MOE_MODULE, hide_amx
 
 when_imported(CPU_MOE_MODULE, hide_amx)
