@@ -5,33 +5,22 @@
 
 #include <torch/library.h>
 
-#include <optional>
-
 namespace vllm_ascend_routing {
 
 inline void CheckRecordArguments(const at::Tensor& topk_ids, const at::Tensor& out, int64_t layer_id,
-                                 const std::optional<at::Tensor>& rows, const at::Tensor& errors) {
+                                 const at::Tensor& errors) {
   TORCH_CHECK(topk_ids.dim() == 2, "record_topk_ids: topk_ids must be [N, K]");
   TORCH_CHECK(topk_ids.scalar_type() == at::kInt || topk_ids.scalar_type() == at::kLong,
               "record_topk_ids: topk_ids must be int32 or int64");
   TORCH_CHECK(out.dim() == 3 && out.is_contiguous(), "record_topk_ids: out must be a contiguous [R, L, K]");
-  TORCH_CHECK(out.scalar_type() == at::kShort || out.scalar_type() == at::kByte,
-              "record_topk_ids: out must be int16 or uint8");
+  TORCH_CHECK(out.scalar_type() == at::kShort, "record_topk_ids: out must be int16");
   TORCH_CHECK(out.size(2) == topk_ids.size(1), "record_topk_ids: top_k mismatch");
   TORCH_CHECK(0 <= layer_id && layer_id < out.size(1), "record_topk_ids: layer_id out of range");
   TORCH_CHECK(errors.numel() == 1 && (errors.scalar_type() == at::kInt || errors.scalar_type() == at::kLong),
               "record_topk_ids: errors must be a 1-element int32/int64 tensor");
   TORCH_CHECK(topk_ids.device() == out.device() && errors.device() == out.device(),
               "record_topk_ids: tensors must be on one device");
-  if (rows.has_value()) {
-    TORCH_CHECK(rows->dim() == 1 && rows->size(0) == topk_ids.size(0) && rows->is_contiguous(),
-                "record_topk_ids: rows must be a contiguous [N]");
-    TORCH_CHECK(rows->scalar_type() == at::kInt || rows->scalar_type() == at::kLong,
-                "record_topk_ids: rows must be int32 or int64");
-    TORCH_CHECK(rows->device() == out.device(), "record_topk_ids: tensors must be on one device");
-  } else {
-    TORCH_CHECK(topk_ids.size(0) <= out.size(0), "record_topk_ids: tokens do not fit out's rows");
-  }
+  TORCH_CHECK(topk_ids.size(0) <= out.size(0), "record_topk_ids: tokens do not fit out's rows");
 }
 
 }  // namespace vllm_ascend_routing

@@ -18,9 +18,10 @@ from tests.fakes import FakeModel
 from vllm_ascend_routing.compat._common import bind_target_model
 from vllm_ascend_routing.ops._reference import record_topk_ids_reference
 
-# Eager mode on the CPU, per MoE layer per step (``LayerCapture.__call__``): the range check (one reduction, its two
-# bounds read on the host: CPU memory, nothing waited for) and the write into a view taken at bind time. No
-# op of the plugin's own (no dispatcher round trip into a Python kernel), no other allocation, no copy.
+# Eager mode on the CPU, per MoE layer per step (``ops.LayerRecorder.__call__``): the range check (one
+# reduction, its two bounds read on the host: CPU memory, nothing waited for) and the write into a view taken
+# at bind time. No op of the plugin's own (no dispatcher round trip into a Python kernel), no other allocation,
+# no copy.
 EAGER_CAPTURE_OPS = [
     "aten::aminmax",
     "aten::_local_scalar_dense",
@@ -64,7 +65,7 @@ BACKENDS = pytest.mark.parametrize("cpu_moe", [False, True], ids=["router", "cpu
 
 @BACKENDS
 def test_eager_capture_skips_the_dispatcher(cpu_moe: bool) -> None:
-    """Eager mode on the CPU (issue #19): per MoE layer per step the capture dispatches no op of its own (the
+    """Eager mode on the CPU: per MoE layer per step the capture dispatches no op of its own (the
     in-range write is called directly: the dispatcher round trip into the Python kernel made it twice vLLM's
     own capture) and exactly ``EAGER_CAPTURE_OPS``."""
     num_layers, moe_layers, tokens = 8, (0, 1, 3, 4, 6, 7), 96
@@ -109,15 +110,16 @@ def test_traced_capture_is_one_op_per_moe_layer(cpu_moe: bool) -> None:
 
 def test_capture_takes_the_op_where_the_host_kernel_does_not_serve() -> None:
     """Off the CPU (native kernel or reference), with the reference forced, or for ids the direct write does
-    not accept, ``LayerCapture`` emits the op (which stores and counts invalid ids, or raises, as before)."""
+    not accept, ``LayerCapture`` (its ``ops.LayerRecorder``) emits the op (which stores and counts invalid ids,
+    or raises, as before)."""
     from vllm_ascend_routing.capture import LayerCapture
     from vllm_ascend_routing.ops import _library
 
     errors = torch.zeros(1, dtype=torch.int64)
     meta = LayerCapture(torch.zeros(8, 2, 4, dtype=torch.int16, device="meta"), 1, 64, errors)
-    assert meta._view is None
+    assert not meta.recorder.writes_directly
     cpu = LayerCapture(torch.zeros(8, 2, 4, dtype=torch.int16), 1, 64, errors)
-    assert cpu._view is not None
+    assert cpu.recorder.writes_directly
     ids = torch.zeros(3, 4, dtype=torch.int32)
     with OpLog() as log:
         cpu(ids)
@@ -134,14 +136,14 @@ def test_capture_takes_the_op_where_the_host_kernel_does_not_serve() -> None:
         cpu(torch.zeros(9, 4, dtype=torch.int32))  # more tokens than rows: never a silent partial write
     with pytest.MonkeyPatch.context() as forced:  # VLLM_ASCEND_ROUTING_FORCE_REFERENCE=1
         forced.setattr(_library, "HOST_KERNEL", False)
-        assert LayerCapture(torch.zeros(8, 2, 4, dtype=torch.int16), 1, 64, errors)._view is None
+        assert not LayerCapture(torch.zeros(8, 2, 4, dtype=torch.int16), 1, 64, errors).recorder.writes_directly
 
 
 def test_reference_kernel_has_no_syncing_op_on_the_capture_path() -> None:
     buffer = torch.zeros(128, 4, 8, dtype=torch.int16)
     errors = torch.zeros(1, dtype=torch.int64)
     with OpLog() as log:
-        record_topk_ids_reference(torch.randint(-1, 70, (100, 8), dtype=torch.int32), buffer, 2, None, 64, errors)
+        record_topk_ids_reference(torch.randint(-1, 70, (100, 8), dtype=torch.int32), buffer, 2, 64, errors)
     names = {op.split("::")[1] for op in log.ops}
     assert not names & SYNCING, names & SYNCING
 
@@ -156,8 +158,8 @@ def test_host_kernel_dispatches_no_aten_op() -> None:
     in_range = torch.randint(0, 64, (100, 8), dtype=torch.int64)
     out_of_range = torch.randint(-1, 70, (100, 8), dtype=torch.int32)
     with OpLog() as log:
-        record_topk_ids_host(in_range, buffer, 2, None, 64, errors)
-        record_topk_ids_host(out_of_range, buffer, 3, None, 64, errors)
+        record_topk_ids_host(in_range, buffer, 2, 64, errors)
+        record_topk_ids_host(out_of_range, buffer, 3, 64, errors)
     assert set(log.ops) == {"aten::detach"} and len(log.ops) == 5  # ids+out, ids+out+errors
     assert torch.equal(buffer[:100, 2].long(), in_range)
     assert int(errors) == int(((out_of_range < 0) | (out_of_range >= 64)).sum())

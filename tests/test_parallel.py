@@ -182,7 +182,7 @@ def test_placement_adds_no_syncing_op(forward_context: dict[str, Any]) -> None:
     """Hot path under DP: per layer one op, and inside it only a view of the routed ids and the record op,
     nothing that waits on a device (the counts are host-side lists)."""
     from tests.test_hot_path import SYNCING, OpLog
-    from vllm_ascend_routing.capture import _record_local_topk_ids
+    from vllm_ascend_routing.ops._library import record_local_topk_ids
 
     buffer = torch.zeros((64, 3, 2), dtype=torch.int16)
     errors = new_error_counter("cpu")
@@ -195,7 +195,7 @@ def test_placement_adds_no_syncing_op(forward_context: dict[str, Any]) -> None:
             capture(ids)
     assert log.ops == ["vllm_ascend_routing::record_local_topk_ids"] * 3
     with OpLog() as inner:  # what the op's implementation dispatches
-        _record_local_topk_ids(ids, buffer, 0, 16, errors, 1, 1, False)
+        record_local_topk_ids(ids, buffer, 0, 16, errors, 1, 1, False)
     assert set(inner.ops) <= {"aten::slice", "vllm_ascend_routing::record_topk_ids"}, inner.ops
     assert inner.ops.count("vllm_ascend_routing::record_topk_ids") == 1
     assert not {op.split("::")[1] for op in log.ops + inner.ops} & SYNCING

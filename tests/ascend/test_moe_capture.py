@@ -353,10 +353,10 @@ def test_a_layer_that_routes_another_way_is_refused_at_bind(monkeypatch: pytest.
 def test_recording_adds_one_op_and_no_sync(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
     """Counting, not timing: besides vllm-ascend's own ops, the bound forward dispatches exactly one
     ``record_topk_ids`` and nothing that synchronises with the host. On an NPU the ids are device tensors,
-    so ``LayerCapture`` never takes its eager CPU write (simulated here: no eager view at bind); with the
+    so ``ops.LayerRecorder`` never takes its eager CPU write (simulated here: no eager view at bind); with the
     stubbed CPU tensors of this suite it does, and adds exactly the direct write's ops."""
     from tests.test_hot_path import EAGER_CAPTURE_OPS, OpLog
-    from vllm_ascend_routing import capture
+    from vllm_ascend_routing.ops import _recorder
 
     cls = next(c for c in METHODS if c.__name__ == "AscendUnquantizedFusedMoEMethod")
     hidden, logits = inputs(seed=11)
@@ -366,7 +366,7 @@ def test_recording_adds_one_op_and_no_sync(monkeypatch: pytest.MonkeyPatch, devi
             moe = real_moe.build(patch, real_moe.probe_instance(cls))
             if bind:
                 if device == "npu-path":
-                    patch.setattr(capture, "eager_view", lambda out, layer_id: None)
+                    patch.setattr(_recorder, "eager_view", lambda out, layer_id: None)
                 bound(moe)
             with OpLog() as log:
                 moe.forward(hidden, logits)

@@ -7,7 +7,7 @@ tiling fits the 192 KiB UB; no two cores store into one 32-byte GM block; every 
 the tensor the launcher passed (GM is registered by name and size, inputs read-only, with guard bytes that must
 stay intact); 32-byte UB alignment of DataCopyPad and its strided and per-row addressing; queue discipline (each
 tensor AllocTensor -> EnQue -> DeQue -> FreeTensor, no use after free or while enqueued, and at kernel end
-nothing leaked or left enqueued); every core writes its error count; range check, padding rows and counts.
+nothing leaked or left enqueued); every core writes its error count; the invalid-id rule and its counts.
 
 That the checks are not a rubber stamp: mutations of the REAL kernel and host tiling source (one controlled text
 change each, applied to a copy at compile time) must each be rejected with the expected message: bad tiling (a
@@ -77,7 +77,7 @@ def kernel(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
 
 
 def narrow_to_int32(t: torch.Tensor) -> np.ndarray:
-    """What the torch_npu host does before launch: clamp (never wrap) ids and rows into int32."""
+    """What the torch_npu host does before launch: clamp (never wrap) ids into int32."""
     info = torch.iinfo(torch.int32)
     return np.ascontiguousarray(t.clamp(info.min, info.max).to(torch.int32).numpy())
 
@@ -85,16 +85,13 @@ def narrow_to_int32(t: torch.Tensor) -> np.ndarray:
 def launch(kernel: ctypes.CDLL, case: Case, max_cores: int) -> tuple[int, str, int]:
     """(status, message, error count) of one emulated launch; status 0 means every check passed."""
     ids = narrow_to_int32(case.ids)
-    rows = None if case.rows is None else narrow_to_int32(case.rows)
     out = case.out.numpy()
     errors = ctypes.c_int64(0)
     message = ctypes.create_string_buffer(512)
     n, k = case.ids.shape
     status = kernel.run_record_topk_ids(
         ids.ctypes.data_as(ctypes.c_void_p),
-        None if rows is None else rows.ctypes.data_as(ctypes.c_void_p),
         out.ctypes.data_as(ctypes.c_void_p),
-        ctypes.c_int(int(case.out.dtype == torch.uint8)),
         *(
             ctypes.c_int64(v)
             for v in (
@@ -120,18 +117,11 @@ def run_emulated(kernel: ctypes.CDLL, case: Case, max_cores: int) -> int:
     return errors
 
 
-@pytest.mark.parametrize(("n", "k", "id_dtype", "with_rows", "out_dtype", "checked"), case_ids())
+@pytest.mark.parametrize(("n", "k", "id_dtype", "checked"), case_ids())
 def test_matches_oracle(
-    kernel: ctypes.CDLL,
-    n: int,
-    k: int,
-    id_dtype: torch.dtype,
-    with_rows: bool,
-    out_dtype: torch.dtype,
-    checked: bool,
-    run_seed: int,
+    kernel: ctypes.CDLL, n: int, k: int, id_dtype: torch.dtype, checked: bool, run_seed: int
 ) -> None:
-    case = make_case(n, k, id_dtype, with_rows, out_dtype, checked, run_seed + n * 7 + k)
+    case = make_case(n, k, id_dtype, checked, run_seed + n * 7 + k)
     expected, bad = case.expected()
     max_cores = 1 + (run_seed + n + k) % 48  # 1 .. 48 AI cores: uneven per-core splits included
     assert run_emulated(kernel, case, max_cores) == bad
@@ -141,14 +131,12 @@ def test_matches_oracle(
 # --- mutations of the real kernel source ---------------------------------------------------------------------
 
 
-def simple_case(n: int, k: int, num_layers: int, *, rows: bool = False) -> Case:
-    """N tokens into exactly N int16 output rows (so an overrun leaves `out`), last layer, in-range ids; rows (when
-    given) a permutation with no padding, so every token is stored."""
+def simple_case(n: int, k: int, num_layers: int) -> Case:
+    """N tokens into exactly N int16 output rows (so an overrun leaves `out`), last layer, in-range ids."""
     gen = torch.Generator().manual_seed(n * 131 + k)
     ids = torch.randint(0, 100, (n, k), generator=gen, dtype=torch.int32)
-    dest = torch.randperm(n, generator=gen).to(torch.int32) if rows else None
     out = torch.full((n, num_layers, k), POISON, dtype=torch.int16)
-    return Case(ids, out, num_layers - 1, dest, 100)
+    return Case(ids, out, num_layers - 1, 100)
 
 
 @dataclass(frozen=True)
@@ -184,8 +172,8 @@ MUTATIONS = [
     Mutation(
         "block_dim_ignores_shared_blocks",
         "op_host/record_topk_ids_tiling.h",
-        "tiling.top_k * out_bytes < 32) return 1;",
-        "tiling.top_k * out_bytes < 0) return 1;",
+        "tiling.top_k * kOutBytes < 32) return 1;",
+        "tiling.top_k * kOutBytes < 0) return 1;",
         simple_case(7, 8, 1),
         8,
         ("core 1 of 7: AscendC emulation: two cores store into one 32-byte GM block (cores 0 and 1)",),
@@ -213,16 +201,6 @@ MUTATIONS = [
             "core 0 of 1: AscendC emulation: DataCopyPad: GM write out of bounds: bytes [128, 144) of 'out' "
             "(112 bytes registered)",
         ),
-    ),
-    # (b) unaligned copy. Per-row copy-out from an unpadded UB row: token 1 starts 16 bytes into the buffer.
-    Mutation(
-        "ub_rows_not_32b_padded",
-        "op_kernel/record_topk_ids_kernel.cpp",
-        "out[t * padded_k_]",
-        "out[t * tiling_.top_k]",
-        simple_case(7, 8, 2, rows=True),
-        1,
-        ("core 0 of 1: AscendC emulation: DataCopyPad: UB src not 32B aligned",),
     ),
     # (b) unaligned copy. ids loaded with DataCopy, which moves whole 32-byte blocks: 7 tokens x 1 id = 28 bytes.
     Mutation(
@@ -281,20 +259,7 @@ MUTATIONS = [
         simple_case(7, 8, 2),
         1,
         (
-            "core 0 of 1: AscendC emulation: unbalanced queues at kernel end: TQue #2 (VECOUT, 2 x ",
-            " B): 1 tensor(s) from AllocTensor never passed to FreeTensor (leaked)",
-        ),
-    ),
-    # (c) leaked tensor, rows path.
-    Mutation(
-        "rows_tile_never_freed",
-        "op_kernel/record_topk_ids_kernel.cpp",
-        "      rows_queue_.FreeTensor(rows);\n",
-        "",
-        simple_case(7, 8, 2, rows=True),
-        1,
-        (
-            "core 0 of 1: AscendC emulation: unbalanced queues at kernel end: TQue #1 (VECIN, 2 x ",
+            "core 0 of 1: AscendC emulation: unbalanced queues at kernel end: TQue #1 (VECOUT, 2 x ",
             " B): 1 tensor(s) from AllocTensor never passed to FreeTensor (leaked)",
         ),
     ),
@@ -307,7 +272,7 @@ MUTATIONS = [
         simple_case(4096, 8, 2),
         1,
         (
-            "core 0 of 1: AscendC emulation: TQue #2 (VECOUT, 2 x ",
+            "core 0 of 1: AscendC emulation: TQue #1 (VECOUT, 2 x ",
             " B): AllocTensor with all 2 buffers in use (missing FreeTensor?)",
         ),
     ),
@@ -332,7 +297,6 @@ def test_mutated_kernel_is_rejected(kernel: ctypes.CDLL, mutation: Mutation, tmp
         mutation.case.ids,
         mutation.case.out.clone(),
         mutation.case.layer_id,
-        mutation.case.rows,
         mutation.case.num_experts,
     )
     expected, bad = control.expected()

@@ -44,23 +44,15 @@ def cuda_native() -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize(("n", "k", "id_dtype", "with_rows", "out_dtype", "checked"), case_ids())
+@pytest.mark.parametrize(("n", "k", "id_dtype", "checked"), case_ids())
 def test_matches_oracle_on_gpu(
-    cuda_native: None,
-    n: int,
-    k: int,
-    id_dtype: torch.dtype,
-    with_rows: bool,
-    out_dtype: torch.dtype,
-    checked: bool,
-    run_seed: int,
+    cuda_native: None, n: int, k: int, id_dtype: torch.dtype, checked: bool, run_seed: int
 ) -> None:
-    case = make_case(n, k, id_dtype, with_rows, out_dtype, checked, run_seed + n * 7 + k)
+    case = make_case(n, k, id_dtype, checked, run_seed + n * 7 + k)
     expected, bad = case.expected()
     out = case.out.cuda()
     errors = torch.zeros(1, dtype=torch.int64, device="cuda")
-    rows = None if case.rows is None else case.rows.cuda()
-    record_topk_ids(case.ids.cuda(), out, case.layer_id, rows, case.num_experts, errors)
+    record_topk_ids(case.ids.cuda(), out, case.layer_id, case.num_experts, errors)
     assert int(errors) == bad
     np.testing.assert_array_equal(out.cpu().numpy(), expected)
 
@@ -73,10 +65,10 @@ def test_cuda_graph_capture_and_replay(cuda_native: None) -> None:
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        record_topk_ids(ids, out, 2, None, 16, errors)  # warm-up outside capture
+        record_topk_ids(ids, out, 2, 16, errors)  # warm-up outside capture
     torch.cuda.current_stream().wait_stream(stream)
     with torch.cuda.graph(graph):
-        record_topk_ids(ids, out, 2, None, 16, errors)
+        record_topk_ids(ids, out, 2, 16, errors)
     for step in range(3):
         new = torch.randint(0, 20, (64, 8), dtype=torch.int32, device="cuda")
         ids.copy_(new)  # replay reads the new ids from the captured address
@@ -92,6 +84,5 @@ def test_cuda_graph_capture_and_replay(cuda_native: None) -> None:
 def test_opcheck_on_gpu(cuda_native: None) -> None:
     op = torch.ops.vllm_ascend_routing.record_topk_ids.default
     ids = torch.randint(0, 8, (6, 2), dtype=torch.int32, device="cuda")
-    rows = torch.tensor([5, 0, -1, 2, 3, -1], device="cuda")
     out = torch.zeros(8, 3, 2, dtype=torch.int16, device="cuda")
-    torch.library.opcheck(op, (ids, out, 1, rows, 8, torch.zeros(1, dtype=torch.int32, device="cuda")))
+    torch.library.opcheck(op, (ids, out, 1, 8, torch.zeros(1, dtype=torch.int32, device="cuda")))

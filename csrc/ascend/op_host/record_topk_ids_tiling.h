@@ -15,22 +15,21 @@ constexpr int64_t kMaxTileTokens = 1024;
 
 inline int64_t RoundUpHost(int64_t value, int64_t unit) { return (value + unit - 1) / unit * unit; }
 
+constexpr int64_t kOutBytes = 2;  // out is int16
+
 inline RecordTiling MakeRecordTiling(int64_t num_tokens, int64_t top_k, int64_t num_layers, int64_t layer_id,
-                                     int64_t num_experts, bool out_is_uint8, bool has_rows) {
-  const int64_t out_bytes = out_is_uint8 ? 1 : 2;
-  const int64_t storage_limit = out_is_uint8 ? 255 : 32767;
-  // Per tile token: ids (K int32) + row (int32) + one 32-byte-padded output row, double-buffered.
-  const int64_t per_token = 2 * (top_k * 4 + 4 + RoundUpHost(top_k * out_bytes, 32));
+                                     int64_t num_experts) {
+  // Per tile token: ids (K int32) + one 32-byte-padded output row, double-buffered.
+  const int64_t per_token = 2 * (top_k * 4 + RoundUpHost(top_k * kOutBytes, 32));
   const int64_t fit = (kUnifiedBufferBytes - 4 * 1024) / per_token;  // keep headroom for alignment padding
   RecordTiling tiling{};
   tiling.num_tokens = num_tokens;
   tiling.top_k = top_k;
   tiling.num_layers = num_layers;
   tiling.layer_id = layer_id;
-  tiling.limit = num_experts >= 0 ? std::min(num_experts, storage_limit) : -1;
-  tiling.has_rows = has_rows ? 1 : 0;
+  // The invalid-id rule's limit (ops/_id_rule.py id_limit).
+  tiling.limit = num_experts >= 0 ? std::min(num_experts, kStorageLimit) : -1;
   tiling.tile_tokens = std::max<int64_t>(1, std::min<int64_t>(fit, kMaxTileTokens));
-  tiling.invalid = out_is_uint8 ? 255 : -1;
   return tiling;
 }
 
@@ -38,8 +37,7 @@ inline RecordTiling MakeRecordTiling(int64_t num_tokens, int64_t top_k, int64_t 
 // layer, L*K values apart) can share a 32-byte GM block unless the gap between them, (L-1)*K values, spans
 // a whole block; stores are block-granular on some SoCs, so such shapes run on a single core.
 inline uint32_t RecordBlockDim(int64_t num_tokens, int64_t max_cores, const RecordTiling& tiling) {
-  const int64_t out_bytes = tiling.invalid == 255 ? 1 : 2;
-  if ((tiling.num_layers - 1) * tiling.top_k * out_bytes < 32) return 1;
+  if ((tiling.num_layers - 1) * tiling.top_k * kOutBytes < 32) return 1;
   return static_cast<uint32_t>(std::max<int64_t>(1, std::min<int64_t>(num_tokens, max_cores)));
 }
 

@@ -54,47 +54,39 @@ class GmBuffer {
 
 }  // namespace
 
-ASCENDC_EMULATION_EXPORT int run_record_topk_ids(const int32_t* topk_ids, const int32_t* rows, void* out,
-                                                 int out_is_uint8, int64_t num_tokens, int64_t top_k, int64_t num_rows,
-                                                 int64_t num_layers, int64_t layer_id, int64_t num_experts,
-                                                 int64_t max_cores, int64_t* errors, char* message,
+ASCENDC_EMULATION_EXPORT int run_record_topk_ids(const int32_t* topk_ids, int16_t* out, int64_t num_tokens,
+                                                 int64_t top_k, int64_t num_rows, int64_t num_layers, int64_t layer_id,
+                                                 int64_t num_experts, int64_t max_cores, int64_t* errors, char* message,
                                                  int64_t message_len) {
   namespace vr = vllm_ascend_routing;
   namespace em = AscendC::emulation;
-  const vr::RecordTiling tiling = vr::MakeRecordTiling(num_tokens, top_k, num_layers, layer_id, num_experts,
-                                                       out_is_uint8 != 0, rows != nullptr);
+  const vr::RecordTiling tiling = vr::MakeRecordTiling(num_tokens, top_k, num_layers, layer_id, num_experts);
   const uint32_t block_dim = vr::RecordBlockDim(num_tokens, max_cores, tiling);
   // Each core's slot is poisoned: every core must write its count; the padding between slots stays 0.
   constexpr int32_t kUnwritten = -7;
   std::vector<int32_t> errors_host(block_dim * vr::kErrorsStride, 0);
   for (uint32_t core = 0; core < block_dim; ++core) errors_host[core * vr::kErrorsStride] = kUnwritten;
-  const int64_t out_bytes = num_rows * num_layers * top_k * (out_is_uint8 ? 1 : 2);
+  const int64_t out_bytes = num_rows * num_layers * top_k * vr::kOutBytes;
   int64_t running = -1;  // core being run, for the message
   try {
     em::begin_launch();
     std::vector<GmBuffer> gm;
-    gm.reserve(4);
+    gm.reserve(3);
     gm.emplace_back("topk_ids", topk_ids, num_tokens * top_k * 4, false);
-    if (rows != nullptr) gm.emplace_back("rows", rows, num_tokens * 4, false);
     gm.emplace_back("out", out, out_bytes, true);
     gm.emplace_back("errors_ws", errors_host.data(), static_cast<int64_t>(errors_host.size() * 4), true);
-    GM_ADDR ids_gm = gm.front().data();
-    GM_ADDR rows_gm = rows != nullptr ? gm[1].data() : nullptr;
-    GM_ADDR out_gm = gm[gm.size() - 2].data();
-    GM_ADDR ws_gm = gm.back().data();
+    GM_ADDR ids_gm = gm[0].data();
+    GM_ADDR out_gm = gm[1].data();
+    GM_ADDR ws_gm = gm[2].data();
     for (uint32_t block = 0; block < block_dim; ++block) {
       running = block;
       em::begin_core(block, block_dim);
-      if (out_is_uint8) {
-        record_topk_ids_uint8(ids_gm, rows_gm, out_gm, ws_gm, tiling);
-      } else {
-        record_topk_ids_int16(ids_gm, rows_gm, out_gm, ws_gm, tiling);
-      }
+      record_topk_ids_int16(ids_gm, out_gm, ws_gm, tiling);
       em::end_core();
     }
     running = -1;
     for (const GmBuffer& buffer : gm) buffer.check_guards();
-    gm[gm.size() - 2].copy_to(out);
+    gm[1].copy_to(out);
     gm.back().copy_to(errors_host.data());
     em::end_launch();
   } catch (const std::exception& e) {
