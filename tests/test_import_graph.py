@@ -108,7 +108,7 @@ def test_leaf_modules_import_nothing_of_the_package_but_the_release_table() -> N
 LAYERS: tuple[tuple[str, ...], ...] = (
     # leaves: plain data and state, no package imports
     ("releases", "runner_state", "_logging", "contract", "parallel", "_post_import", "compat._shm_store",
-     "ops._reference", "backends._layer"),
+     "ops._id_rule", "ops._reference", "backends._layer"),
     ("envs", "patching"),  # settings; Patch and the one way to patch
     ("ops", "capture", "sentinel", "validate", "_cpu_compat", "replay"),  # the op, the capture, the checks
     ("compat.base", "compat._detect", "compat", "compat._runners", "runner_mixin", "peers"),  # the interface
