@@ -51,9 +51,13 @@ venvs:
 		py=$$($(PYTHON) scripts/venv.py $${pair##*:} --print); \
 		$(PYTHON) scripts/ascend_src.py $${pair%%:*} --python $$py >/dev/null; done
 
+## make lint: ruff, mypy, and the CI workflow for forks (.github/workflows/ci.yml): what scripts/workflow.py
+## writes from the release table, and valid against GitHub's workflow schema (check-jsonschema ships it)
 lint:
 	@py=$(call VENV,dev) && $$py -m ruff check vllm_ascend_routing tests scripts benchmarks setup.py && \
-		$$py -m ruff format --check vllm_ascend_routing tests scripts benchmarks setup.py && $$py -m mypy
+		$$py -m ruff format --check vllm_ascend_routing tests scripts benchmarks setup.py && $$py -m mypy && \
+		$$py scripts/workflow.py --check && \
+		$$py -m check_jsonschema --builtin-schema vendor.github-workflows .github/workflows/ci.yml
 
 test-unit:
 	@py=$(call VENV,dev) && $$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m "not vllm" tests

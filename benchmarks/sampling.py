@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Where an engine's time goes: py-spy samples of a running engine, and the share spent in plugin code.
 
-The wall-clock ratio of ``overhead.py`` is limited by the machine's noise (single rounds swing +-10% on a
-2-core VM); sampling the plugin engine during a timed batch measures the plugin's own cost directly.
+The wall-clock ratio of ``overhead.py`` is limited by the machine's noise (how far single rounds swing:
+docs/performance.md); sampling the plugin engine during a timed batch measures the plugin's own cost directly.
 
 A sample counts as the plugin's when its innermost ``vllm_ascend_routing`` frame does its own work: the
 frames below it (if any) are libraries it calls (NumPy, torch ops), not vLLM. The mixin's ``execute_model``

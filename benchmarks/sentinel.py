@@ -8,7 +8,7 @@ For each step size (a 64-token decode batch, a 128-token and a 2048-token prefil
 the median time of one step's check (``clear`` before the forward, ``after_forward`` after it: on the CPU the
 host check, elsewhere the device packet and its asynchronous copy) and of one step's capture (every MoE layer
 records its ids), and their ratio. The defaults are ``make bench``'s model (qwen3_moe_bench: 8 MoE layers,
-top-8 of 64 experts), whose decode step takes ~50 ms on the project's 2-core machine.
+top-8 of 64 experts); docs/performance.md sets the results against that engine's step time.
 """
 
 from __future__ import annotations

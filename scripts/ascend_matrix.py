@@ -34,9 +34,12 @@ _TEST = re.compile(r"^(?P<name>[^\[]+)(\[(?P<param>.*)\])?$")
 
 
 sys.path.insert(0, str(ROOT / "scripts"))
-import matrix  # noqa: E402 (scripts/ is no package: its directory on the path; matrix.py writes the docs)
+import matrix_docs as docs  # noqa: E402 (scripts/ is no package: its directory is on the path)
+import matrix_doctor  # noqa: E402
+import matrix_host as host  # noqa: E402
+import matrix_rows as rows  # noqa: E402
 
-RELEASES = matrix._RELEASES  # the plugin's release table (plain data)
+RELEASES = rows.RELEASE_TABLE  # the plugin's release table (plain data)
 
 
 def outcomes(junit: Path) -> dict[str, str]:
@@ -112,13 +115,13 @@ def summarize(entry: Any, results: dict[str, str], reference: dict[str, str]) ->
         "mrv2": mrv2,
         "hybrid": hybrid,
         "xlite": "refused at start-up" if xlite == "pass" else xlite,
-        "result": matrix.PASS if ok else matrix.FAIL,
+        "result": rows.PASS if ok else rows.FAIL,
         "ok": ok,
     }
 
 
 def run_suite(python: Path, source: str, junit: Path, log: Path, files: list[str], reference: bool) -> int | None:
-    env = {key: value for key, value in os.environ.items() if key not in matrix._DROPPED_SETTINGS}
+    env = {key: value for key, value in os.environ.items() if key not in matrix_doctor.DROPPED_SETTINGS}
     env["VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC"] = source
     env["VLLM_ASCEND_ROUTING_TEST_REQUIRE"] = "vllm,ascend"
     if reference:
@@ -127,29 +130,34 @@ def run_suite(python: Path, source: str, junit: Path, log: Path, files: list[str
     with log.open("a") as out:
         out.write("+ " + " ".join(cmd) + "\n")
         out.flush()
-        returncode, _, _ = matrix.run_bounded(cmd, SUITE_TIMEOUT_S, log=out, env=env, cwd=ROOT)
+        returncode, _, _ = matrix_doctor.run_bounded(cmd, SUITE_TIMEOUT_S, log=out, env=env, cwd=ROOT)
     return returncode  # type: ignore[no-any-return]
 
 
 def check(entry: Any, commit: str) -> dict[str, Any]:
-    root = matrix.cache_root()
+    root = matrix_doctor.cache_root()
     log = root / "logs" / f"ascend-matrix-{entry.release}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
     row: dict[str, Any] = {"release": entry.release, "vllm": entry.vllm, "design": entry.design.value}
     start = time.monotonic()
-    built = matrix.run_bounded(
-        [sys.executable, str(ROOT / "scripts" / "venv.py"), entry.vllm, "--print"], matrix.BUILD_TIMEOUT_S
+    built = matrix_doctor.run_bounded(
+        [sys.executable, str(ROOT / "scripts" / "venv.py"), entry.vllm, "--print"], matrix_doctor.BUILD_TIMEOUT_S
     )
     if built[0] != 0 or not built[1].strip():
-        return {**row, "result": matrix.BUILD_FAILED, "ok": False, "detail": matrix.build_failure(built[0], built[2])}
+        return {
+            **row,
+            "result": rows.BUILD_FAILED,
+            "ok": False,
+            "detail": matrix_doctor.build_failure(built[0], built[2]),
+        }
     python = Path(built[1].strip().splitlines()[-1])
-    fetched = matrix.run_bounded(
+    fetched = matrix_doctor.run_bounded(
         [sys.executable, str(ROOT / "scripts" / "ascend_src.py"), entry.release, "--python", str(python)],
-        matrix.BUILD_TIMEOUT_S,
+        matrix_doctor.BUILD_TIMEOUT_S,
     )
     if fetched[0] != 0:
-        return {**row, "result": matrix.BUILD_FAILED, "ok": False, "detail": fetched[2].strip()[-200:]}
+        return {**row, "result": rows.BUILD_FAILED, "ok": False, "detail": fetched[2].strip()[-200:]}
     source = fetched[1].strip().splitlines()[-1]
     with tempfile.TemporaryDirectory(prefix="vllm_ascend_routing_ascend_matrix_") as scratch:
         main_xml, reference_xml = Path(scratch) / "suite.xml", Path(scratch) / "reference.xml"
@@ -158,8 +166,8 @@ def check(entry: Any, commit: str) -> dict[str, Any]:
         row.update(summarize(entry, outcomes(main_xml), outcomes(reference_xml)))
     row.update(
         seconds=round(time.monotonic() - start, 1),
-        log=matrix._home(log),
-        checked_at=matrix._now(),
+        log=host.home(log),
+        checked_at=rows.now(),
         commit=commit,
     )
     return row
@@ -182,17 +190,17 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"not in ASCEND_RELEASES: {' '.join(unknown)} (known: {' '.join(known)})")
     entries = [known[release] for release in wanted] if wanted else list(known.values())
-    document = matrix.load_document(matrix.JSON_PATH)
+    document = docs.load_document(rows.JSON_PATH)
     fresh = []
     for entry in entries:
-        commit, dirty = matrix.git_commit()
+        commit, dirty = host.git_commit()
         print(f"[vllm-ascend {entry.release} on vLLM {entry.vllm}] ...", file=sys.stderr, flush=True)
         row = check(entry, commit + (" + local changes" if dirty else ""))
         fresh.append(row)
         print(" | ".join(str(row.get(key, "")) for key in ("release", "vllm", "design", "result", "tests")), flush=True)
         document["ascend_rows"] = merge(document.get("ascend_rows", []), [row])
-        document["ascend_updated_at"] = matrix._now()
-        matrix.write_outputs(document, matrix.JSON_PATH, matrix.MARKDOWN_PATH)
+        document["ascend_updated_at"] = rows.now()
+        docs.write_outputs(document, rows.JSON_PATH, rows.MARKDOWN_PATH)
     failed = [row["release"] for row in fresh if not row["ok"]]
     not_ok = f"; not ok: {' '.join(failed)}" if failed else ""
     print(f"\nmatrix-ascend: {len(fresh) - len(failed)}/{len(fresh)} releases ok{not_ok}")

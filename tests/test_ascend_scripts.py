@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """``scripts/ascend_src.py`` resolves a vllm-ascend release through pip's own configuration (here a local
 find-links folder, as a mirror would be) and unpacks only its Python source, never building it;
-``scripts/ascend_matrix.py`` turns the suite's JUnit XML into a row and ``scripts/matrix.py`` renders it."""
+``scripts/ascend_matrix.py`` turns the suite's JUnit XML into a row and ``scripts/matrix_docs.py`` renders it."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from vllm_ascend_routing import releases
 
 ascend_src = scripts.load("scripts/ascend_src.py", "_ascend_src_under_test")
 ascend_matrix = scripts.load("scripts/ascend_matrix.py", "_ascend_matrix_under_test")
-matrix = ascend_matrix.matrix
+rows, docs = ascend_matrix.rows, ascend_matrix.docs  # the matrix modules it writes the docs with
 
 SOURCE = {"vllm_ascend/__init__.py": "X = 1\n", "vllm_ascend/ops/moe.py": "Y = 2\n", "vllm_ascend/_C.so": "bin"}
 
@@ -107,7 +107,7 @@ def test_a_row_from_the_suite_outcomes(tmp_path: Path) -> None:
     row = ascend_matrix.summarize(entry, ascend_matrix.outcomes(main), ascend_matrix.outcomes(reference))
     assert (row["methods_found"], row["methods_tested"]) == (2, 1)  # M2 failed one of its cases
     assert row["async_scheduling"] == "pass" and row["mrv2"] == "pass" and row["xlite"] == "refused at start-up"
-    assert row["ok"] is False and row["result"] == matrix.FAIL and "1 failed" in row["tests"]
+    assert row["ok"] is False and row["result"] == rows.FAIL and "1 failed" in row["tests"]
 
 
 def test_the_vllm_ascend_table_is_rendered_after_vllms(tmp_path: Path) -> None:
@@ -120,7 +120,7 @@ def test_the_vllm_ascend_table_is_rendered_after_vllms(tmp_path: Path) -> None:
     )
     assert row["sync"] == "V1 refused by vllm-ascend" and row["ok"] is True
     document = {"rows": [], "ascend_rows": [{**row, "checked_at": "2026-11-25T00:00:00Z"}]}
-    text = matrix.render_markdown(document)
+    text = docs.render_markdown(document)
     assert "## vllm-ascend" in text and "| 0.30.0rc2 | 0.30.0 | router | 1 / 1 / 0 |" in text
     json.dumps(document)  # the row is plain JSON
 

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -122,8 +125,29 @@ def test_doctor_knows_the_platforms_the_runner_hooks_know() -> None:
     assert set(doctor.PLATFORMS) == set(platforms())
 
 
+def fake_environment(release: str) -> Callable[[dict[str, Any]], None]:
+    """A stand-in for ``doctor.environment``: vLLM ``release`` of the aux-output generation, nothing refused."""
+
+    def environment(report: dict[str, Any]) -> None:
+        report.update(vllm=release, generation="aux-output", platform="", kernel_backend="reference")
+
+    return environment
+
+
+def fake_targets(verified: int, problem: str | None = None) -> Callable[[str], dict[str, Any]]:
+    """A stand-in for ``doctor.targets``: ``verified`` present targets, then one with ``problem`` if given."""
+
+    def targets(platform: str) -> dict[str, Any]:
+        rows = [{"target": f"vllm.x:T{i}", "present": True, "problem": None} for i in range(verified)]
+        rows += [] if problem is None else [{"target": "vllm.x:Gone", "present": False, "problem": problem}]
+        total = len(rows)
+        return {"generation": "aux-output", "platform": platform, "verified": verified, "total": total, "rows": rows}
+
+    return targets
+
+
 def test_an_unknown_platform_is_a_clear_fail(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(doctor, "environment_report", lambda: ([("vLLM", "0.33.0")], None))
+    monkeypatch.setattr(doctor, "environment", fake_environment("0.33.0"))
     monkeypatch.setattr(doctor, "_platform", lambda: "")  # vLLM's CUDA wheel on a machine without a GPU
     printed: list[str] = []
     assert doctor.run(print_fn=printed.append, surface=True) == 1
@@ -134,8 +158,8 @@ def test_a_kind_of_layer_vllm_binds_that_the_plugin_does_not_know_fails(monkeypa
     """vLLM 0.34 might name a new seam in its binder: doctor --surface (and make matrix's static row) fail on it."""
     from vllm_ascend_routing.backends import upstream
 
-    monkeypatch.setattr(doctor, "environment_report", lambda: ([("vLLM", "0.34.0")], None))
-    monkeypatch.setattr(doctor, "target_report", lambda platform: (["patch targets: (none here)"], 3, 3, None))
+    monkeypatch.setattr(doctor, "environment", fake_environment("0.34.0"))
+    monkeypatch.setattr(doctor, "targets", fake_targets(3))
     known = [upstream.Seam("BaseRouter", upstream.KNOWN_NAMES["BaseRouter"])]
     monkeypatch.setattr(upstream, "seams", lambda: [*known, upstream.Seam("RoutedExpertsTap", "")])
     printed: list[str] = []
@@ -159,3 +183,106 @@ def test_binder_classes_are_read_from_the_bytecode() -> None:
         isinstance(model, int)  # a builtin: no module global
 
     assert upstream.referenced_classes(binder) == {"OrderedDict"}  # the name imported, not the local alias
+
+
+def test_the_json_report_holds_what_was_printed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``doctor --json``: the same run, its findings as data; the verdict's text is the last line's."""
+    from vllm_ascend_routing.backends import upstream
+
+    monkeypatch.setattr(doctor, "environment", fake_environment("0.33.0"))
+    monkeypatch.setattr(doctor, "targets", fake_targets(2))
+    known = [upstream.Seam("BaseRouter", upstream.KNOWN_NAMES["BaseRouter"])]
+    monkeypatch.setattr(upstream, "seams", lambda: known)
+    printed: list[str] = []
+    report = doctor.new_report()
+    assert doctor.run(print_fn=printed.append, surface=True, platform="cuda", report=report) == 0
+    assert report["schema"] == doctor.SCHEMA and set(report) == set(doctor.new_report())
+    assert (report["vllm"], report["generation"], report["platform"]) == ("0.33.0", "aux-output", "cuda")
+    assert (report["patches"]["verified"], report["patches"]["total"]) == (2, 2)
+    assert report["binder"] == {
+        "module_level": True,
+        "rows": [{"name": "BaseRouter", "known": True, "handling": "bound by the plugin (router backend)"}],
+        "unknown": [],
+    }
+    verdict = {"ok": True, "stage": "surface", "reason": None, "text": "PASS (static: 2/2 targets verified)"}
+    assert report["verdict"] == verdict and report["exit_status"] == 0 and report["self_check"] is None
+    assert printed[-1] == doctor.VERDICT + verdict["text"]
+    monkeypatch.setattr(doctor, "targets", fake_targets(2, "has no attribute 'Gone'"))
+    report = doctor.new_report()
+    assert doctor.run(print_fn=printed.append, surface=True, platform="cuda", report=report) == 1
+    assert report["patches"]["rows"][-1] == {
+        "target": "vllm.x:Gone",
+        "present": False,
+        "problem": "has no attribute 'Gone'",
+    }
+    assert report["verdict"] == {
+        "ok": False,
+        "stage": "patches",
+        "reason": "has no attribute 'Gone'",
+        "text": "FAIL: has no attribute 'Gone'",
+    }
+    assert report["binder"] is None and report["exit_status"] == 1
+
+
+def test_the_json_report_of_a_refusal_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refused() -> None:
+        raise UnsupportedVllmError("vLLM 0.21.0 is refused")
+
+    monkeypatch.setattr("vllm_ascend_routing.compat.vllm_version", lambda: "0.21.0")
+    monkeypatch.setattr("vllm_ascend_routing.compat.get_api", refused)
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING", "1")
+    report = doctor.new_report()
+    assert doctor.run(print_fn=lambda line: None, report=report) == 1
+    assert (report["vllm"], report["generation"], report["refused"]) == ("0.21.0", None, "vLLM 0.21.0 is refused")
+    setting = next(setting for setting in report["settings"] if setting["name"] == "VLLM_ASCEND_ROUTING")
+    assert setting == {"name": "VLLM_ASCEND_ROUTING", "value": "True", "default": False, "problem": None}
+    assert report["verdict"]["stage"] == "environment" and report["verdict"]["reason"] == "vLLM 0.21.0 is refused"
+
+
+def test_the_self_check_verdict_counts_parts_and_near_ties() -> None:
+    def part(rows: int, matched: int, ties: int = 0, problems: tuple[str, ...] = ()) -> dict[str, Any]:
+        return {"rows": rows, "matched": matched, "near_ties": ties, "ok": not problems, "problems": list(problems)}
+
+    results = {"batch": part(93, 93, 2), "chunked_prefill": part(120, 120), "prefix_repeat": part(40, 40, 1)}
+    checked = doctor.self_check_summary(results, "2 MoE layers bound", [], 4, "eager", "bfloat16")
+    assert checked["ok"] and checked["near_ties"] == 3
+    assert [p["verdict"] for p in checked["parts"]] == ["93/93 rows exact", "120/120 rows exact", "40/40 rows exact"]
+    assert checked["detail"] == (
+        "batch 93/93 rows exact, chunked_prefill 120/120 rows exact, prefix_repeat 40/40 rows exact "
+        "(3 of them near-tie flips within bfloat16 rounding); 2 MoE layers bound"
+    )
+    results["batch"] = part(93, 92, problems=("request 1 layer 0 row 3 differs",))
+    failed = doctor.self_check_summary(
+        results, "2 MoE layers bound", ["1 all-zero routing rows"], 4, "eager", "float32"
+    )
+    assert not failed["ok"] and failed["detail"] == "batch: request 1 layer 0 row 3 differs; 1 all-zero routing rows"
+
+
+def test_run_json_prints_one_json_line_on_stdout_and_the_text_on_stderr(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(doctor, "environment", fake_environment("0.33.0"))
+    monkeypatch.setattr(doctor, "targets", fake_targets(1))
+    monkeypatch.setattr(doctor, "binder_coverage", lambda: {"module_level": False, "rows": [], "unknown": []})
+    assert doctor.run_json(surface=True, platform="cpu") == 0
+    out, err = capfd.readouterr()
+    assert len(out.splitlines()) == 1 and out.startswith(f'{{"schema": "{doctor.SCHEMA}"')
+    report = json.loads(out)
+    assert report["verdict"]["text"] == "PASS (static: 1/1 targets verified)" and report["exit_status"] == 0
+    assert err.splitlines()[-1] == doctor.VERDICT + report["verdict"]["text"]
+
+
+@pytest.mark.vllm
+def test_doctor_json_surface_on_this_release(tmp_path: Path) -> None:
+    """``doctor --surface --json`` in a process of its own: stdout is the document alone."""
+    done = subprocess.run(
+        [sys.executable, "-m", "vllm_ascend_routing", "doctor", "--surface", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    report = json.loads(done.stdout)
+    assert report["schema"] == doctor.SCHEMA and report["exit_status"] == done.returncode
+    assert report["generation"] is not None and report["patches"]["rows"], done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(doctor.VERDICT + report["verdict"]["text"])

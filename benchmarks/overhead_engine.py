@@ -1,0 +1,197 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``make bench``'s workload and engines: the benchmark model, one warmed vLLM engine per mode in a process of
+its own (``Engine``, running ``overhead.py --worker MODE``), and what each vLLM release can start on this CPU."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ARCH = "qwen3_moe_bench"
+KV_CACHE_BYTES = 512 * 1024 * 1024
+OVERHEAD = Path(__file__).with_name("overhead.py")  # the command line; ``--worker MODE`` runs ``worker``
+
+
+def engine_cpu_seconds() -> float:
+    """CPU seconds (user + system, every thread) of this process and its children: the whole engine's work,
+    whichever process layout the release uses; unlike wall time it does not count time spent waiting for a
+    core that something else on the machine holds."""
+    import psutil  # type: ignore[import-untyped]  # a vLLM requirement; no stubs in the dev environment
+
+    me = psutil.Process()
+    total = 0.0
+    for process in [me, *me.children(recursive=True)]:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def worker(mode: str, requests: int, tokens: int, eager: bool = False) -> None:
+    """One engine, one mode: warm up, print READY, then time one batch per ``run`` line read from stdin."""
+    from vllm import LLM, SamplingParams
+
+    from vllm_ascend_routing.selfcheck import models, scenarios
+
+    if mode == "unchecked":  # the plugin with its always-on check's per-step work removed (in-process engine)
+        from vllm_ascend_routing.sentinel import Sentinel
+
+        def skip(self: Sentinel, *args: Any) -> None:
+            return None
+
+        setattr(Sentinel, "clear", skip)  # noqa: B010
+        setattr(Sentinel, "after_forward", skip)  # noqa: B010
+    model = models.build_tiny_moe(ARCH, scenarios.model_dir() / ARCH)
+    llm = LLM(
+        model=str(model.path),
+        dtype="float32",
+        enable_return_routed_experts=(mode in ("plugin", "unchecked", "vllm", "vllm-control")),
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        max_model_len=1024,
+        seed=0,
+        enforce_eager=eager,
+    )
+    prompts = [{"prompt_token_ids": p} for p in models.mixed_prompts(requests, seed=3, min_len=16, max_len=256)]
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    # Warm-up: the whole prompt set, so every prefill and decode batch shape the timed batch meets has
+    # been compiled and every cache touched once (a smaller warm-up left the first timed batch slow).
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    config = llm.llm_engine.vllm_config
+    print("OVERHEAD_READY", flush=True)
+    for command in sys.stdin:
+        if command.strip() != "run":
+            break
+        start, cpu_start = time.perf_counter(), engine_cpu_seconds()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        cpu_seconds = engine_cpu_seconds() - cpu_start
+        generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+        routed = [o.outputs[0].routed_experts for o in outputs]
+        result = {
+            "mode": mode,
+            "max_num_batched_tokens": int(config.scheduler_config.max_num_batched_tokens),
+            "kv_block_size": int(config.cache_config.block_size),
+            "seconds": seconds,
+            "generated_tokens": generated,
+            "tokens_per_s": generated / seconds,
+            "cpu_seconds": cpu_seconds,
+            "tokens_per_cpu_s": generated / cpu_seconds,
+            "routing_bytes_per_token": None if routed[0] is None else int(routed[0][0].nbytes),
+            "routing_dtype": None if routed[0] is None else str(routed[0].dtype),
+        }
+        print("OVERHEAD_RESULT " + json.dumps(result), flush=True)
+
+
+class Engine:
+    """A warmed worker process for one mode; ``run()`` times one batch in it."""
+
+    def __init__(self, mode: str, args: argparse.Namespace, cache_root: str, eager: bool = False) -> None:
+        env = dict(os.environ, VLLM_CACHE_ROOT=cache_root)
+        if not args.multiprocess:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        env.pop("VLLM_ASCEND_ROUTING", None)
+        if mode in ("plugin", "unchecked") or (mode in ("off", "control") and not vllm_alone_runs()):
+            env["VLLM_ASCEND_ROUTING"] = "1"
+        self.mode = mode
+        # stderr (vLLM's logging) goes to a file, shown if the worker fails; closed in close().
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
+        cmd = [
+            sys.executable,
+            str(OVERHEAD),
+            "--worker",
+            mode,
+            "--requests",
+            str(args.requests),
+            "--tokens",
+            str(args.tokens),
+            *(["--eager"] if eager else []),
+        ]
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True
+        )
+        self._expect("OVERHEAD_READY")
+
+    def _expect(self, prefix: str) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line.removeprefix(prefix).strip()
+        self.log.seek(0)
+        raise SystemExit(f"{self.mode} engine failed ({self.proc.wait()}):\n{self.log.read()[-4000:]}")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def run(self) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return dict(json.loads(self._expect("OVERHEAD_RESULT ")))
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+        self.log.close()
+
+
+def cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as cpuinfo:
+        return next((set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags")), set())
+
+
+def machine() -> str:
+    flags = cpu_flags()
+    isa = "AVX-512" if "avx512f" in flags else "AVX2, no AVX-512"
+    return f"{os.cpu_count()} CPUs, {isa}{', AMX' if 'amx_tile' in flags else ''}"
+
+
+@functools.cache
+def vllm_alone_runs() -> bool:
+    """vLLM 0.20-0.27 crash in their pure-PyTorch CPU MoE unless the plugin's compat fix is applied; they
+    take it without the grouped-GEMM kernels (CPUs without AVX-512) and, for float32, on AMX CPUs."""
+    from tests.harness.cpu_moe_choice import CpuMoeKernel, vllm_cpu_moe_kernel
+
+    return vllm_cpu_moe_kernel(ARCH) is not CpuMoeKernel.PURE_TORCH
+
+
+def refuse_where_vllm_cannot_start() -> None:
+    """vLLM 0.27 refuses float32 MoE weights on AMX CPUs (no kernel for them), plugin or not."""
+    from tests.harness.cpu_moe_choice import CpuMoeKernel, vllm_cpu_moe_kernel
+
+    if vllm_cpu_moe_kernel(ARCH) is CpuMoeKernel.REFUSED:
+        import vllm
+
+        raise SystemExit(
+            f"vLLM {vllm.__version__} refuses the float32 benchmark model's CPU MoE on this AMX CPU (its "
+            "grouped-GEMM kernel there needs bfloat16 and it will not fall back): use another release"
+        )
+
+
+def vllm_path_starts_on_cpu() -> bool:
+    """Whether vLLM's own routed-experts path starts on the CPU build: not in 0.27 (refused for the CPU
+    MoE), 0.28-0.29 (monolithic CPU experts refused) or 0.31+ (needs Model Runner V2)."""
+    import vllm
+
+    minor = int(vllm.__version__.split(".")[1])
+    return minor <= 26 or minor == 30
+
+
+def vllm_capture_records_on_cpu() -> bool:
+    """Whether vLLM's own capture records real ids on the CPU build (router ``capture_fn``): 0.30 only. Up to
+    0.26 the CPU MoE bypasses the router (zeros); 0.27-0.29 refuse the flag with their monolithic CPU experts
+    (0.28.0 and 0.29.0: docs/performance.md); from 0.31 the path needs Model Runner V2 (not on the CPU)."""
+    import vllm
+
+    return vllm_path_starts_on_cpu() and int(vllm.__version__.split(".")[1]) >= 28
