@@ -99,12 +99,19 @@ def original_replaced(hooked: Callable[..., Any], stand_in: Callable[..., Any]) 
         cell.cell_contents = real
 
 
+def is_hooked(method: Any) -> bool:
+    """Whether ``method`` is a runner hook the plugin installed (imported late: the plugin registers mid-run)."""
+    from vllm_ascend_routing.runner_mixin import is_hooked as plugin_hooked
+
+    return plugin_hooked(method)
+
+
 def call_through_class(runner: Any, name: str, stand_in: Callable[..., Any], *args: Any) -> str:
     """Call ``runner.<name>`` as installed on its class, with ``stand_in`` as the original the plugin's hook
     wraps; a method the plugin does not hook (``sample_tokens`` before vLLM 0.31) is the stand-in itself.
     Returns what the class's method wraps (vllm-ascend's or vLLM's method), or ``"not hooked"``."""
     method = getattr(type(runner), name)
-    if not getattr(method, "_vllm_ascend_routing_hook", False):
+    if not is_hooked(method):
         stand_in(runner, *args)
         return "not hooked"
     with original_replaced(method, stand_in) as real:
@@ -197,7 +204,7 @@ def main() -> None:
     hooks = ("load_model", "execute_model", "sample_tokens", "init_routed_experts_capturer")
     hooks += ("_bind_routed_experts_capturer",)
     result["hooked"] = sorted(
-        name for name in hooks if getattr(getattr(runner_cls, name, None), "_vllm_ascend_routing_hook", False)
+        name for name in hooks if is_hooked(getattr(runner_cls, name, None))
     )
 
     kv_config = kv_cache_config(args.hybrid)
