@@ -72,14 +72,18 @@ class Check(NamedTuple):
 
 DOCTOR = ("-m", "vllm_ascend_routing", "doctor")
 JSON = ("--json",)  # the verdict read from doctor's document, not from its text
-# 0.31+: the same end-to-end doctor (the plugin drives vLLM's AuxOutput connector from the CPU's V1 runner).
-AUX_OUTPUT_CHECK = Check("doctor", (*DOCTOR, *JSON))
-CHECKS: dict[str, Check] = {
-    SHM: Check("doctor", (*DOCTOR, *JSON)),
-    REVERTED: Check("doctor must refuse", (*DOCTOR, *JSON), refusal_texts=("0.21.0", "reverted")),
-    RUNNER_OUTPUT: Check("doctor", (*DOCTOR, *JSON)),
-    AUX_OUTPUT: AUX_OUTPUT_CHECK,
-}
+
+
+def _check(span: Any) -> Check:
+    """A supported generation's releases run the end-to-end doctor; a refused one's must be refused at start-up
+    with a message naming its first release and the generation (the plugin's detection says both)."""
+    if span.supported:
+        return Check("doctor", (*DOCTOR, *JSON))
+    return Check("doctor must refuse", (*DOCTOR, *JSON), refusal_texts=(span.first, span.generation.value))
+
+
+# One check per generation of the release table.
+CHECKS: dict[str, Check] = {span.generation.value: _check(span) for span in RELEASE_TABLE.GENERATIONS}
 # A release with a CUDA wheel only (STATIC_RELEASES): installed, never run. Detection and every patch target
 # of the platform the wheel is built for, checked against its source (vLLM's platform is undetectable here).
 STATIC_CHECK = Check("static surface", (*DOCTOR, "--surface", "--platform", "cuda", *JSON), static=True)

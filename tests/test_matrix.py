@@ -67,9 +67,12 @@ def test_generation_names_are_the_plugins() -> None:
         assert span is not None and rows.generation_of(release) == span.generation.value
 
 
-def test_every_generation_has_a_check_and_aux_output_is_set_in_one_place() -> None:
+def test_every_generation_of_the_table_has_its_check() -> None:
     assert {rows.generation_of(release) for release in rows.CPU_RELEASES} == set(rows.CHECKS)
-    assert rows.CHECKS[rows.AUX_OUTPUT] is rows.AUX_OUTPUT_CHECK
+    assert set(rows.CHECKS) == {span.generation.value for span in releases.GENERATIONS}
+    assert {name for name, check in rows.CHECKS.items() if check.refusal_texts} == {
+        span.generation.value for span in releases.GENERATIONS if not span.supported
+    }
     assert REFUSAL_CHECK.refusal_texts == ("0.21.0", "reverted")
     assert DOCTOR_CHECK.args == ("-m", "vllm_ascend_routing", "doctor", "--json") and not DOCTOR_CHECK.refusal_texts
     assert not any(check.static for check in rows.CHECKS.values())

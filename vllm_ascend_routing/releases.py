@@ -4,7 +4,7 @@ vllm-ascend's releases, and the role each release plays in the test suite.
 
 Plain data and the standard library only: ``scripts/`` load this file by path with the system Python, outside
 any environment that has the package, and the Makefile reads the test roles through ``python releases.py make``
-(the CI workflow through ``python releases.py workflow``). Detection, ``get_api``, the patch manifest, ``envs``,
+(``scripts/workflow.py`` generates the CI workflow from them). Detection, ``get_api``, the patch manifest, ``envs``,
 ``doctor``, ``make matrix`` and the tests all derive from it.
 
 A new release in an existing generation: add it to ``CPU_RELEASES`` (or ``STATIC_RELEASES`` when vLLM
@@ -16,7 +16,6 @@ and ``Patch`` rows; see ``compat/base.py``) and one ``GenerationReleases`` row n
 from __future__ import annotations
 
 import enum
-import json
 import re
 import sys
 from dataclasses import dataclass
@@ -165,8 +164,8 @@ def ascend_release(release: str) -> AscendRelease | None:
     return next((entry for entry in ASCEND_RELEASES if entry.release == release), None)
 
 
-# The role each release plays in `make test` (the Makefile reads them through `python releases.py make`, the CI
-# workflow through `python releases.py workflow`; a variable given to make wins).
+# The role each release plays in `make test` (the Makefile reads them through `python releases.py make`, a variable
+# given to make winning; scripts/workflow.py generates the CI workflow's jobs from them).
 # demo and replay-check: the release `make demo` sets up.
 DEMO_RELEASE = "0.23.0"
 # The end-to-end suite, one release per generation: 0.20.2 (shm), 0.23.0 (runner-output, CPU MoE bypassing the
@@ -210,14 +209,11 @@ def make_variables() -> dict[str, str]:
 
 
 def main(argv: list[str]) -> int:
-    """``make``: the roles as make assignments (a variable already set wins); ``json``: the roles as JSON."""
+    """``make``: the roles as make assignments (a variable already set wins)."""
     if argv[1:] == ["make"]:
         print("\n".join(f"{name} ?= {value}" for name, value in make_variables().items()))
         return 0
-    if argv[1:] == ["json"]:
-        print(json.dumps({name: value.split() for name, value in make_variables().items()}, indent=2))
-        return 0
-    print("usage: python releases.py make|json", file=sys.stderr)
+    print("usage: python releases.py make", file=sys.stderr)
     return 2
 
 
