@@ -13,13 +13,15 @@ from vllm_ascend_routing.compat import _detect
 from vllm_ascend_routing.compat.base import SUPPORTED_RELEASES
 from vllm_ascend_routing.releases import GENERATIONS, Generation, version_key
 
-COMPAT = Path(releases.__file__).parent / "compat"
-# The adapter module of each generation, deleted together with its manifest rows.
-ADAPTER_MODULES = {
-    Generation.SHM: ("shm.py", "_shm_store.py"),
-    Generation.RUNNER_OUTPUT: ("runner_output.py",),
-    Generation.AUX_OUTPUT: ("aux_output.py",),
-}
+PACKAGE = Path(releases.__file__).parent
+# Modules only a generation's own module uses, deleted with it.
+PRIVATE_MODULES = {Generation.SHM: ("compat/_shm_store.py",)}
+
+
+def adapter_files(span: releases.GenerationReleases) -> tuple[str, ...]:
+    """The generation's module (its row's ``adapter``) and the modules only it uses."""
+    own = span.adapter.removeprefix("vllm_ascend_routing.").replace(".", "/") + ".py"
+    return (own, *PRIVATE_MODULES.get(span.generation, ()))
 
 
 def test_spans_are_ordered_and_cover_every_listed_release() -> None:
@@ -54,8 +56,8 @@ def test_old_generation_is_deleted_once_the_lowest_supported_release_passes_it(
     """Fails the day the lowest supported release reaches ``obsolete_from``: delete the adapter, its manifest
     rows and its table entry (e.g. lowest >= 0.22 -> remove ``compat/shm.py``)."""
     lowest = releases.lowest_supported()
-    files = ADAPTER_MODULES[span.generation]
-    assert all((COMPAT / name).exists() for name in files)
+    files = adapter_files(span)
+    assert all((PACKAGE / name).exists() for name in files)
     assert version_key(lowest) < version_key(span.obsolete_from), (
         f"the lowest supported vLLM is {lowest}: delete {', '.join(files)} and the {span.generation.value} "
         f"rows of the manifest ({span.delete_when})"
