@@ -20,11 +20,14 @@ Plain standard library: the release table and scripts/venv.py are loaded by path
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
 from typing import Any
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # scripts/ is no package: its directory on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from matrix_rows import load_by_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOW = ROOT / ".github" / "workflows" / "ci.yml"
@@ -32,17 +35,6 @@ PYTHON = "3.11"  # what scripts/venv.py and the dev environment run on
 CACHE = "~/.cache/vllm_ascend_routing"  # scripts/venv.py's default cache root (VLLM_ASCEND_ROUTING_CACHE unset)
 CACHE_INPUTS = ("pyproject.toml", "scripts/venv.py", "vllm_ascend_routing/releases.py")
 TIMEOUT_MINUTES = 180  # an e2e release on a hosted runner, its environments built cold
-
-
-def load_by_path(name: str, path: Path) -> Any:
-    """A file that is no importable module here (registered: its dataclasses resolve their module)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def release_table() -> Any:

@@ -106,7 +106,9 @@ def test_test_stand_ins_are_named_in_docs_and_said_in_readme() -> None:
         assert (ROOT / standin).exists()
         assert standin in development
     readme = " ".join(README.read_text().split())
-    assert "Test-only stand-ins (`tests/harness/`, not in the wheel; never used by the plugin): gloo collectives" in readme
+    assert (
+        "Test-only stand-ins (`tests/harness/`, not in the wheel; never used by the plugin): gloo collectives" in readme
+    )
     assert "AMX hidden from vLLM 0.27's CPU MoE" in readme
 
 

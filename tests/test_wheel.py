@@ -9,7 +9,6 @@ unpacked wheel alone, outside the checkout.
 
 from __future__ import annotations
 
-import ast
 import os
 import shutil
 import subprocess
@@ -18,6 +17,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+from tests.test_import_graph import imported_names
 
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = ROOT / "tests" / "harness"
@@ -95,13 +96,7 @@ def test_what_the_commands_run_is_in_the_wheel(unpacked: Path) -> None:
 
 def package_imports(path: Path) -> set[str]:
     """Absolute module names of the package and of the checkout's tests that ``path`` imports, at any depth."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-            found.add(node.module)
-    return {name for name in found if name.split(".")[0] in ("vllm_ascend_routing", "tests")}
+    return {name for name in imported_names(path) if name.split(".")[0] in ("vllm_ascend_routing", "tests")}
 
 
 def test_every_module_the_wheel_imports_is_in_it(unpacked: Path) -> None:

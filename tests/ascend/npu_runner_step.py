@@ -203,9 +203,7 @@ def main() -> None:
     runner_cls = module.NPUModelRunner
     hooks = ("load_model", "execute_model", "sample_tokens", "init_routed_experts_capturer")
     hooks += ("_bind_routed_experts_capturer",)
-    result["hooked"] = sorted(
-        name for name in hooks if is_hooked(getattr(runner_cls, name, None))
-    )
+    result["hooked"] = sorted(name for name in hooks if is_hooked(getattr(runner_cls, name, None)))
 
     kv_config = kv_cache_config(args.hybrid)
     config = vllm_config(args.kind == "v2", kv_config)
