@@ -3,42 +3,35 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from vllm_ascend_routing.ops import OUT_DTYPE, STORAGE_LIMIT, LayerRecorder
-from vllm_ascend_routing.parallel import RankLayout
 from vllm_ascend_routing.sentinel import Sentinel
 
 # The op's storage (``ops.OUT_DTYPE``): the narrowest signed dtype that holds every id of any MoE in use.
 CAPTURE_DTYPE = OUT_DTYPE
 
 
-@dataclass(frozen=True)
-class LayerCapture:
-    """Records one layer's logical top-k ids, token ``i`` into ``buffer[i, layer_id]``.
+class LayerCapture(LayerRecorder):
+    """Records one layer's logical top-k ids, token ``i`` into ``buffer[i, layer_id]``:
+    ``LayerCapture(buffer, layer_id, num_experts, errors, layout=None)``.
 
     ``buffer`` is allocated before the first forward and never reallocated, so compiled graphs (and
     CUDA/ACL graphs) that bake its address in stay valid. How each call is recorded (the eager direct write
-    or the custom op) is the op layer's choice: ``ops.LayerRecorder``.
+    or the custom op) is the op layer's choice: the call is ``ops.LayerRecorder.__call__`` itself, with no
+    extra frame on the per-layer, per-step path.
     """
 
-    buffer: torch.Tensor  # [max_tokens, num_hidden_layers, top_k] int16
-    layer_id: int
-    num_experts: int
-    errors: torch.Tensor  # [1] int64, out-of-range ids seen (shared by a model's layers)
-    # Data parallel / token-split layouts: the router may see other ranks' tokens or a TP shard.
-    layout: RankLayout | None = None
-    recorder: LayerRecorder = field(init=False, repr=False, compare=False)
+    @property
+    def buffer(self) -> torch.Tensor:
+        """``[max_tokens, num_hidden_layers, top_k]`` int16, shared by the model's layers."""
+        return self.out
 
-    def __post_init__(self) -> None:
-        recorder = LayerRecorder(self.buffer, self.layer_id, self.num_experts, self.errors, self.layout)
-        object.__setattr__(self, "recorder", recorder)
-
-    def __call__(self, topk_ids: torch.Tensor) -> None:
-        """Runs once per MoE layer per step (see ``ops.LayerRecorder.__call__``)."""
-        self.recorder(topk_ids)
+    @property
+    def recorder(self) -> LayerRecorder:
+        return self
 
 
 @dataclass(frozen=True)
