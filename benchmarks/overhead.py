@@ -56,7 +56,8 @@ of the engine) and prints the share of the model step's samples (and of all samp
 wall-clock ratio's noise.
 
 Modules beside this one: ``overhead_engine`` (the workload and the engine processes), ``overhead_report`` (ratios,
-memory, assembly time, profile; the summary), ``overhead_versus`` (``--versus-vllm``).
+memory, assembly time, profile; the summary), ``overhead_versus`` (``--versus-vllm``), ``history`` (every run's
+medians with its commit; ``make bench-check`` compares the newest with the one before).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ CHECKOUT = str(Path(__file__).resolve().parents[1])
 if CHECKOUT not in sys.path:
     sys.path.append(CHECKOUT)
 
+import history  # noqa: E402
 import overhead_engine as engines  # noqa: E402
 import overhead_report as report  # noqa: E402
 import overhead_versus  # noqa: E402
@@ -210,6 +212,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2))
     print(f"wrote {out}")
+    if args.out is None:  # a run written elsewhere is someone's experiment, not the record
+        history.record("overhead", summary)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import history
 from overhead_engine import ARCH, Engine, machine, vllm_capture_records_on_cpu
 from overhead_report import ratio_text
 
@@ -83,3 +84,5 @@ def versus_vllm(args: argparse.Namespace) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2))
     print(f"wrote {out}")
+    if args.out is None:  # a run written elsewhere is someone's experiment, not the record
+        history.record("versus", summary)
