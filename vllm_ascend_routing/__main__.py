@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Command line: ``python -m vllm_ascend_routing demo`` / ``doctor`` / ``replay-check``."""
+"""Command line: ``python -m vllm_ascend_routing demo`` / ``doctor`` / ``replay-check`` / ``--version``."""
 
 from __future__ import annotations
 
@@ -46,8 +46,22 @@ def print_load(table: dict[str, Any]) -> None:
         print(f"{layer:>5s} " + "".join(f"{c:6d}" for c in counts))
 
 
+class VersionAction(argparse.Action):
+    """``--version``: the line is computed only when asked for (it may run ``git``), then the program exits."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print the version (and commit) and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        from vllm_ascend_routing import versions
+
+        print(versions.version_line())
+        parser.exit()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m vllm_ascend_routing")
+    parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("demo", help="exact routed experts on an embedded tiny MoE, checked against transformers")
     run.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "mixtral", "qwen3_moe_dense"])

@@ -14,6 +14,9 @@ row with the float32 transformers reference, counting the near-tie flips that dt
 ``--model PATH`` runs the user's own model instead (``model_check``). Ends with
 ``vllm-ascend-routing doctor: PASS`` or ``... FAIL: <reason>``; exit status 0 / 1.
 
+Every report starts with the versions a maintainer needs (``versions``: this package and its commit, vLLM,
+vllm-ascend, torch, torch_npu, CANN, the driver and the device's name where present).
+
 ``--json`` (``run_json``): the same checks; the report above goes to stderr (with vLLM's own logging) and
 stdout holds one line, the JSON document ``run`` filled in (``new_report``: the keys tools read).
 """
@@ -42,6 +45,7 @@ def new_report() -> dict[str, Any]:
     """The ``--json`` document before any check ran: every key present, ``None`` where a stage did not run."""
     return {
         "schema": SCHEMA,
+        "versions": None,  # versions.collect(): package and commit, vLLM, vllm-ascend, torch(_npu), CANN, driver
         "vllm": None,  # the installed release; None where vLLM is not importable
         "generation": None,  # the API generation detected; None where refused
         "refused": None,  # why the plugin refuses this release
@@ -51,7 +55,7 @@ def new_report() -> dict[str, Any]:
         "patches": None,  # {"generation", "platform", "verified", "total", "rows": [{"target", "present", "problem"}]}
         "binder": None,  # {"module_level", "rows": [{"name", "known", "handling"}], "unknown": [names]}
         "self_check": None,  # self_check's dict
-        "model_check": None,  # {"model", "ok", "detail"}
+        "model_check": None,  # {"model", "ok", "detail", "engine_flags", "consistency"}
         "verdict": None,  # {"ok", "stage", "reason", "text"}: text is the last line less VERDICT
         "exit_status": None,
     }
@@ -182,6 +186,23 @@ def coverage_report() -> tuple[list[str], str | None]:
     """One line per kind of layer vLLM's own binder binds in this release (each class it names), with what the
     plugin does about it; the problem when it names one the plugin does not know (it could lose those rows)."""
     return coverage_lines(binder_coverage())
+
+
+def version_lines(versions: dict[str, Any]) -> list[tuple[str, str]]:
+    """The versions ``environment_lines`` does not print already (vLLM is its first line)."""
+    commit = f" (commit {versions['commit']}, from the {versions['commit_source']})" if versions["commit"] else ""
+    lines = [("vllm-ascend-routing", f"{versions['vllm_ascend_routing']}{commit}")]
+    labels = {
+        "vllm_ascend": "vllm-ascend",
+        "torch": "torch",
+        "torch_npu": "torch_npu",
+        "cann": "CANN",
+        "npu_driver": "NPU driver",
+        "cuda_driver": "CUDA driver",
+        "device_name": "device",
+    }
+    lines += [(label, str(versions[key])) for key, label in labels.items() if versions.get(key)]
+    return lines
 
 
 def _platform() -> str:
@@ -318,9 +339,15 @@ def run(
     """The report, then the self-check in ``dtype`` (or, with ``model``, ``model_check`` on the user's model with
     ``model_options``: tensor_parallel_size, max_tokens, trust_remote_code); 0 on PASS, 1 on FAIL. ``report``
     (a ``new_report()``), when given, is filled with what was printed, as data."""
+    from vllm_ascend_routing import versions
+
     report = new_report() if report is None else report
+    report["versions"] = versions.collect()
     problem = environment(report)
-    lines = environment_lines(report)
+    plugin, *others = version_lines(report["versions"])
+    found = environment_lines(report)
+    after_vllm = 1 if report["vllm"] is not None else 0  # the other releases next to vLLM's
+    lines = [plugin, *found[:after_vllm], *others, *found[after_vllm:]]
     width = max(len(label) for label, _ in lines)
     print_fn("vllm-ascend-routing doctor")
     for label, value in lines:
