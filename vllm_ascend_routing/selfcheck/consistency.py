@@ -35,8 +35,8 @@ OTHER_REQUEST = "OTHER_REQUEST"  # a request's rows are another request's (filed
 DP_INTERLEAVE = "DP_INTERLEAVE"  # part of a request's rows are another request's, interleaved (DP ranks mixed)
 MISMATCH = "MISMATCH"  # more rows differ than near-ties explain, with no structure found
 SHAPE = "SHAPE"  # the two passes returned a different number of rows (or none) for a request
-FAULTS = (SHAPE, LAYER_ZERO, PARTIAL, ZEROS, SHIFTED_LATE, SHIFTED_EARLY, STALE_STEP, OTHER_REQUEST, DP_INTERLEAVE)
-FAULTS += (MISMATCH,)
+FAULTS: tuple[str, ...] = (SHAPE, LAYER_ZERO, PARTIAL, ZEROS, SHIFTED_LATE, SHIFTED_EARLY, STALE_STEP, OTHER_REQUEST)
+FAULTS += (DP_INTERLEAVE, MISMATCH)
 
 # The share of a layer's rows that may differ between the passes with no structural explanation: numeric
 # near-ties. Both passes run the same kernels in the same dtype; only the batch shape (hence reduction order)
@@ -238,7 +238,7 @@ def _layer(
         common = min(rows, len(partner))
         offsets["other"] += int(_same(gen[:common], partner[:common]).sum()) if len(usable) > 1 else 0
         from_other = 0
-        for i in np.flatnonzero(~equal & ~zero):
+        for i in map(int, np.flatnonzero(~equal & ~zero)):
             row = gen[i]
             if i >= 1 and np.array_equal(row, ref[i - 1]):
                 late += 1
