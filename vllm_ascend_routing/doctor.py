@@ -308,6 +308,15 @@ def capture_report() -> tuple[str, list[str]]:
     ), problems
 
 
+def _device_name(report: dict[str, Any]) -> None:
+    """The device's name through torch, asked once the engine ran (asking before could initialise the device in
+    this process before vLLM starts its workers)."""
+    from vllm_ascend_routing import versions
+
+    if report["versions"] is not None and report["versions"].get("device_name") is None:
+        report["versions"]["device_name"] = versions.device_name()
+
+
 def _print(line: str) -> None:
     print(line, flush=True)
 
@@ -337,8 +346,8 @@ def run(
     report: dict[str, Any] | None = None,
 ) -> int:
     """The report, then the self-check in ``dtype`` (or, with ``model``, ``model_check`` on the user's model with
-    ``model_options``: tensor_parallel_size, max_tokens, trust_remote_code); 0 on PASS, 1 on FAIL. ``report``
-    (a ``new_report()``), when given, is filled with what was printed, as data."""
+    ``model_options``: tensor_parallel_size, max_tokens, trust_remote_code, engine_flags); 0 on PASS, 1 on FAIL.
+    ``report`` (a ``new_report()``), when given, is filled with what was printed, as data."""
     from vllm_ascend_routing import versions
 
     report = new_report() if report is None else report
@@ -381,8 +390,11 @@ def run(
     if model is not None:
         from vllm_ascend_routing import model_check
 
-        ok, detail = model_check.run(model, print_fn, num_prompts, dtype=dtype, mode=mode, **(model_options or {}))
-        report["model_check"] = {"model": model, "ok": ok, "detail": detail}
+        ok, detail, extra = model_check.run(
+            model, print_fn, num_prompts, dtype=dtype, mode=mode, **(model_options or {})
+        )
+        report["model_check"] = {"model": model, "ok": ok, "detail": detail, **extra}
+        _device_name(report)
         print_fn(f"  {detail}")
         if ok:
             return _end(report, print_fn, "model_check", None, "PASS")
@@ -393,6 +405,7 @@ def run(
         "against float32 transformers ..."
     )
     checked = report["self_check"] = self_check(num_prompts, mode, chosen)
+    _device_name(report)
     print_fn(f"  {checked['detail']}")
     if checked["ok"]:
         return _end(report, print_fn, "self_check", None, "PASS")

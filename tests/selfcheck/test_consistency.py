@@ -121,3 +121,13 @@ def test_the_table_has_one_line_per_moe_layer() -> None:
     table = result.table()
     assert len(table) == 1 + LAYERS - 1 and table[-1].split()[-1] == consistency.LAYER_ZERO
     assert table[1].split()[-1] == consistency.PASS and result.failing_layers == [LAYERS - 1]
+
+
+@pytest.mark.parametrize(("name", "fault"), [("swap_requests", "OTHER_REQUEST"), ("dp_interleave", "DP_INTERLEAVE")])
+def test_requests_sharing_a_prompt_prefix_are_told_apart_where_they_differ(name: str, fault: str) -> None:
+    """The prefix both requests share routes alike in both: a swap or an interleave is judged on the rest."""
+    rows, prompts = truth()
+    rows[1][:10] = rows[0][:10]  # requests 0 and 1 (same length) share ten prompt tokens
+    mutate, _ = routing_mutations.MUTATIONS[name]
+    result = consistency.analyse(pairs(mutate(rows, prompts), rows), "float32")
+    assert result.verdict == fault, result.summary()

@@ -49,7 +49,7 @@ DEFAULT_TIE_BUDGET = 0.05
 FAULT_SHARE = 0.5
 MIN_FAULT_ROWS = 2
 PARTIAL_SHARE = 0.25  # zero rows from this share of a layer's rows on: one rank's share, not a stray row
-WHOLE_REQUEST = 0.75  # another request's rows in this share of a request's rows: the request's rows are its
+WHOLE_REQUEST = 0.75  # another request's rows where the two differ, in this share: the rows are that request's
 
 
 @dataclass
@@ -237,7 +237,7 @@ def _layer(
         partner = usable[(r + 1) % len(usable)][2][:, layer]
         common = min(rows, len(partner))
         offsets["other"] += int(_same(gen[:common], partner[:common]).sum()) if len(usable) > 1 else 0
-        from_other = 0
+        partners: list[int] = []  # for each wrong row traced to another request: which
         for i in map(int, np.flatnonzero(~equal & ~zero)):
             row = gen[i]
             if i >= 1 and np.array_equal(row, ref[i - 1]):
@@ -246,19 +246,24 @@ def _layer(
             if i + 1 < rows and np.array_equal(row, ref[i + 1]):
                 early += 1
                 continue
-            if any(
-                s != r and i < len(other_ref) and np.array_equal(row, other_ref[i, layer])
-                for s, (_, _, other_ref) in enumerate(usable)
-            ):
+            source = next(
+                (
+                    s
+                    for s, (_, _, other_ref) in enumerate(usable)
+                    if s != r and i < len(other_ref) and np.array_equal(row, other_ref[i, layer])
+                ),
+                None,
+            )
+            if source is not None:
                 other += 1
-                from_other += 1
+                partners.append(source)
                 continue
             if _token_found_elsewhere(gen_all[i], moe_layers, signatures, r, i):
                 stale += 1  # the whole token's routing is another token's: a step's buffer read at the wrong time
                 continue
             untraced += 1
-        if from_other:
-            other_share.append(from_other / rows)
+        if partners:
+            other_share.append(_share_from(gen, ref, usable[max(set(partners), key=partners.count)][2][:, layer]))
     rows = max(result.rows, 1)
     result.mean_overlap /= rows
     result.offsets = {name: count / rows for name, count in offsets.items()}
@@ -267,6 +272,17 @@ def _layer(
     result.verdict = _verdict(result, late, early, other, stale, untraced, other_share, zero_in_reprefill, budget)
     result.near_ties = result.wrong if result.verdict == PASS else 0  # chance-traced ones too: no fault named
     return result
+
+
+def _share_from(gen: np.ndarray, ref: np.ndarray, partner: np.ndarray) -> float:
+    """Where this request's and ``partner``'s re-prefill rows differ, the share of its generation rows that are the
+    partner's: all of them when the two requests' rows were swapped, about half when two ranks' rows were
+    interleaved (shared prompt prefixes, where both are the same, tell nothing)."""
+    common = min(len(gen), len(partner))
+    differ = ~_same(ref[:common], partner[:common])
+    if not differ.any():
+        return 0.0
+    return float(_same(gen[:common], partner[:common])[differ].mean())
 
 
 def _token_found_elsewhere(
