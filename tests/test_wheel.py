@@ -25,7 +25,7 @@ HARNESS = ROOT / "tests" / "harness"
 # What doctor, demo, replay-check and doctor --model run, beyond the plugin itself.
 COMMANDS = ["__main__", "doctor", "model_check", "versions"]
 SELFCHECK = ["__init__", "models", "reference", "compare", "offline", "scenarios", "replay_check", "trainer"]
-SELFCHECK += ["consistency", "reprefill", "engine_flags"]  # doctor --model's oracle and engine flags
+SELFCHECK += ["consistency", "reprefill", "engine_flags", "frontend"]  # doctor --model's oracle and engine flags
 # Split between the two: doctor's offline scenario is runtime (selfcheck), the test suite's others the harness's.
 SHARED_NAMES = {"scenarios"}
 # Not the build's inputs: caches, earlier builds, local models.

@@ -58,14 +58,16 @@ def run(
     os.environ["VLLM_ASCEND_ROUTING_VALIDATE"] = "strict"  # a contract violation raises, naming the request
     # The workers' always-on counters come back through collective_rpc with a function (this process only).
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # TP 1: the engine in this process
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from vllm_ascend_routing.selfcheck import engine_flags as flags_module
-    from vllm_ascend_routing.selfcheck import offline, reprefill
+    from vllm_ascend_routing.selfcheck import frontend, offline
 
     flags = list(engine_flags or [])
     given = flags_module.parse(path, flags)
+    extra: dict[str, Any] = {"engine_flags": flags, "engine_options": sorted(set(given) - {"model"})}
+    if int(given.get("data_parallel_size", 1) or 1) <= 1:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # TP 1: the engine in this process
     own = {
         "tensor_parallel_size": tensor_parallel_size,
         "dtype": offline.platform_dtype() if dtype == "auto" else dtype,
@@ -79,34 +81,51 @@ def run(
             f"--tensor-parallel-size {tensor_parallel_size} and, after --, {given['tensor_parallel_size']}: give one"
         )
     options = flags_module.preflight_options(given, offline.on_cpu(), CPU_KV_CACHE_BYTES)
-    extra: dict[str, Any] = {"engine_flags": flags, "engine_options": sorted(set(given) - {"model"})}
     print_fn(
-        f"model check: {path}, TP {options['tensor_parallel_size']}, {options['dtype']}, "
+        f"model check: {path}, TP {options['tensor_parallel_size']}, DP {options.get('data_parallel_size', 1)}, "
+        f"{options['dtype']}, "
         f"{'eager' if options['enforce_eager'] else 'compiled'}, {num_prompts} prompts; engine flags: "
         f"{' '.join(flags) or '(none)'}"
     )
-    llm = LLM(**options)
+    engine = frontend.open_engine(options)
+    try:
+        return _check(engine, options, extra, num_prompts, max_tokens, print_fn, SamplingParams)
+    finally:
+        engine.close()
+
+
+def _check(
+    engine: Any,
+    options: dict[str, Any],
+    extra: dict[str, Any],
+    num_prompts: int,
+    max_tokens: int,
+    print_fn: Callable[[str], Any],
+    sampling_params: Any,
+) -> tuple[bool, str, dict[str, Any]]:
+    from vllm_ascend_routing.selfcheck import reprefill
+
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(num_prompts)]
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    model_config = llm.llm_engine.model_config
+    params = sampling_params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = engine.generate(prompts, [params] * len(prompts))
+    model_config = engine.model_config
     num_layers = int(model_config.get_total_num_hidden_layers())
     problems = plausibility(outputs, num_layers, print_fn)
-    totals = offline.sentinel_totals(llm)
-    checked = f"always-on check: {totals.get('rows_checked', 0)} rows in {totals.get('steps_checked', 0)} steps"
-    if totals.get("zero_rows", 0):
-        problems.append(f"{totals['zero_rows']} all-zero rows of bound MoE layers (a capture bypassed)")
-    if totals.get("invalid_ids", 0):
-        problems.append(f"{totals['invalid_ids']} out-of-range expert ids (stored as -1)")
-    if not totals.get("rows_checked", 0):
-        problems.append("the always-on check saw no row (the workers' counters did not come back)")
-
-    def generate(batch: list[dict[str, Any]], batch_params: list[Any]) -> Any:
-        return llm.generate(batch, batch_params, use_tqdm=False)
+    totals = engine.sentinel_totals()
+    if totals is None:  # engine cores in processes of their own (DP): strict validation still ran on every array
+        checked = "always-on check: counters not fetched from the DP engine cores (they log what they find)"
+    else:
+        checked = f"always-on check: {totals.get('rows_checked', 0)} rows in {totals.get('steps_checked', 0)} steps"
+        if totals.get("zero_rows", 0):
+            problems.append(f"{totals['zero_rows']} all-zero rows of bound MoE layers (a capture bypassed)")
+        if totals.get("invalid_ids", 0):
+            problems.append(f"{totals['invalid_ids']} out-of-range expert ids (stored as -1)")
+        if not totals.get("rows_checked", 0):
+            problems.append("the always-on check saw no row (the workers' counters did not come back)")
 
     result, work = reprefill.run(
-        generate,
-        lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+        engine.generate,
+        lambda n: sampling_params(temperature=0.0, max_tokens=n, ignore_eos=True),
         max(num_prompts, 8),
         int(model_config.get_vocab_size()),
         int(model_config.max_model_len),

@@ -25,7 +25,9 @@ def oracle(scenario: Any) -> dict[str, Any]:
 
 def test_the_oracle_passes_with_every_row_agreeing(oracle: dict[str, Any]) -> None:
     clean, work = oracle["consistency"], oracle["workload"]
-    print(clean["summary"])
+    print(f"{clean['summary']} ({oracle['oracle_seconds']:.1f} s)")
+    for layer in clean["layers"]:
+        print(f"layer {layer['layer']}: {layer['exact']}/{layer['rows']} rows, offsets {layer['offsets']}")
     assert clean["ok"] and clean["verdict"] == "PASS", clean["summary"]
     assert clean["exact"] == clean["rows"] > 0 and clean["near_ties"] == 0 and not clean["shape_problems"]
     assert [layer["layer"] for layer in clean["layers"]] == [0, 2] and clean["dense_layers"] == [1]

@@ -10,6 +10,7 @@ step's rows of a simulated schedule (one prefill step, then decode steps), not o
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ def oracle_part(llm: Any) -> dict[str, Any]:
     """``{"consistency": clean result, "workload", "mutations": {name: {"expected", "verdict", "wrong", ...}}}``."""
     from vllm import SamplingParams
 
+    start = time.monotonic()
     config = llm.llm_engine.model_config
     dtype = str(config.dtype).removeprefix("torch.")
     collected = reprefill.collect(
@@ -38,6 +40,7 @@ def oracle_part(llm: Any) -> dict[str, Any]:
     pairs = collected.pairs()
     clean = consistency.analyse(pairs, dtype)
     out: dict[str, Any] = {"consistency": clean.as_dict(), "workload": vars(collected.work), "mutations": {}}
+    out["oracle_seconds"] = time.monotonic() - start  # what the oracle adds to the scenario's engine
     rows = [np.asarray(pair.generation) for pair in pairs]
     prompts = [len(output.prompt_token_ids) for output in collected.generation]
     for name, (mutate, expected) in routing_mutations.MUTATIONS.items():
