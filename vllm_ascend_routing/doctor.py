@@ -351,8 +351,8 @@ def run(
     from vllm_ascend_routing import versions
 
     report = new_report() if report is None else report
-    report["versions"] = versions.collect()
     problem = environment(report)
+    report["versions"] = versions.collect()  # after vLLM was imported (with torch: its CUDA version)
     plugin, *others = version_lines(report["versions"])
     found = environment_lines(report)
     after_vllm = 1 if report["vllm"] is not None else 0  # the other releases next to vLLM's
