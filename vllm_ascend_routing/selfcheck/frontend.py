@@ -49,10 +49,16 @@ class Frontend:
         return offline.sentinel_totals(self.engine)
 
     def close(self) -> None:
-        if self.kind == "AsyncLLM":
-            self.engine.shutdown()
-            if self._loop is not None:
-                self._loop.close()
+        if self.kind != "AsyncLLM":
+            return
+        self.engine.shutdown()
+        if self._loop is not None:  # AsyncLLM's output and stats tasks: cancelled, not left pending
+            pending = asyncio.all_tasks(self._loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            self._loop.close()
 
 
 def open_engine(options: dict[str, Any]) -> Frontend:
