@@ -18,8 +18,11 @@ class FakeAsyncLLM:
     def __init__(self) -> None:
         self.ids: list[str] = []
         self.shut = False
+        self.handler: asyncio.Task[None] | None = None
 
     async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
+        if self.handler is None:  # as AsyncLLM's output handler: a task on the loop, running until shutdown
+            self.handler = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
         self.ids.append(request_id)
         yield ("partial", prompt)
         await asyncio.sleep(0.01 * (10 - len(self.ids)))  # later requests finish first
@@ -38,4 +41,4 @@ def test_async_outputs_come_back_in_order_with_their_own_ids() -> None:
     assert engine.ids == ["preflight-0", "preflight-1", "preflight-2", "preflight-3"]
     assert front.sentinel_totals() is None
     front.close()
-    assert engine.shut
+    assert engine.shut and engine.handler is not None and engine.handler.cancelled()
