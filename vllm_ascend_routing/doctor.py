@@ -55,7 +55,8 @@ def new_report() -> dict[str, Any]:
         "patches": None,  # {"generation", "platform", "verified", "total", "rows": [{"target", "present", "problem"}]}
         "binder": None,  # {"module_level", "rows": [{"name", "known", "handling"}], "unknown": [names]}
         "self_check": None,  # self_check's dict
-        "model_check": None,  # {"model", "ok", "detail", "engine_flags", "consistency"}
+        # {"model", "ok", "detail", "engine_flags", "engine_options", "consistency", "workload"}
+        "model_check": None,
         "verdict": None,  # {"ok", "stage", "reason", "text"}: text is the last line less VERDICT
         "exit_status": None,
     }
@@ -389,10 +390,14 @@ def run(
         return _end(report, print_fn, "surface", None, f"PASS ({verified})")
     if model is not None:
         from vllm_ascend_routing import model_check
+        from vllm_ascend_routing.selfcheck.engine_flags import EngineFlagsError
 
-        ok, detail, extra = model_check.run(
-            model, print_fn, num_prompts, dtype=dtype, mode=mode, **(model_options or {})
-        )
+        try:
+            ok, detail, extra = model_check.run(
+                model, print_fn, num_prompts, dtype=dtype, mode=mode, **(model_options or {})
+            )
+        except EngineFlagsError as exc:  # flags vLLM's parser refused (its message is on stderr): no engine
+            return _fail(report, print_fn, "engine_flags", str(exc))
         report["model_check"] = {"model": model, "ok": ok, "detail": detail, **extra}
         _device_name(report)
         print_fn(f"  {detail}")

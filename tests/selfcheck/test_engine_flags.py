@@ -63,3 +63,21 @@ def test_vllms_parser_reads_the_flags_a_user_serves_with() -> None:
         engine_flags.parse("/m", ["--no-such-flag"])
     with pytest.raises(engine_flags.EngineFlagsError, match="not after --"):
         engine_flags.parse("/m", ["--model", "/other"])
+
+
+def test_flags_vllm_refuses_are_a_clear_fail_of_doctor(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.test_doctor import fake_environment, fake_targets
+    from vllm_ascend_routing import model_check
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise engine_flags.EngineFlagsError("vLLM's engine-argument parser refused: --no-such-flag")
+
+    monkeypatch.setattr(doctor, "environment", fake_environment("0.33.0"))
+    monkeypatch.setattr(doctor, "targets", fake_targets(1))
+    monkeypatch.setattr(doctor, "binder_coverage", lambda: {"module_level": False, "rows": [], "unknown": []})
+    monkeypatch.setattr(model_check, "run", refused)
+    printed: list[str] = []
+    report = doctor.new_report()
+    assert doctor.run(print_fn=printed.append, platform="cpu", model="/m", report=report) == 1
+    assert printed[-1] == doctor.VERDICT + "FAIL: vLLM's engine-argument parser refused: --no-such-flag"
+    assert report["verdict"]["stage"] == "engine_flags"
