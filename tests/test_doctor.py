@@ -105,8 +105,9 @@ def test_doctor_checks_a_users_own_model(tmp_path: Path) -> None:
     on_the_newest_generation_only("--model")
     model = models.build_tiny_moe("qwen3_moe_dense", tmp_path / "model")
     lines = passing_doctor(
-        tmp_path, "--model", str(model.path), "--prompts", "3", "--max-tokens", "6", "--mode", "eager"
-    )
+        tmp_path, "--model", str(model.path), "--prompts", "3", "--max-tokens", "6", "--mode", "eager",
+        "--", "--max-num-batched-tokens", "32",  # an engine flag, read by vLLM's parser: smaller prefill chunks
+    )  # fmt: skip
     table = lines[lines.index("  layer    rows  all-zero  experts routed to") + 1 :][: model.num_hidden_layers]
     rows = {int(layer): (int(n), int(zero), int(experts)) for layer, n, zero, experts in map(str.split, table)}
     assert set(rows) == set(range(model.num_hidden_layers))
@@ -117,6 +118,11 @@ def test_doctor_checks_a_users_own_model(tmp_path: Path) -> None:
         else:
             assert zero == n and experts == 1, (layer, rows)  # a dense layer: vLLM's zeros
     assert any("strict validation passed" in line and "always-on check" in line for line in lines)
+    # The re-prefill consistency oracle, on the flags given: every MoE layer's rows agree, PASS.
+    assert any("engine flags: --max-num-batched-tokens 32" in line for line in lines)
+    assert any("step budget 32" in line for line in lines)
+    oracle = next(line for line in lines if line.strip().startswith("re-prefill consistency:"))
+    assert "(100.00%), 0 near-ties" in oracle and oracle.endswith(": PASS"), oracle
 
 
 def test_doctor_knows_the_platforms_the_runner_hooks_know() -> None:

@@ -115,7 +115,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("backends",),  # where routing is intercepted
     ("compat._common", "compat.shm", "compat.runner_output", "compat.aux_output"),  # the generations
     ("manifest", "integration", ""),  # wiring: collect, verify, install; register()
-    ("doctor", "model_check", "__main__", "selfcheck"),  # user-facing tools and their self-check
+    ("versions", "doctor", "model_check", "__main__", "selfcheck"),  # user-facing tools and their self-check
 )  # fmt: skip
 
 

@@ -23,8 +23,9 @@ from tests.test_import_graph import imported_names
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = ROOT / "tests" / "harness"
 # What doctor, demo, replay-check and doctor --model run, beyond the plugin itself.
-COMMANDS = ["__main__", "doctor", "model_check"]
+COMMANDS = ["__main__", "doctor", "model_check", "versions"]
 SELFCHECK = ["__init__", "models", "reference", "compare", "offline", "scenarios", "replay_check", "trainer"]
+SELFCHECK += ["consistency", "reprefill", "engine_flags", "frontend"]  # doctor --model's oracle and engine flags
 # Split between the two: doctor's offline scenario is runtime (selfcheck), the test suite's others the harness's.
 SHARED_NAMES = {"scenarios"}
 # Not the build's inputs: caches, earlier builds, local models.

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Command line: ``python -m vllm_ascend_routing demo`` / ``doctor`` / ``replay-check``."""
+"""Command line: ``python -m vllm_ascend_routing demo`` / ``doctor`` / ``replay-check`` / ``--version``."""
 
 from __future__ import annotations
 
@@ -46,8 +46,22 @@ def print_load(table: dict[str, Any]) -> None:
         print(f"{layer:>5s} " + "".join(f"{c:6d}" for c in counts))
 
 
+class VersionAction(argparse.Action):
+    """``--version``: the line is computed only when asked for (it may run ``git``), then the program exits."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print the version (and commit) and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        from vllm_ascend_routing import versions
+
+        print(versions.version_line())
+        parser.exit()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m vllm_ascend_routing")
+    parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("demo", help="exact routed experts on an embedded tiny MoE, checked against transformers")
     run.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "mixtral", "qwen3_moe_dense"])
@@ -72,7 +86,11 @@ def main() -> None:
         choices=["auto", "float32", "bfloat16", "float16"],
         help="the self-check engine's dtype (auto: float32 on the CPU, else bfloat16 where supported, else float16)",
     )
-    check.add_argument("--model", help="check the plugin on this model (a path or name vLLM loads) instead")
+    check.add_argument(
+        "--model",
+        help="check the plugin on this model (a path or name vLLM loads) instead, with the re-prefill consistency "
+        "oracle; any `vllm serve` engine flag may follow a `--` (doctor --model PATH -- --data-parallel-size 2 ...)",
+    )
     check.add_argument("--tensor-parallel-size", type=int, default=1, help="with --model: vLLM's TP size")
     check.add_argument("--max-tokens", type=int, default=16, help="with --model: tokens generated per prompt")
     check.add_argument("--trust-remote-code", action="store_true", help="with --model: passed to vLLM")
@@ -94,7 +112,12 @@ def main() -> None:
         choices=["bfloat16", "float16", "float32"],
         help="the trainer's precision (vLLM runs float32)",
     )
-    args = parser.parse_args()
+    argv = sys.argv[1:]
+    # doctor --model PATH -- ENGINE FLAGS: what follows the first "--" is vLLM's (selfcheck.engine_flags)
+    engine_flags = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    if engine_flags and (args.command != "doctor" or args.model is None):
+        parser.error("engine flags after -- are for doctor --model PATH only")
     if args.command == "replay-check":
         from vllm_ascend_routing.selfcheck import replay_check
 
@@ -106,6 +129,7 @@ def main() -> None:
             "tensor_parallel_size": args.tensor_parallel_size,
             "max_tokens": args.max_tokens,
             "trust_remote_code": args.trust_remote_code,
+            "engine_flags": engine_flags,
         }
         checks: dict[str, Any] = {
             "num_prompts": args.prompts,

@@ -14,6 +14,9 @@ row with the float32 transformers reference, counting the near-tie flips that dt
 ``--model PATH`` runs the user's own model instead (``model_check``). Ends with
 ``vllm-ascend-routing doctor: PASS`` or ``... FAIL: <reason>``; exit status 0 / 1.
 
+Every report starts with the versions a maintainer needs (``versions``: this package and its commit, vLLM,
+vllm-ascend, torch, torch_npu, CANN, the driver and the device's name where present).
+
 ``--json`` (``run_json``): the same checks; the report above goes to stderr (with vLLM's own logging) and
 stdout holds one line, the JSON document ``run`` filled in (``new_report``: the keys tools read).
 """
@@ -42,6 +45,7 @@ def new_report() -> dict[str, Any]:
     """The ``--json`` document before any check ran: every key present, ``None`` where a stage did not run."""
     return {
         "schema": SCHEMA,
+        "versions": None,  # versions.collect(): package and commit, vLLM, vllm-ascend, torch(_npu), CANN, driver
         "vllm": None,  # the installed release; None where vLLM is not importable
         "generation": None,  # the API generation detected; None where refused
         "refused": None,  # why the plugin refuses this release
@@ -51,7 +55,8 @@ def new_report() -> dict[str, Any]:
         "patches": None,  # {"generation", "platform", "verified", "total", "rows": [{"target", "present", "problem"}]}
         "binder": None,  # {"module_level", "rows": [{"name", "known", "handling"}], "unknown": [names]}
         "self_check": None,  # self_check's dict
-        "model_check": None,  # {"model", "ok", "detail"}
+        # {"model", "ok", "detail", "engine_flags", "engine_options", "consistency", "workload"}
+        "model_check": None,
         "verdict": None,  # {"ok", "stage", "reason", "text"}: text is the last line less VERDICT
         "exit_status": None,
     }
@@ -184,6 +189,23 @@ def coverage_report() -> tuple[list[str], str | None]:
     return coverage_lines(binder_coverage())
 
 
+def version_lines(versions: dict[str, Any]) -> list[tuple[str, str]]:
+    """The versions ``environment_lines`` does not print already (vLLM is its first line)."""
+    commit = f" (commit {versions['commit']}, from the {versions['commit_source']})" if versions["commit"] else ""
+    lines = [("vllm-ascend-routing", f"{versions['vllm_ascend_routing']}{commit}")]
+    labels = {
+        "vllm_ascend": "vllm-ascend",
+        "torch": "torch",
+        "torch_npu": "torch_npu",
+        "cann": "CANN",
+        "npu_driver": "NPU driver",
+        "cuda_driver": "CUDA driver",
+        "device_name": "device",
+    }
+    lines += [(label, str(versions[key])) for key, label in labels.items() if versions.get(key)]
+    return lines
+
+
 def _platform() -> str:
     try:
         from vllm.platforms import current_platform
@@ -287,6 +309,15 @@ def capture_report() -> tuple[str, list[str]]:
     ), problems
 
 
+def _device_name(report: dict[str, Any]) -> None:
+    """The device's name through torch, asked once the engine ran (asking before could initialise the device in
+    this process before vLLM starts its workers)."""
+    from vllm_ascend_routing import versions
+
+    if report["versions"] is not None and report["versions"].get("device_name") is None:
+        report["versions"]["device_name"] = versions.device_name()
+
+
 def _print(line: str) -> None:
     print(line, flush=True)
 
@@ -316,11 +347,17 @@ def run(
     report: dict[str, Any] | None = None,
 ) -> int:
     """The report, then the self-check in ``dtype`` (or, with ``model``, ``model_check`` on the user's model with
-    ``model_options``: tensor_parallel_size, max_tokens, trust_remote_code); 0 on PASS, 1 on FAIL. ``report``
-    (a ``new_report()``), when given, is filled with what was printed, as data."""
+    ``model_options``: tensor_parallel_size, max_tokens, trust_remote_code, engine_flags); 0 on PASS, 1 on FAIL.
+    ``report`` (a ``new_report()``), when given, is filled with what was printed, as data."""
+    from vllm_ascend_routing import versions
+
     report = new_report() if report is None else report
     problem = environment(report)
-    lines = environment_lines(report)
+    report["versions"] = versions.collect()  # after vLLM was imported (with torch: its CUDA version)
+    plugin, *others = version_lines(report["versions"])
+    found = environment_lines(report)
+    after_vllm = 1 if report["vllm"] is not None else 0  # the other releases next to vLLM's
+    lines = [plugin, *found[:after_vllm], *others, *found[after_vllm:]]
     width = max(len(label) for label, _ in lines)
     print_fn("vllm-ascend-routing doctor")
     for label, value in lines:
@@ -353,9 +390,16 @@ def run(
         return _end(report, print_fn, "surface", None, f"PASS ({verified})")
     if model is not None:
         from vllm_ascend_routing import model_check
+        from vllm_ascend_routing.selfcheck.engine_flags import EngineFlagsError
 
-        ok, detail = model_check.run(model, print_fn, num_prompts, dtype=dtype, mode=mode, **(model_options or {}))
-        report["model_check"] = {"model": model, "ok": ok, "detail": detail}
+        try:
+            ok, detail, extra = model_check.run(
+                model, print_fn, num_prompts, dtype=dtype, mode=mode, **(model_options or {})
+            )
+        except EngineFlagsError as exc:  # flags vLLM's parser refused (its message is on stderr): no engine
+            return _fail(report, print_fn, "engine_flags", str(exc))
+        report["model_check"] = {"model": model, "ok": ok, "detail": detail, **extra}
+        _device_name(report)
         print_fn(f"  {detail}")
         if ok:
             return _end(report, print_fn, "model_check", None, "PASS")
@@ -366,6 +410,7 @@ def run(
         "against float32 transformers ..."
     )
     checked = report["self_check"] = self_check(num_prompts, mode, chosen)
+    _device_name(report)
     print_fn(f"  {checked['detail']}")
     if checked["ok"]:
         return _end(report, print_fn, "self_check", None, "PASS")

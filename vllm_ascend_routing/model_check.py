@@ -1,11 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``doctor --model PATH``: the plugin on the user's own model, with every check it has switched on.
+"""``doctor --model PATH [-- ENGINE FLAGS]``: the plugin on the user's own model and layout, every check switched on.
 
-No reference exists for an arbitrary model, so this proves what can be proven without one: vLLM with the plugin
-starts on the model and layout the user runs (``--tensor-parallel-size``), every returned array passes strict
-validation (shape ``[prompt + output - 1, num_hidden_layers, top_k]``, vLLM's dtype, ids in range), and the
-always-on check sees no all-zero row of a bound MoE layer and no invalid id on any worker. Prints, per hidden
-layer, the rows returned, the all-zero rows and how many distinct experts were routed to.
+The engine is built from the flags the user runs ``vllm serve`` with (``selfcheck.engine_flags``: vLLM's own
+parser; ``--tensor-parallel-size`` of doctor itself still works). No reference exists for an arbitrary model, so
+this proves what can be proven without one: vLLM with the plugin starts on that layout, every returned array
+passes strict validation (shape ``[prompt + output - 1, num_hidden_layers, top_k]``, vLLM's dtype, ids in
+range), the always-on check sees no all-zero row of a bound MoE layer and no invalid id on any worker (where the
+workers' counters can be fetched), and the re-prefill consistency oracle (``selfcheck.reprefill``,
+``selfcheck.consistency``) finds every generation row equal to the same token's row of an independent re-prefill,
+per layer, naming the structural fault where not. Prints, per hidden layer, the rows returned, the all-zero rows
+and how many distinct experts were routed to, then the oracle's per-layer table.
 """
 
 from __future__ import annotations
@@ -46,36 +50,108 @@ def run(
     max_tokens: int = 16,
     mode: str = "compiled",
     trust_remote_code: bool = False,
-) -> tuple[bool, str]:
-    """Start vLLM with the plugin on ``path``, generate, check; ``(ok, one-line summary or first problem)``."""
+    engine_flags: list[str] | None = None,
+) -> tuple[bool, str, dict[str, Any]]:
+    """Start vLLM with the plugin on ``path`` with ``engine_flags``, generate, check, run the oracle;
+    ``(ok, one-line summary or the problems, {"engine_flags", "engine_options", "consistency", "workload"})``."""
     os.environ["VLLM_ASCEND_ROUTING"] = "1"
     os.environ["VLLM_ASCEND_ROUTING_VALIDATE"] = "strict"  # a contract violation raises, naming the request
     # The workers' always-on counters come back through collective_rpc with a function (this process only).
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # TP 1: the engine in this process
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    from vllm_ascend_routing.selfcheck import offline
+    from vllm_ascend_routing.selfcheck import engine_flags as flags_module
+    from vllm_ascend_routing.selfcheck import frontend, offline
 
-    options: dict[str, Any] = {
-        "model": path,
+    flags = list(engine_flags or [])
+    given = flags_module.parse(path, flags)
+    extra: dict[str, Any] = {"engine_flags": flags, "engine_options": sorted(set(given) - {"model"})}
+    if int(given.get("data_parallel_size", 1) or 1) <= 1:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # TP 1: the engine in this process
+    own = {
         "tensor_parallel_size": tensor_parallel_size,
         "dtype": offline.platform_dtype() if dtype == "auto" else dtype,
-        "enable_return_routed_experts": True,
-        "enable_prefix_caching": True,  # vLLM 0.31+ serves routed experts only with it
         "enforce_eager": mode == "eager",
-        "max_model_len": 1024,
         "trust_remote_code": trust_remote_code,
-        "seed": 0,
     }
-    if offline.on_cpu():
-        options["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
-    print_fn(f"model check: {path}, TP {tensor_parallel_size}, {options['dtype']}, {mode}, {num_prompts} prompts")
-    llm = LLM(**options)
+    for name, value in own.items():  # doctor's own options, where the engine flags do not set them
+        given.setdefault(name, value)
+    if given["tensor_parallel_size"] != tensor_parallel_size and tensor_parallel_size != 1:
+        raise flags_module.EngineFlagsError(
+            f"--tensor-parallel-size {tensor_parallel_size} and, after --, {given['tensor_parallel_size']}: give one"
+        )
+    options = flags_module.preflight_options(given, offline.on_cpu(), CPU_KV_CACHE_BYTES)
+    print_fn(
+        f"model check: {path}, TP {options['tensor_parallel_size']}, DP {options.get('data_parallel_size', 1)}, "
+        f"{options['dtype']}, "
+        f"{'eager' if options['enforce_eager'] else 'compiled'}, {num_prompts} prompts; engine flags: "
+        f"{' '.join(flags) or '(none)'}"
+    )
+    engine = frontend.open_engine(options)
+    try:
+        return _check(engine, options, extra, num_prompts, max_tokens, print_fn, SamplingParams)
+    finally:
+        engine.close()
+
+
+def _check(
+    engine: Any,
+    options: dict[str, Any],
+    extra: dict[str, Any],
+    num_prompts: int,
+    max_tokens: int,
+    print_fn: Callable[[str], Any],
+    sampling_params: Any,
+) -> tuple[bool, str, dict[str, Any]]:
+    from vllm_ascend_routing.selfcheck import reprefill
+
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(num_prompts)]
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    num_layers = int(llm.llm_engine.model_config.get_total_num_hidden_layers())
+    params = sampling_params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = engine.generate(prompts, [params] * len(prompts))
+    model_config = engine.model_config
+    num_layers = int(model_config.get_total_num_hidden_layers())
+    problems = plausibility(outputs, num_layers, print_fn)
+    totals = engine.sentinel_totals()
+    if totals is None:  # engine cores in processes of their own (DP): strict validation still ran on every array
+        checked = "always-on check: counters not fetched from the DP engine cores (they log what they find)"
+    else:
+        checked = f"always-on check: {totals.get('rows_checked', 0)} rows in {totals.get('steps_checked', 0)} steps"
+        if totals.get("zero_rows", 0):
+            problems.append(f"{totals['zero_rows']} all-zero rows of bound MoE layers (a capture bypassed)")
+        if totals.get("invalid_ids", 0):
+            problems.append(f"{totals['invalid_ids']} out-of-range expert ids (stored as -1)")
+        if not totals.get("rows_checked", 0):
+            problems.append("the always-on check saw no row (the workers' counters did not come back)")
+
+    result, work = reprefill.run(
+        engine.generate,
+        lambda n: sampling_params(temperature=0.0, max_tokens=n, ignore_eos=True),
+        max(num_prompts, 8),
+        int(model_config.get_vocab_size()),
+        int(model_config.max_model_len),
+        max_tokens,
+        str(model_config.dtype).removeprefix("torch."),  # as resolved (a flag's "auto": the model's)
+    )
+    print_fn(
+        f"  re-prefill oracle: {work.requests} requests, {work.prompt_tokens} prompt tokens "
+        f"(longest {work.longest_prompt}, step budget {options.get('max_num_batched_tokens')}), "
+        f"{work.generated_tokens} generated, {work.cached_tokens} served from the prefix cache"
+    )
+    for line in result.table():
+        print_fn(line)
+    print_fn(f"  {result.summary()}")
+    extra.update(consistency=result.as_dict(), workload=vars(work))
+    problems += work.problems
+    if not result.ok:
+        problems.append(result.summary())
+    if problems:
+        return False, "; ".join(problems), extra
+    moe = f"{len(result.layers)}/{num_layers} layers with routing"
+    return True, f"{len(outputs)} requests, {moe}, strict validation passed; {checked}; {result.summary()}", extra
+
+
+def plausibility(outputs: list[Any], num_layers: int, print_fn: Callable[[str], Any]) -> list[str]:
+    """Shape, all-zero rows and experts routed to, per layer (printed); the problems found."""
     layers = [LayerRows() for _ in range(num_layers)]
     problems: list[str] = []
     for index, output in enumerate(outputs):
@@ -93,20 +169,9 @@ def run(
             layers[layer].rows += len(rows)
             layers[layer].zero_rows += int(np.all(rows == 0, axis=-1).sum())
             layers[layer].experts.update(int(e) for e in np.unique(rows))
-    totals = offline.sentinel_totals(llm)
     print_fn("  layer    rows  all-zero  experts routed to")
     for layer, seen in enumerate(layers):
         print_fn(f"  {layer:5d}  {seen.rows:6d}  {seen.zero_rows:8d}  {len(seen.experts):6d}")
-    checked = f"always-on check: {totals.get('rows_checked', 0)} rows in {totals.get('steps_checked', 0)} steps"
-    if totals.get("zero_rows", 0):
-        problems.append(f"{totals['zero_rows']} all-zero rows of bound MoE layers (a capture bypassed)")
-    if totals.get("invalid_ids", 0):
-        problems.append(f"{totals['invalid_ids']} out-of-range expert ids (stored as -1)")
-    if not totals.get("rows_checked", 0):
-        problems.append("the always-on check saw no row (the workers' counters did not come back)")
     if not any(seen.experts - {0} for seen in layers):
         problems.append("no layer routed to any expert but 0")
-    if problems:
-        return False, "; ".join(problems)
-    moe = sum(1 for seen in layers if seen.zero_rows < seen.rows)
-    return True, f"{len(outputs)} requests, {moe}/{num_layers} layers with routing, strict validation passed; {checked}"
+    return problems

@@ -10,7 +10,8 @@
 ``offline`` is doctor's and demo's scenario (``vllm_ascend_routing.selfcheck.scenarios.run_offline``): a batch of
 mixed-length prompts (``batch``), a repeat of the first prompt served from the prefix cache (``prefix_repeat``),
 and a prompt longer than ``max_num_batched_tokens`` (``chunked_prefill``), every returned row compared with the
-transformers reference. ``serve`` does the same batch through the OpenAI completions API on loopback.
+transformers reference; the e2e suite's compiled run adds the re-prefill consistency oracle (``oracle.py``).
+``serve`` does the same batch through the OpenAI completions API on loopback.
 ``verl-handoff`` saves vLLM's arrays for verl's R3 code in a trainer environment (``verl_handoff.py``).
 """
 
@@ -25,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.harness import distributed, verl_handoff
+from tests.harness import distributed, oracle, verl_handoff
 from tests.harness.bypass import run_bypass
 from tests.harness.data_parallel import run_data_parallel
 from tests.harness.server import Server, post
@@ -42,6 +43,9 @@ from vllm_ascend_routing.selfcheck.scenarios import (
     run_offline,
 )
 
+# The offline runs that also run the re-prefill consistency oracle (tests/harness/oracle.py): the e2e suite's compiled
+# run (tests/e2e/test_routed_experts.py RUNS), one per release.
+ORACLE_RUNS = {("qwen3_moe_dense", "compiled", 1)}
 SPEC_MAX_TOKENS = [5, 9, 14, 23, 31, 40]  # uneven: requests stop inside accepted draft runs
 # Draft slots per sequence must fit max_num_batched_tokens (vLLM's check on some releases).
 SPEC_MAX_SEQS = 16
@@ -211,7 +215,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.scenario == "offline":
-        result = run_offline(args.arch, args.mode, args.prompts, args.tp)
+        # The re-prefill oracle (clean and each planted fault) on one engine per release: the compiled one.
+        after = oracle.oracle_part if (args.arch, args.mode, args.tp) in ORACLE_RUNS else None
+        result = run_offline(args.arch, args.mode, args.prompts, args.tp, after=after)
     elif args.scenario == "data-parallel":
         result = run_data_parallel(args.arch, args.layout, args.mode, args.ep)
     elif args.scenario == "distributed":

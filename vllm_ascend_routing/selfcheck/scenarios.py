@@ -11,6 +11,7 @@ bypass, trainer hand-off) build on it in the test harness, outside the installed
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +46,16 @@ def _describe(arrays: list[np.ndarray | None]) -> list[Any]:
 
 
 def run_offline(
-    arch: str, mode: str, num_prompts: int, tensor_parallel: int = 1, dtype: str = "float32"
+    arch: str,
+    mode: str,
+    num_prompts: int,
+    tensor_parallel: int = 1,
+    dtype: str = "float32",
+    after: Callable[[Any], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """vLLM (in ``dtype``) on a tiny MoE: a batch, a chunked prefill and its prefix-cached repeat, every row
-    against the float32 reference (near-ties by ``dtype``'s rule, counted in each part's ``ties``)."""
+    against the float32 reference (near-ties by ``dtype``'s rule, counted in each part's ``ties``). ``after``,
+    given, runs on the same engine (the ``LLM``) last; its parts join the result (the test harness's oracle run)."""
     if tensor_parallel > 1:  # vLLM's CPU workers need a NUMA node each, or explicit cores: one per rank
         cores = sorted(os.sched_getaffinity(0))[:tensor_parallel]
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, cores)))
@@ -96,6 +103,8 @@ def run_offline(
 
     out["runner_patched"] = is_hooked(GPUModelRunner.load_model)
     out["load_table"] = expert_load(batch, model)
+    if after is not None:
+        out.update(after(llm))
     out["sentinel"] = offline.sentinel_totals(llm)
     return out
 
