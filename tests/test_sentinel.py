@@ -139,15 +139,23 @@ def test_device_path_reads_the_packet_only_once_it_arrived(monkeypatch: pytest.M
 
 
 def test_device_packet_equals_the_host_check() -> None:
+    """The packet the device computes holds what the host check hands to the report, and both what a plain
+    reading of the rows says, on random rows with and without zero rows."""
     generator = torch.Generator().manual_seed(0)
     for layers in ((0, 1, 2, 3), (1, 3)):
-        check = _sentinel(layers=layers)
-        check.buffer.copy_(torch.randint(0, 3, check.buffer.shape, generator=generator, dtype=torch.int16))
-        check.errors.fill_(2)
-        rows = check.buffer[:6, list(layers)]
-        zero = ~rows.bool().any(dim=2).flatten()
-        expected_first = int(torch.nonzero(zero)[0]) if zero.any() else -1
-        assert check._packet(6).tolist() == [int(zero.sum()), expected_first, 2]
+        for high in (3, 9):  # ids 0-2: zero rows in most steps; 0-8: in few or none
+            check = _sentinel(layers=layers)
+            check.buffer.copy_(torch.randint(0, high, check.buffer.shape, generator=generator, dtype=torch.int16))
+            check.errors.fill_(2)
+            rows = check.buffer[:6, list(layers)]
+            zero = ~rows.bool().any(dim=2).flatten()
+            expected_first = int(torch.nonzero(zero)[0]) if zero.any() else -1
+            packet = check._packet(6).tolist()
+            assert packet == [int(zero.sum()), expected_first, 2]
+            reported: list[list[int]] = []
+            check._account = lambda _n, count, first, errors, _r: reported.append([count, first, errors])  # type: ignore[method-assign]
+            check._check_host(6, lambda: [])
+            assert reported == [packet]
 
 
 def test_step_requests_follow_the_runners_batch_order() -> None:
