@@ -93,3 +93,9 @@ def test_release_text_of_manifest_rows_comes_from_the_table() -> None:
     rows = {patch.target: patch for patch in manifest.all_patches()}
     binder = rows["vllm.distributed.aux_output_connector.worker:bind_routed_experts_capturer"]
     assert binder.release_text == f"vLLM 0.31.0-{GENERATIONS[-1].last_tested}"
+
+
+def test_release_roles_name_listed_releases() -> None:
+    assert releases.FULL_E2E_RELEASE in releases.E2E_RELEASES
+    assert set(releases.CPU_SPEC_BROKEN) <= set(releases.CPU_RELEASES)
+    assert not set(releases.CPU_SPEC_BROKEN) & set(releases.SPEC_RELEASES)  # the spec release must run them
