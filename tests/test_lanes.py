@@ -81,7 +81,9 @@ def test_a_target_that_says_skipped_is_not_ok(tmp_path: Path) -> None:
     code, out = run(tmp_path, "one=skipping after")
     assert code == 0, out
     table = out[out.index("lanes: ") :]
-    assert [line.split(None, 3)[-1] for line in table.splitlines() if line.strip().startswith(("skipping", "after"))] == [
+    assert [
+        line.split(None, 3)[-1] for line in table.splitlines() if line.strip().startswith(("skipping", "after"))
+    ] == [
         "skipped (no nvcc on PATH)",
         "ok",
     ]

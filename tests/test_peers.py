@@ -237,9 +237,7 @@ class TestWorkerNeverAsked:
         assert [record.getMessage() for record in caplog.records] == []
 
 
-def test_a_folder_named_ray_on_the_path_is_no_ray_node(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_folder_named_ray_on_the_path_is_no_ray_node(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A directory holding a folder ``ray`` (no Ray installed there) imports as a namespace package without
     Ray's API: the worker's state says "no Ray node" instead of failing the engine's start-up question."""
     import importlib

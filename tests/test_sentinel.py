@@ -228,7 +228,11 @@ def test_device_packet_equals_the_host_check() -> None:
             packet = check._packet(6).tolist()
             assert packet == [int(zero.sum()), expected_first, 2]
             reported: list[list[int]] = []
-            check._account = lambda _n, count, first, errors, _r: reported.append([count, first, errors])  # type: ignore[method-assign]
+
+            def account(_n: int, count: int, first: int, errors: int, _r: object, seen: list = reported) -> None:
+                seen.append([count, first, errors])
+
+            check._account = account  # type: ignore[method-assign,assignment]
             check._check_host(6, lambda: [])
             assert reported == [packet]
 

@@ -144,7 +144,9 @@ def test_installed_hooks_learn_the_model_from_the_engine_and_count_each_array(
     """install() -> the engine's creation records the model -> each finished request is checked and counted."""
     state_cls = front_end["output_processor"]
     front_end[engine](_qwen_config())  # the patched __init__ records the model
-    state = state_cls.from_new_request(None, SimpleNamespace(sampling_params=SimpleNamespace(routed_experts_prompt_start=1)))
+    state = state_cls.from_new_request(
+        None, SimpleNamespace(sampling_params=SimpleNamespace(routed_experts_prompt_start=1))
+    )
     state.routed = good()
     state._new_completion_output([], "stop", None)  # 4 + 3 - 1 - 1 = 5 rows: passes
     assert validate.checked_arrays() == 1

@@ -117,7 +117,7 @@ def _ray_node() -> str | None:
     ray = sys.modules.get("ray")
     # A folder named ray on the path imports as a namespace package without Ray's API: no Ray node here.
     is_initialized = getattr(ray, "is_initialized", None)
-    if not callable(is_initialized) or not is_initialized():
+    if ray is None or not callable(is_initialized) or not is_initialized():
         return None
     try:
         return str(ray.get_runtime_context().get_node_id())
