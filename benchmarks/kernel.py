@@ -58,7 +58,8 @@ def timed(fn: Callable[[], object], device: str, iters: int) -> float:
     return (time.perf_counter() - start) / iters
 
 
-def run(device: str, tokens: int, top_k: int, layers: int, iters: int) -> None:
+def measure(device: str, tokens: int, top_k: int, layers: int, iters: int) -> tuple[float, float, float, float]:
+    """``(op bytes/s, copy bytes/s, op seconds, copy seconds)`` for one shape on ``device``."""
     ids = torch.randint(0, 256, (tokens, top_k), dtype=torch.int32, device=device)
     out = torch.zeros((tokens, layers, top_k), dtype=OUT_DTYPE, device=device)
     errors = torch.zeros(1, dtype=torch.int64, device=device)
@@ -74,7 +75,11 @@ def run(device: str, tokens: int, top_k: int, layers: int, iters: int) -> None:
 
     op_s = timed(op, device, iters)
     copy_s = timed(memcpy, device, iters)
-    op_bw, copy_bw = moved / op_s, moved / copy_s
+    return moved / op_s, moved / copy_s, op_s, copy_s
+
+
+def run(device: str, tokens: int, top_k: int, layers: int, iters: int) -> None:
+    op_bw, copy_bw, op_s, copy_s = measure(device, tokens, top_k, layers, iters)
     print(
         f"{device:5s} N={tokens:7d} K={top_k:2d} L={layers:3d}  record_topk_ids {op_bw / 1e9:8.2f} GB/s "
         f"({op_s * 1e6:9.1f} us)  memcpy {copy_bw / 1e9:8.2f} GB/s ({copy_s * 1e6:9.1f} us)  "

@@ -7,8 +7,9 @@
 Why: one end-to-end stage keeps about one core busy (a vLLM engine process on the CPU build, mostly
 single-threaded start-up and compilation), and the machines ``make test`` runs on have two. Every line a
 target prints is passed through as it comes, tagged with its lane; every target runs even after one fails
-(a CI run reports all its failures), and a table of each target's minutes and verdict ends the run. Exit
-status: 0 only if every target passed.
+(a CI run reports all its failures), and a table of each target's minutes and verdict ends the run. A target
+that passes but printed a line starting ``SKIPPED:`` (e.g. test-native without nvcc) is shown as skipped, with
+that line's reason, never as ok. Exit status: 0 only if every target passed.
 
 The caller makes every environment first (``make venvs``): lanes then never install into a venv another
 lane is running tests in.
@@ -26,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 _PRINT = threading.Lock()
+SKIPPED = "SKIPPED:"  # a target's line saying it did not do its work, and why
 
 
 @dataclass
@@ -33,6 +35,15 @@ class Stage:
     target: str
     seconds: float = 0.0
     returncode: int | None = None  # None: not run
+    skipped: str = ""  # the reason of its SKIPPED: line, if it printed one
+
+    @property
+    def verdict(self) -> str:
+        if self.returncode is None:
+            return "not run"
+        if self.returncode != 0:
+            return "FAILED"
+        return f"skipped ({self.skipped})" if self.skipped else "ok"
 
 
 @dataclass
@@ -68,6 +79,8 @@ def run_lane(lane: Lane, make: list[str], started: float) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             say(lane.name, line.rstrip("\n"))
+            if line.startswith(SKIPPED) and not stage.skipped:
+                stage.skipped = line[len(SKIPPED) :].strip()
         stage.returncode = proc.wait()
         stage.seconds = time.monotonic() - began
 
@@ -78,8 +91,7 @@ def summary(lanes: list[Lane], wall: float) -> list[str]:
         total = sum(stage.seconds for stage in lane.stages)
         lines.append(f"  {lane.name}: {total / 60:.1f} min")
         for stage in lane.stages:
-            verdict = "not run" if stage.returncode is None else "ok" if stage.returncode == 0 else "FAILED"
-            lines.append(f"    {stage.target:<28} {stage.seconds / 60:6.1f} min  {verdict}")
+            lines.append(f"    {stage.target:<28} {stage.seconds / 60:6.1f} min  {stage.verdict}")
     return lines
 
 

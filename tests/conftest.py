@@ -26,11 +26,16 @@ RESOURCES = {
     "trainer": lambda: bool(envs.VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS.split()),
     # verl itself, inside a trainer environment (make test-trainer): its RouterReplay next to the bridge.
     "verl": lambda: importlib.util.find_spec("verl") is not None,
+    # Megatron-Core (the dev and trainer environments pin it): the replay bridge through Megatron's own routers.
+    "megatron": lambda: (
+        importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+    ),
 }
 # Why a test is skipped when its resource is missing (default: "needs NAME, not available here").
 SKIP_REASONS = {
     "ray": "ray not installed (scripts/venv.py RELEASE --with ray)",
     "verl": "verl not installed (a trainer environment has it: make test-trainer)",
+    "megatron": "megatron-core not installed (the dev and trainer environments pin it: make test-trainer)",
     "trainer": "no trainer environment given (VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS; make test-e2e sets it)",
 }
 

@@ -292,3 +292,17 @@ def test_doctor_json_surface_on_this_release(tmp_path: Path) -> None:
     assert report["schema"] == doctor.SCHEMA and report["exit_status"] == done.returncode
     assert report["generation"] is not None and report["patches"]["rows"], done.stderr[-3000:]
     assert done.stderr.strip().splitlines()[-1].startswith(doctor.VERDICT + report["verdict"]["text"])
+
+
+def test_doctor_reports_how_many_arrays_validation_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_ascend_routing import validate
+
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING_VALIDATE", "1")
+    monkeypatch.setattr(validate, "_checked", 7)
+    assert doctor.validation_report() == ("validation mode (log) checked 7 returned arrays", [])
+    monkeypatch.setattr(validate, "_checked", 0)
+    assert doctor.validation_report()[1] == [
+        "validation mode checked no returned array (its front-end hooks did not run)"
+    ]
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING_VALIDATE", "0")
+    assert doctor.validation_report() == ("validation mode off (VLLM_ASCEND_ROUTING_VALIDATE=0)", [])

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -26,6 +27,8 @@ broken:
 \t@echo about-to-fail; exit 3
 after:
 \t@echo after-ran
+skipping:
+\t@echo "SKIPPED: no nvcc on PATH"
 """
 
 needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
@@ -71,6 +74,46 @@ def test_a_failed_target_fails_the_run_and_the_lane_goes_on(tmp_path: Path) -> N
         "ok",
         "ok",
     ]
+
+
+@needs_make
+def test_a_target_that_says_skipped_is_not_ok(tmp_path: Path) -> None:
+    code, out = run(tmp_path, "one=skipping after")
+    assert code == 0, out
+    table = out[out.index("lanes: ") :]
+    assert [
+        line.split(None, 3)[-1] for line in table.splitlines() if line.strip().startswith(("skipping", "after"))
+    ] == [
+        "skipped (no nvcc on PATH)",
+        "ok",
+    ]
+
+
+@needs_make
+@pytest.mark.parametrize("require", ["", "vllm,nvcc"])
+def test_test_native_without_nvcc_says_skipped_or_fails_where_required(tmp_path: Path, require: str) -> None:
+    """The real Makefile's test-native with no nvcc on PATH: never a silent ok."""
+    nvcc = shutil.which("nvcc")
+    directories = os.environ["PATH"].split(os.pathsep)
+    if nvcc is not None:  # that directory's other tools stay reachable, nvcc does not
+        shadow = tmp_path / "bin"
+        shadow.mkdir()
+        for tool in Path(nvcc).parent.iterdir():
+            if tool.name != "nvcc":
+                (shadow / tool.name).symlink_to(tool)
+        directories = [str(shadow), *(d for d in directories if Path(d) != Path(nvcc).parent)]
+    done = subprocess.run(
+        ["make", "--no-print-directory", "test-native"],
+        cwd=scripts.ROOT,
+        env={**os.environ, "PATH": os.pathsep.join(directories), "VLLM_ASCEND_ROUTING_TEST_REQUIRE": require},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if require:
+        assert done.returncode != 0 and "requires it" in done.stdout, done.stdout + done.stderr
+    else:
+        assert done.returncode == 0 and done.stdout.startswith(lanes.SKIPPED), done.stdout + done.stderr
 
 
 def test_a_lane_needs_a_name_and_targets() -> None:

@@ -223,12 +223,39 @@ class TestWorkerNeverAsked:
         assert len(notes) == 1
         assert "validation mode's array checks do not run" in notes[0].message
 
-    def test_a_runner_without_capture_says_nothing(self) -> None:
-        peers.worker_ready(Runner(), rows_read_in_front_end=True)  # capture off in this engine: nothing to say
+    def test_a_runner_without_capture_says_nothing(self, caplog: pytest.LogCaptureFixture) -> None:
+        with caplog.at_level(logging.DEBUG, logger="vllm.plugins.vllm_ascend_routing"):
+            peers.worker_ready(Runner(), rows_read_in_front_end=True)  # capture off in this engine: nothing to say
+            peers.worker_ready(Runner(), rows_read_in_front_end=False)
+        assert [record.getMessage() for record in caplog.records] == []
 
-    def test_an_asked_worker_says_nothing(self) -> None:
+    def test_an_asked_worker_says_nothing(self, caplog: pytest.LogCaptureFixture) -> None:
         peers.worker_state(None)
-        peers.worker_ready(bound_runner((0,)), rows_read_in_front_end=True)
+        with caplog.at_level(logging.DEBUG, logger="vllm.plugins.vllm_ascend_routing"):
+            peers.worker_ready(bound_runner((0,)), rows_read_in_front_end=True)  # no refusal
+            peers.worker_ready(bound_runner((0,)), rows_read_in_front_end=False)  # no warning
+        assert [record.getMessage() for record in caplog.records] == []
+
+
+def test_a_folder_named_ray_on_the_path_is_no_ray_node(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A directory holding a folder ``ray`` (no Ray installed there) imports as a namespace package without
+    Ray's API: the worker's state says "no Ray node" instead of failing the engine's start-up question."""
+    import importlib
+
+    (tmp_path / "ray").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("VLLM_ASCEND_ROUTING", raising=False)
+    installed = sys.modules.pop("ray", None)
+    try:
+        importlib.invalidate_caches()
+        namespace = importlib.import_module("ray")
+        assert not hasattr(namespace, "is_initialized")  # really the stray folder, not an installed Ray
+        assert peers.worker_state(None)["ray_node"] is None
+        assert envs.adopt_ray_job_variables() == []
+    finally:
+        sys.modules.pop("ray", None)
+        if installed is not None:
+            sys.modules["ray"] = installed
 
 
 class FakeRay(types.ModuleType):

@@ -4,7 +4,10 @@ path (CPU) and the device-packet path (accelerators, exercised here on CPU tenso
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -98,56 +101,140 @@ def test_clear_zeroes_only_the_steps_rows() -> None:
     assert not check.buffer[:3].any() and bool((check.buffer[3:] == 7).all())
 
 
-class _Event:
-    """Stands in for a device event: complete once ``done`` is set."""
+class _Stream:
+    """A device stream as the always-on check relies on it: work runs in the order it was enqueued, and an
+    event completes when the device reaches it, not before the work enqueued ahead of it. The device's
+    reductions themselves run on the CPU tensors (the real ``_packet``); only the timing is the stream's."""
 
     def __init__(self) -> None:
-        self.done = False
+        self.pending: list[Any] = []  # callables (copies) and _Event markers, in enqueue order
+        self.log: list[str] = []
+
+    def run_until(self, event: _Event) -> None:
+        """The device reaches ``event``: everything enqueued before it has run; anything after has not."""
+        while self.pending:
+            work = self.pending.pop(0)
+            if work is event:
+                event.done = True
+                return
+            if isinstance(work, _Event):
+                work.done = True
+            else:
+                work()
+        raise AssertionError("the event was never recorded on this stream")
+
+
+class _Event:
+    """A device event on ``stream``: complete once the stream has run up to where it was recorded."""
+
+    def __init__(self, stream: _Stream) -> None:
+        self.stream, self.done = stream, False
 
     def record(self) -> None:
-        pass
+        self.stream.log.append("record")
+        self.stream.pending.append(self)
 
     def query(self) -> bool:
         return self.done
 
 
-def _device_path(check: Sentinel, monkeypatch: pytest.MonkeyPatch) -> list[_Event]:
-    """Route ``check`` through the accelerator path (device packet, pinned copy, event), on CPU tensors."""
-    events: list[_Event] = []
-    check._host = torch.zeros(3, dtype=torch.int64)
+class _PinnedPacket:
+    """The pinned host packet: a non-blocking device-to-host copy lands when the stream runs it."""
+
+    def __init__(self, stream: _Stream) -> None:
+        self.stream, self.values = stream, [0, 0, 0]
+
+    def copy_(self, source: torch.Tensor, non_blocking: bool = False) -> _PinnedPacket:
+        assert non_blocking, "a blocking copy would synchronise the step"
+        self.stream.log.append("copy")
+        packet = source.tolist()  # what the device computed ahead of the copy on the stream
+        self.stream.pending.append(lambda: setattr(self, "values", packet))
+        return self
+
+    def tolist(self) -> list[int]:
+        return list(self.values)
+
+
+def _device_path(check: Sentinel, monkeypatch: pytest.MonkeyPatch) -> tuple[_Stream, list[_Event]]:
+    """Route ``check`` through the accelerator path (device packet, pinned copy, event) on CPU tensors, with a
+    stream that honours enqueue order: only ``_event``'s choice of device module is taken over."""
+    stream, events = _Stream(), []
+    check._host = _PinnedPacket(stream)  # type: ignore[assignment]
 
     def new_event(self: Sentinel) -> _Event:
-        events.append(_Event())
+        events.append(_Event(stream))
         return events[-1]
 
     monkeypatch.setattr(Sentinel, "_event", new_event)
-    return events
+    return stream, events
 
 
 def test_device_path_reads_the_packet_only_once_it_arrived(monkeypatch: pytest.MonkeyPatch) -> None:
     check = _sentinel()
-    events = _device_path(check, monkeypatch)
+    stream, events = _device_path(check, monkeypatch)
     _route(check, 5, (1,))
     check.after_forward(5, lambda: list(STEP))  # enqueued: nothing read yet
     check.after_forward(5, lambda: list(STEP))  # previous packet in flight: this step is not checked
     assert len(events) == 1 and sentinel.stats().steps_checked == 0
-    events[0].done = True
+    stream.run_until(events[0])
     with pytest.raises(
         RoutingValidationError, match=r"5 all-zero.*request req-a, its token 0 of this step \(step row 0\), layer 3"
     ):
         check.after_forward(5, lambda: list(STEP))
 
 
+def test_device_path_copies_the_packet_before_recording_its_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The event must follow the copy on the stream: an event recorded first completes before the packet has
+    arrived, and the host reads an old packet (zeros: "nothing wrong") while the step's rows were all zero."""
+    check = _sentinel()
+    stream, events = _device_path(check, monkeypatch)
+    _route(check, 2, (1, 3))  # req-a routed; req-b's three rows zero in both layers: a bypass
+    check.after_forward(5, lambda: list(STEP))
+    assert stream.log == ["copy", "record"]
+    stream.run_until(events[0])
+    _route(check, 5, (1, 3))  # the next step is clean: the report must name the step whose packet it read
+    with pytest.raises(RoutingValidationError, match=r"6 all-zero.*request req-b, its token 0 of this step"):
+        check.after_forward(5, lambda: [("req-c", 5)])
+    assert sentinel.stats().as_dict() == {"steps_checked": 1, "rows_checked": 10, "zero_rows": 6, "invalid_ids": 0}
+
+
+def test_device_path_reports_invalid_ids_on_their_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    check = _sentinel()
+    stream, events = _device_path(check, monkeypatch)
+    _route(check, 5, (1, 3))
+    check.after_forward(5, lambda: list(STEP))  # step 1: clean
+    stream.run_until(events[0])
+    check.errors.fill_(2)  # step 2 stores two ids as -1
+    check.after_forward(5, lambda: list(STEP))  # reads step 1 (clean), enqueues step 2
+    assert sentinel.stats().invalid_ids == 0
+    stream.run_until(events[1])
+    with pytest.raises(RoutingValidationError, match=r"2 routed expert id\(s\) outside \[0, 8\)"):
+        check.after_forward(5, lambda: list(STEP))
+    assert sentinel.stats().invalid_ids == 2
+
+
 def test_device_packet_equals_the_host_check() -> None:
+    """The packet the device computes holds what the host check hands to the report, and both what a plain
+    reading of the rows says, on random rows with and without zero rows."""
     generator = torch.Generator().manual_seed(0)
     for layers in ((0, 1, 2, 3), (1, 3)):
-        check = _sentinel(layers=layers)
-        check.buffer.copy_(torch.randint(0, 3, check.buffer.shape, generator=generator, dtype=torch.int16))
-        check.errors.fill_(2)
-        rows = check.buffer[:6, list(layers)]
-        zero = ~rows.bool().any(dim=2).flatten()
-        expected_first = int(torch.nonzero(zero)[0]) if zero.any() else -1
-        assert check._packet(6).tolist() == [int(zero.sum()), expected_first, 2]
+        for high in (3, 9):  # ids 0-2: zero rows in most steps; 0-8: in few or none
+            check = _sentinel(layers=layers)
+            check.buffer.copy_(torch.randint(0, high, check.buffer.shape, generator=generator, dtype=torch.int16))
+            check.errors.fill_(2)
+            rows = check.buffer[:6, list(layers)]
+            zero = ~rows.bool().any(dim=2).flatten()
+            expected_first = int(torch.nonzero(zero)[0]) if zero.any() else -1
+            packet = check._packet(6).tolist()
+            assert packet == [int(zero.sum()), expected_first, 2]
+            reported: list[list[int]] = []
+
+            def account(_n: int, count: int, first: int, errors: int, _r: object, seen: list = reported) -> None:
+                seen.append([count, first, errors])
+
+            check._account = account  # type: ignore[method-assign,assignment]
+            check._check_host(6, lambda: [])
+            assert reported == [packet]
 
 
 def test_step_requests_follow_the_runners_batch_order() -> None:
@@ -190,3 +277,106 @@ def test_doctor_reports_the_sentinel_counters(monkeypatch: pytest.MonkeyPatch) -
     assert doctor.capture_report() == ("2 MoE layers bound; 24 rows in 3 steps checked: 0 all-zero, 0 invalid ids", [])
     monkeypatch.setattr(sentinel, "_STATS", sentinel.SentinelStats(3, 24, 4, 1))
     assert len(doctor.capture_report()[1]) == 2
+
+
+# ---- the accelerator path on a real device (make gpu-check runs the CUDA ones; an NPU host runs -m npu) ----
+
+ACCELERATORS = [pytest.param("cuda", marks=pytest.mark.cuda), pytest.param("npu", marks=pytest.mark.npu)]
+
+
+@contextlib.contextmanager
+def _no_synchronisation(device: str) -> Iterator[None]:
+    """Any host synchronisation inside raises (CUDA's sync debug mode; NPU where torch_npu offers it)."""
+    module = getattr(torch, device)
+    set_mode = getattr(module, "set_sync_debug_mode", None)
+    if set_mode is None:
+        yield
+        return
+    set_mode("error")
+    try:
+        yield
+    finally:
+        set_mode("default")
+
+
+def _arrived(check: Sentinel) -> None:
+    """Wait, without synchronising, until the packet in flight has arrived (its event completes)."""
+    assert check._in_flight is not None
+    deadline = time.monotonic() + 30
+    while not check._in_flight.event.query():
+        assert time.monotonic() < deadline, "the packet's event never completed"
+        time.sleep(0.001)
+
+
+def _device_rows(check: Sentinel, tokens: int, layers: tuple[int, ...]) -> None:
+    """Real rows (distinct experts) written on the device, as the capture op writes them."""
+    row = torch.arange(check.buffer.shape[2], dtype=check.buffer.dtype, device=check.buffer.device)
+    for layer in layers:
+        check.buffer[:tokens, layer] = row
+
+
+@pytest.mark.parametrize("device", ACCELERATORS)
+def test_device_path_on_the_accelerator(device: str) -> None:
+    """The pinned packet, the device's own event, no synchronisation: a step's planted zero rows and invalid
+    ids are reported with that step's requests, read at a later step."""
+    if device == "npu":
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    buffer = torch.zeros(64, 4, 2, dtype=torch.int16, device=device)
+    check = Sentinel(buffer, torch.zeros(1, dtype=torch.int64, device=device), (1, 3), 8, strict=True)
+    assert check._host is not None and check._host.is_pinned()
+    assert isinstance(check._event(), getattr(torch, device).Event)  # the device's own event, not an alias
+    with _no_synchronisation(device):
+        _device_rows(check, 2, (1, 3))  # step 1: req-b's three rows zero in both layers
+        check.after_forward(5, lambda: list(STEP))
+        _arrived(check)
+        check.clear(5)
+        _device_rows(check, 5, (1, 3))  # step 2 clean: the report must name step 1's request
+        with pytest.raises(RoutingValidationError, match=r"6 all-zero.*request req-b, its token 0 of this step"):
+            check.after_forward(5, lambda: [("req-c", 5)])
+        check.errors.add_(3)  # step 3 stores three ids as -1
+        check.after_forward(5, lambda: list(STEP))
+        _arrived(check)
+        with pytest.raises(RoutingValidationError, match=r"3 routed expert id\(s\) outside \[0, 8\)"):
+            check.after_forward(5, lambda: list(STEP))
+    assert sentinel.stats().as_dict() == {"steps_checked": 2, "rows_checked": 20, "zero_rows": 6, "invalid_ids": 3}
+
+
+class _EventFirst(Sentinel):
+    """The ordering mutation: the event recorded before the packet is computed and copied."""
+
+    def _enqueue(self, num_tokens: int, requests: list[tuple[str, int]]) -> None:
+        assert self._host is not None
+        event = self._event()
+        event.record()
+        self._host.copy_(self._packet(num_tokens), non_blocking=True)
+        self._in_flight = sentinel._InFlight(event, num_tokens, requests)
+
+
+@pytest.mark.cuda
+def test_an_event_recorded_before_the_copy_misses_zero_rows_on_the_gpu() -> None:
+    """On the GPU the ordering matters: with the event first, the host reads the packet before it arrives.
+    A large step (1 GiB of rows, about a millisecond of reduction) keeps the packet in flight while the event
+    has completed. The correct order catches every planted step; the mutation must miss at least one."""
+    tokens, layers = 1 << 20, tuple(range(64))
+
+    def caught(kind: type[Sentinel]) -> list[bool]:
+        buffer = torch.ones(tokens, len(layers), 8, dtype=torch.int16, device="cuda")
+        check = kind(buffer, torch.zeros(1, dtype=torch.int64, device="cuda"), layers, 8, strict=True)
+        seen = []
+        for _ in range(5):
+            buffer[tokens - 1, 63] = 0  # the last row of the last layer bypassed, every step
+            check.after_forward(tokens, lambda: [("req", tokens)])
+            _arrived(check)
+            try:
+                check.after_forward(tokens, lambda: [("req", tokens)])
+                seen.append(False)
+            except RoutingValidationError:
+                seen.append(True)
+            torch.cuda.synchronize()
+            check._in_flight = None  # the read step enqueued no packet (it raised) or one not wanted here
+            assert check._host is not None
+            check._host.zero_()  # no trial reads the previous trial's packet
+        return seen
+
+    assert caught(Sentinel) == [True] * 5
+    assert not all(caught(_EventFirst)), "an event recorded before the copy went unnoticed on this GPU"

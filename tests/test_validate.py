@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import sys
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -84,30 +85,98 @@ def test_strict_raises_with_request_layer_and_row() -> None:
         validate.report(violations, strict=True)
 
 
-@pytest.mark.vllm
-def test_front_end_hooks_check_finished_requests(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm.v1.engine import output_processor
+class _StandInEngine:
+    """vLLM's LLMEngine / AsyncLLM as far as validation mode sees them: an ``__init__(self, vllm_config)``."""
 
+    def __init__(self, vllm_config: Any) -> None:
+        self.vllm_config = vllm_config
+
+
+class _StandInState:
+    """vLLM's RequestState: its real ``_new_completion_output`` needs a whole engine, so it is stood in for by one
+    that returns the array under test."""
+
+    routed: np.ndarray | None = None
+
+    def __init__(self, prompt_len: int, outputs: int, prompt_start: int) -> None:
+        self.request_id, self.prompt_len = "req-1", prompt_len
+        self.detokenizer = SimpleNamespace(output_token_ids=[7] * outputs)
+        setattr(self, validate._PROMPT_START, prompt_start)
+
+    @classmethod
+    def from_new_request(cls, tokenizer: Any, request: Any) -> Any:
+        return cls(4, 3, 0)
+
+    def _new_completion_output(self, token_ids: Any, finish_reason: Any, stop_reason: Any) -> Any:
+        return SimpleNamespace(routed_experts=self.routed)
+
+
+def _qwen_config() -> Any:
+    """A vllm_config for MODEL: 8 experts, 3 layers, layer 1 dense (Qwen-MoE's mlp_only_layers)."""
+    hf = SimpleNamespace(num_hidden_layers=3, decoder_sparse_step=1, mlp_only_layers=[1])
+    return SimpleNamespace(model_config=SimpleNamespace(hf_text_config=hf, get_num_experts=lambda: 8))
+
+
+@pytest.fixture
+def front_end(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """vLLM's three front-end modules, their classes stood in for (no vLLM here), then ``validate.install()``
+    in strict mode: what the plugin does at start-up."""
+    classes: dict[str, Any] = {
+        "llm_engine": type("LLMEngine", (_StandInEngine,), {}),
+        "async_llm": type("AsyncLLM", (_StandInEngine,), {}),
+        "output_processor": type("RequestState", (_StandInState,), {}),
+    }
+    for module_name, cls in classes.items():
+        module = ModuleType(f"vllm.v1.engine.{module_name}")
+        setattr(module, cls.__name__, cls)
+        monkeypatch.setitem(sys.modules, module.__name__, module)
     monkeypatch.setenv("VLLM_ASCEND_ROUTING_VALIDATE", "strict")
-    state_cls = output_processor.RequestState
-    vllm_method = state_cls.__dict__["_new_completion_output"]
-    for name in ("_new_completion_output", "from_new_request"):
-        monkeypatch.setattr(state_cls, name, state_cls.__dict__[name])  # restored after the test
+    monkeypatch.setattr(validate, "_model", None)
+    monkeypatch.setattr(validate, "_checked", 0)
     validate.install()
-    monkeypatch.setattr(validate, "_model", MODEL)
-    array = good()
+    return classes
 
-    def request_state(routed: np.ndarray, prompt_start: int) -> Any:
-        state = state_cls.__new__(state_cls)
-        state.request_id, state.prompt_len = "req-1", 4
-        state.detokenizer = SimpleNamespace(output_token_ids=[7, 7, 7])
-        setattr(state, validate._PROMPT_START, prompt_start)
-        return state
 
-    original = validate._validating(lambda self, *a, **k: SimpleNamespace(routed_experts=array), strict=True)
-    original(request_state(array, prompt_start=1), [], "stop", None)  # 4 + 3 - 1 - 1 = 5 rows: passes
-    with pytest.raises(RoutingValidationError, match="5 rows, expected 6"):
-        original(request_state(array, prompt_start=0), [], "stop", None)
-    installed = state_cls.__dict__["_new_completion_output"]
-    assert patching.is_wrapped(installed)
-    assert patching.is_wrapped(vllm_method) or patching.original_of(installed) is vllm_method
+@pytest.mark.parametrize("engine", ["llm_engine", "async_llm"])
+def test_installed_hooks_learn_the_model_from_the_engine_and_count_each_array(
+    front_end: dict[str, Any], engine: str
+) -> None:
+    """install() -> the engine's creation records the model -> each finished request is checked and counted."""
+    state_cls = front_end["output_processor"]
+    front_end[engine](_qwen_config())  # the patched __init__ records the model
+    state = state_cls.from_new_request(
+        None, SimpleNamespace(sampling_params=SimpleNamespace(routed_experts_prompt_start=1))
+    )
+    state.routed = good()
+    state._new_completion_output([], "stop", None)  # 4 + 3 - 1 - 1 = 5 rows: passes
+    assert validate.checked_arrays() == 1
+    state.routed = good(6)
+    with pytest.raises(RoutingValidationError, match="6 rows, expected 5"):
+        state._new_completion_output([], "stop", None)
+    assert validate.checked_arrays() == 2
+    state.routed = None  # a request without routed experts: nothing to check, not counted
+    state._new_completion_output([], "stop", None)
+    assert validate.checked_arrays() == 2
+
+
+def test_without_the_engines_model_validation_refuses_instead_of_passing(front_end: dict[str, Any]) -> None:
+    state = front_end["output_processor"](4, 3, 1)
+    state.routed = good()
+    with pytest.raises(validate.ValidationUnavailableError, match="never saw this engine's model.*VALIDATE=0"):
+        state._new_completion_output([], "stop", None)
+    assert validate.checked_arrays() == 0
+
+
+@pytest.mark.vllm
+def test_front_end_hooks_are_installed_on_vllms_classes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the real vLLM: every validation patch target is wrapped by install() (the stand-ins above take their
+    place for the behaviour)."""
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING_VALIDATE", "strict")
+    for patch in validate.PATCHES:
+        owner_name, _, attribute = patch.target.rpartition(".")
+        owner = patching.resolve(owner_name)
+        monkeypatch.setattr(owner, attribute, owner.__dict__[attribute])  # restored after the test
+    validate.install()
+    for patch in validate.PATCHES:
+        owner_name, _, attribute = patch.target.rpartition(".")
+        assert patching.is_wrapped(patching.resolve(owner_name).__dict__[attribute]), patch.target

@@ -221,10 +221,13 @@ def self_check(num_prompts: int, mode: str, dtype: str = "float32") -> dict[str,
     printed (the summary, or every failure)."""
     os.environ["VLLM_ASCEND_ROUTING"] = "1"  # before the engine starts: the plugin loads with vLLM
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_ASCEND_ROUTING_VALIDATE", "1")  # each returned array contract-checked too
     from vllm_ascend_routing.selfcheck import scenarios
 
     result = scenarios.run_offline(self_check_model(dtype), mode, num_prompts, dtype=dtype)
     capture, capture_problems = capture_report()
+    validated, validation_problems = validation_report()
+    capture, capture_problems = f"{capture}; {validated}", capture_problems + validation_problems
     return self_check_summary(
         {name: result[name] for name in PARTS}, capture, capture_problems, num_prompts, mode, dtype
     )
@@ -316,6 +319,18 @@ def _device_name(report: dict[str, Any]) -> None:
 
     if report["versions"] is not None and report["versions"].get("device_name") is None:
         report["versions"]["device_name"] = versions.device_name()
+
+
+def validation_report() -> tuple[str, list[str]]:
+    """How many returned arrays validation mode checked in this process; a problem when it was on and checked
+    none (its front-end hooks did not run: it would have passed anything)."""
+    from vllm_ascend_routing import envs, validate
+
+    mode, checked = envs.VLLM_ASCEND_ROUTING_VALIDATE, validate.checked_arrays()
+    if mode == "off":
+        return "validation mode off (VLLM_ASCEND_ROUTING_VALIDATE=0)", []
+    problems = [] if checked else ["validation mode checked no returned array (its front-end hooks did not run)"]
+    return f"validation mode ({mode}) checked {checked} returned arrays", problems
 
 
 def _print(line: str) -> None:

@@ -115,7 +115,9 @@ def worker_state(worker: Any = None) -> dict[str, Any]:
 
 def _ray_node() -> str | None:
     ray = sys.modules.get("ray")
-    if ray is None or not ray.is_initialized():
+    # A folder named ray on the path imports as a namespace package without Ray's API: no Ray node here.
+    is_initialized = getattr(ray, "is_initialized", None)
+    if ray is None or not callable(is_initialized) or not is_initialized():
         return None
     try:
         return str(ray.get_runtime_context().get_node_id())

@@ -10,12 +10,16 @@ the same the replay bridge (``vllm_ascend_routing.replay``) applies in the train
 Runs in the front-end process, where vLLM assembles ``CompletionOutput.routed_experts``: the engine's
 ``vllm_config`` is recorded when ``LLMEngine`` / ``AsyncLLM`` is created, the request's
 ``routed_experts_prompt_start`` when its state is created. Costs one vectorised pass per finished request.
+A front-end whose engine was not created through those two classes leaves nothing to check against: the first
+finished request with routed experts then raises ``ValidationUnavailableError`` instead of passing unchecked.
+``checked_arrays()`` counts the arrays checked in this process (doctor and the e2e suite read it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +71,10 @@ PATCHES = (*ENGINE_INITS, FROM_NEW_REQUEST, NEW_COMPLETION_OUTPUT)
 
 class RoutingValidationError(RuntimeError):
     """A returned routed-experts array broke the contract (``VLLM_ASCEND_ROUTING_VALIDATE=strict``)."""
+
+
+class ValidationUnavailableError(RuntimeError):
+    """Validation mode is on but never saw the engine's model: it cannot check, and says so (any mode)."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,13 @@ def report(violations: list[Violation], strict: bool) -> None:
 # ---- front-end hooks ----
 
 _model: ModelRouting | None = None  # the engine created in this process (one model per front-end)
+_checked = 0  # arrays checked in this process
+_COUNT_LOCK = threading.Lock()  # front-ends of several engines (DP, tests) may finish requests at once
+
+
+def checked_arrays() -> int:
+    """How many returned arrays validation mode has checked in this process (0 with it off)."""
+    return _checked
 
 
 def install() -> None:
@@ -163,14 +178,26 @@ def _recording_prompt_start(from_new_request: Callable[..., Any]) -> Callable[..
 def _validating(new_completion_output: Callable[..., Any], strict: bool) -> Callable[..., Any]:
     @functools.wraps(new_completion_output)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        global _checked
         output = new_completion_output(self, *args, **kwargs)
         routed = getattr(output, "routed_experts", None)
-        if routed is not None and _model is not None:
-            num_tokens = int(self.prompt_len) + len(self.detokenizer.output_token_ids)
-            expected = num_tokens - 1 - int(getattr(self, _PROMPT_START, 0))
-            report(
-                check(np.asarray(routed), request_id=str(self.request_id), expected_rows=expected, model=_model), strict
+        if routed is None:
+            return output
+        model = _model
+        if model is None:  # checking nothing while switched on would read as "every array passed"
+            raise ValidationUnavailableError(
+                f"vllm-ascend-routing validation mode is on (VLLM_ASCEND_ROUTING_VALIDATE="
+                f"{envs.VLLM_ASCEND_ROUTING_VALIDATE}) but never saw this engine's model: it learns the expert "
+                "count and MoE layers when vLLM's LLMEngine or AsyncLLM is created (validate.ENGINE_INITS), and "
+                f"request {self.request_id} finished in a front-end built another way. Create the engine through "
+                "LLM / LLMEngine / AsyncLLM, or set VLLM_ASCEND_ROUTING_VALIDATE=0 to run without validation."
             )
+        num_tokens = int(self.prompt_len) + len(self.detokenizer.output_token_ids)
+        expected = num_tokens - 1 - int(getattr(self, _PROMPT_START, 0))
+        found = check(np.asarray(routed), request_id=str(self.request_id), expected_rows=expected, model=model)
+        with _COUNT_LOCK:
+            _checked += 1
+        report(found, strict)
         return output
 
     return wrapper

@@ -37,10 +37,28 @@ def test_spans_are_ordered_and_cover_every_listed_release() -> None:
     assert releases.generation_of("0.19.1") is None
 
 
-@pytest.mark.parametrize("release", releases.CPU_RELEASES)
-def test_detection_by_version_is_the_table(release: str) -> None:
-    span = releases.generation_of(release)
-    assert span is not None and _detect._by_version(release) is span.generation
+# Which generation each release is, written out from vLLM's history (docs/architecture.md), not from the table.
+_SHM, _REVERTED, _RUNNER, _AUX = "shm", "reverted", "runner-output", "aux-output"
+KNOWN_GENERATIONS = {
+    "0.19.1": None,
+    "0.20.0": _SHM, "0.20.1": _SHM, "0.20.2": _SHM, "0.20.2+cpu": _SHM,
+    "0.21.0": _REVERTED,
+    "0.22.0": _RUNNER, "0.22.1": _RUNNER, "0.23.0": _RUNNER, "0.24.0": _RUNNER, "0.25.0": _RUNNER,
+    "0.25.1": _RUNNER, "0.26.0": _RUNNER, "0.27.0": _RUNNER, "0.27.1": _RUNNER, "0.28.0": _RUNNER,
+    "0.29.0": _RUNNER, "0.30.0": _RUNNER,
+    "0.31.0": _AUX, "0.32.0": _AUX, "0.33.0": _AUX, "0.40.0": _AUX,
+    "not-a-version": None,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("release", "generation"), KNOWN_GENERATIONS.items())
+def test_detection_by_version(release: str, generation: str | None) -> None:
+    found = _detect._by_version(release)
+    assert (None if found is None else found.value) == generation
+
+
+def test_every_listed_release_has_a_known_generation() -> None:
+    assert set(releases.CPU_RELEASES) | set(releases.STATIC_RELEASES) <= set(KNOWN_GENERATIONS)
 
 
 def test_supported_text_is_derived_from_the_table() -> None:
@@ -75,3 +93,9 @@ def test_release_text_of_manifest_rows_comes_from_the_table() -> None:
     rows = {patch.target: patch for patch in manifest.all_patches()}
     binder = rows["vllm.distributed.aux_output_connector.worker:bind_routed_experts_capturer"]
     assert binder.release_text == f"vLLM 0.31.0-{GENERATIONS[-1].last_tested}"
+
+
+def test_release_roles_name_listed_releases() -> None:
+    assert releases.FULL_E2E_RELEASE in releases.E2E_RELEASES
+    assert set(releases.CPU_SPEC_BROKEN) <= set(releases.CPU_RELEASES)
+    assert not set(releases.CPU_SPEC_BROKEN) & set(releases.SPEC_RELEASES)  # the spec release must run them

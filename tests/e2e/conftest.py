@@ -66,10 +66,30 @@ class Scenarios:
         key = (args, plugin, in_process)
         if key not in self.results:
             self.results[key] = self.finish(self.start(*args, plugin=plugin, in_process=in_process))
+            result = self.results[key]
             if args[0] != "bypass":
-                for name, value in self.results[key].get("sentinel", {}).items():
+                for name, value in result.get("sentinel", {}).items():
                     SENTINEL_TOTALS[name] = SENTINEL_TOTALS.get(name, 0) + value
+            if plugin and args[0] in FRONT_END_HERE and not result.get("upstream_crash"):
+                assert_validated(args, result)
         return self.results[key]
+
+
+# Scenarios whose front-end (where validation mode checks each returned array) is the scenario's own process.
+FRONT_END_HERE = ("offline", "speculative")
+# Arrays validation mode checked over those scenarios: validation that never ran would pass every array.
+VALIDATED = {"arrays": 0, "scenarios": 0}
+
+
+def assert_validated(args: tuple[str, ...], result: dict[str, Any]) -> None:
+    checked = int(result.get("validated_arrays", 0))
+    if checked <= 0:
+        pytest.fail(
+            f"scenario {' '.join(args)} ran with VLLM_ASCEND_ROUTING_VALIDATE=strict but validation mode checked "
+            "no array (validate.checked_arrays() == 0): its front-end hooks did not run"
+        )
+    VALIDATED["arrays"] += checked
+    VALIDATED["scenarios"] += 1
 
 
 # The always-on check's counters over every in-process engine of the session (bypass engines excluded): the
@@ -80,6 +100,11 @@ SENTINEL_TOTALS: dict[str, int] = {}
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if SENTINEL_TOTALS:
         terminalreporter.write_line(f"always-on routing check over the exact e2e engines: {SENTINEL_TOTALS}")
+    if VALIDATED["scenarios"]:
+        terminalreporter.write_line(
+            f"validation mode (strict) checked {VALIDATED['arrays']} returned arrays in {VALIDATED['scenarios']} "
+            "in-process e2e engines"
+        )
 
 
 @pytest.fixture(scope="session")

@@ -33,11 +33,11 @@ from typing import Any
 import pytest
 
 from tests.harness import distributed, pythonpath, verl_handoff
-from vllm_ascend_routing import envs
+from vllm_ascend_routing import envs, releases
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.trainer]
 
-FULL_RELEASE = "0.30.0"
+FULL_RELEASE = releases.FULL_E2E_RELEASE
 RELEASES_VARIABLE = "VLLM_ASCEND_ROUTING_TEST_TRAINER_RELEASES"  # more releases to run it on ("all": any)
 TRAINER_TIMEOUT_S = 900
 TENSOR_PARALLEL = (1, 2)

@@ -30,6 +30,7 @@ from tests.harness import distributed, oracle, verl_handoff
 from tests.harness.bypass import run_bypass
 from tests.harness.data_parallel import run_data_parallel
 from tests.harness.server import Server, post
+from vllm_ascend_routing import validate
 from vllm_ascend_routing.selfcheck import models, offline
 
 # doctor's scenario and its constants, re-exported: tests and benchmarks name them through this module.
@@ -230,6 +231,8 @@ def main() -> None:
         result = run_speculative(args.arch, args.spec, args.k)
     else:
         result = run_serve(args.arch, args.prompts, args.spec, args.k)
+    # Arrays validation mode checked in this process (the front-end of in-process engines: offline, speculative).
+    result["validated_arrays"] = validate.checked_arrays()
     print("SCENARIO_RESULT " + json.dumps(result), flush=True)
 
 

@@ -29,8 +29,10 @@ def test_cpu_tensors_dispatch_to_the_host_kernel(monkeypatch: pytest.MonkeyPatch
 
     original = _host.checked_array
     monkeypatch.setattr(_host, "checked_array", lambda *a: seen.append("host") or original(*a))
-    record_topk_ids(torch.tensor([[70, 1]]), torch.zeros(1, 1, 2, dtype=torch.int16), 0, 64)
+    out, errors = torch.zeros(1, 1, 2, dtype=torch.int16), torch.zeros(1, dtype=torch.int64)
+    record_topk_ids(torch.tensor([[70, 1]]), out, 0, 64, errors)
     assert seen == ["host"]
+    assert out.tolist() == [[[-1, 1]]] and int(errors) == 1  # 70 >= 64 experts: stored as -1, counted
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))
@@ -40,6 +42,21 @@ def test_matches_oracle(kernel: str, n: int, k: int, id_dtype: torch.dtype, chec
     expected, bad = case.expected()
     assert run_op(case, kernel) == bad
     np.testing.assert_array_equal(case.out.numpy(), expected)  # untouched rows/layers keep the poison
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_hand_written_vector_and_the_oracle_agree(kernel: str) -> None:
+    """The oracle's rule checked against values written by hand (padding -1, an id of no expert, an int64 id
+    that wraps into range if narrowed first, the last valid id), and every kernel against both."""
+    ids = torch.tensor([[5, -1], [300, 2**40 + 5], [299, 0]], dtype=torch.int64)
+    case = Case(ids, torch.full((4, 2, 2), 77, dtype=torch.int16), layer_id=1, num_experts=300)
+    by_hand = np.full((4, 2, 2), 77, dtype=np.int16)
+    by_hand[:3, 1] = [[5, -1], [-1, -1], [299, 0]]
+    expected, bad = case.expected()
+    np.testing.assert_array_equal(expected, by_hand)
+    assert bad == 3
+    assert run_op(case, kernel) == 3
+    np.testing.assert_array_equal(case.out.numpy(), by_hand)
 
 
 def test_without_num_experts_values_are_cast() -> None:
