@@ -178,12 +178,6 @@ def coverage_lines(binder: dict[str, Any]) -> tuple[list[str], str | None]:
     return lines, None
 
 
-def coverage_report() -> tuple[list[str], str | None]:
-    """One line per kind of layer vLLM's own binder binds in this release (each class it names), with what the
-    plugin does about it; the problem when it names one the plugin does not know (it could lose those rows)."""
-    return coverage_lines(binder_coverage())
-
-
 def _platform() -> str:
     try:
         from vllm.platforms import current_platform

@@ -31,6 +31,8 @@ from vllm_ascend_routing.compat._common import attach_buffer, bind_target_model
 pytestmark = pytest.mark.vllm
 
 NUM_LAYERS, TOP_K, NUM_EXPERTS, NUM_TOKENS = 4, 2, 8, 6
+# The base class of every router vLLM's binder binds by its capture hook (the router backend's seam).
+ROUTER = "vllm.model_executor.layers.fused_moe.router.base_router:BaseRouter"
 LAYER_ID = 2
 
 
@@ -85,7 +87,7 @@ SOURCES = {
 def vllm_classes(binder: Any) -> dict[str, Any]:
     """Every class of each kind vLLM's binder binds, from the vLLM modules that can define one."""
     failed = {kind: _import(_modules_mentioning(pattern)) for kind, pattern in SOURCES.items()}
-    router = upstream._resolved(upstream.ROUTER)
+    router = upstream._resolved(ROUTER)
     monolithic = upstream._resolved(upstream.MONOLITHIC_EXPERTS)
     sources = []
     for cls in set(_subclasses(torch.nn.Module)):

@@ -32,9 +32,7 @@ from vllm_ascend_routing.backends._layer import is_vllm_ascend_layer, quant_meth
 CAPTURER = "vllm.model_executor.layers.fused_moe.routed_experts_capturer"
 BINDER = f"{CAPTURER}:bind_routed_experts_capturer"
 CAPTURE_SOURCE = f"{CAPTURER}:RoutedExpertsCaptureSource"
-SINK = f"{CAPTURER}:RoutedExpertsSink"
 MONOLITHIC_EXPERTS = "vllm.model_executor.layers.fused_moe.modular_kernel:FusedMoEExpertsMonolithic"
-ROUTER = "vllm.model_executor.layers.fused_moe.router.base_router:BaseRouter"
 RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 
 # Classes vLLM's binder may name, and what each is to this plugin. Any other class it names is a new seam.
