@@ -110,5 +110,5 @@ def test_runner_rows_replace_hooked_methods_and_rely_on_subclasses_that_inherit_
         rows = manifest.patches_for(api.generation, platform)[: len(api.runner_hooks) * 4]
         for runner in api.runner_classes[platform]:
             mine = [row for row in rows if row.target.startswith(runner.path)]
-            expected = RELY if runner.inherits_hooks else REPLACE
+            expected = RELY if runner.hooks_optional else REPLACE
             assert mine and {row.action for row in mine} == {expected}, runner.path

@@ -45,8 +45,8 @@ RUNNER_CLASSES: Mapping[str, tuple[RunnerClass, ...]] = {
     # The CPU runners subclass the GPU ones and override load_model, so they are hooked too.
     "cpu": (
         *_GPU,
-        RunnerClass("vllm.v1.worker.cpu_model_runner:CPUModelRunner", True, inherits_hooks=True),
-        RunnerClass("vllm.v1.worker.cpu.model_runner:CPUModelRunner", False, inherits_hooks=True),
+        RunnerClass("vllm.v1.worker.cpu_model_runner:CPUModelRunner", True, hooks_optional=True),
+        RunnerClass("vllm.v1.worker.cpu.model_runner:CPUModelRunner", False, hooks_optional=True),
     ),
     # vllm-ascend's runners override the hooked methods: hooked when the worker imports them.
     "npu": (

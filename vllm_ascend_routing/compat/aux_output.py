@@ -20,8 +20,7 @@ it into Model Runner V2 only. This adapter:
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -91,19 +90,28 @@ def _attach_prepared_buffer(model: torch.nn.Module, capturer: Any) -> None:
     attach_buffer(prepared, capturer)  # snapshot_routing_data narrows it to uint8/uint16
 
 
-@contextlib.contextmanager
-def _out_of_tree(platform: Any) -> Iterator[None]:
-    platform.is_out_of_tree = lambda: True
-    try:
-        yield
-    finally:
-        del platform.is_out_of_tree
+class _ConnectorDrivenByPlugin:
+    """A ``VllmConfig`` as vLLM's AuxOutput check reads it where the plugin drives the connector the way Model
+    Runner V2 does: ``use_v2_model_runner`` is True, every other attribute (read or written) is the config's
+    own. Only this call sees it: vLLM's platform and the config itself are left as they are."""
+
+    use_v2_model_runner = True
+
+    def __init__(self, config: Any) -> None:
+        object.__setattr__(self, "_config", config)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._config, name, value)
 
 
 def _accept_v1_runner_on_cpu(verify: Callable[[Any], None]) -> Callable[[Any], None]:
     """vLLM's check refuses the connector on in-tree platforms unless Model Runner V2 runs (which needs
-    Triton: never on the CPU build). With the plugin driving it from the V1 runner, the CPU is treated
-    like the out-of-tree platforms the check exempts; every other condition is still checked."""
+    Triton: never on the CPU build). With the plugin driving it from the V1 runner as Model Runner V2 would
+    (vLLM exempts out-of-tree platforms, which drive it themselves, the same way), the check is run on the
+    config as that runner would present it; every other condition is still checked."""
 
     def verify_aux_output_compatibility(self: Any) -> None:
         from vllm.platforms import current_platform
@@ -111,8 +119,7 @@ def _accept_v1_runner_on_cpu(verify: Callable[[Any], None]) -> Callable[[Any], N
         if current_platform.is_cpu() and self.aux_output_config.enabled and not self.use_v2_model_runner:
             if getattr(self.model_config, "runner_type", None) == "draft":
                 return  # the draft model's copy of the target's config: the target's runner drives the connector
-            with _out_of_tree(current_platform):
-                return verify(self)
+            return verify(_ConnectorDrivenByPlugin(self))
         return verify(self)
 
     return verify_aux_output_compatibility
