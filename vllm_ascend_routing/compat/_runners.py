@@ -51,7 +51,16 @@ RUNNER_CLASSES: Mapping[str, tuple[RunnerClass, ...]] = {
     # vllm-ascend's runners override the hooked methods: hooked when the worker imports them.
     "npu": (
         *_GPU,
-        RunnerClass("vllm_ascend.worker.model_runner_v1:NPUModelRunner", True),
+        # Its own _build_attention_metadata snapshots the routed-experts slot mapping of KV cache group 0.
+        RunnerClass("vllm_ascend.worker.model_runner_v1:NPUModelRunner", True, snapshots_kv_group_0=True),
         RunnerClass("vllm_ascend.worker.v2.model_runner:NPUModelRunner", False),
     ),
 }
+# Modules of the runner classes whose routed-experts slot snapshot is KV cache group 0's, not the attention
+# group's (``_common.misplaced_slot_group``).
+GROUP_0_SNAPSHOT_MODULES = frozenset(
+    runner.path.partition(":")[0]
+    for runners in RUNNER_CLASSES.values()
+    for runner in runners
+    if runner.snapshots_kv_group_0
+)

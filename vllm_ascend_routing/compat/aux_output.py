@@ -143,6 +143,7 @@ class AuxOutputAPI:
     runner_hooks: tuple[RunnerHook, ...] = CONNECTOR_HOOKS
     runner_classes: Mapping[str, tuple[RunnerClass, ...]] = RUNNER_CLASSES
     rows_read_in_front_end = False  # rows travel through vLLM's AuxOutput connector
+    narrowed_by_expert_count = True  # vLLM returns the array as uint8 where the routed experts fit it
 
     def routed_experts_requested(self, vllm_config: Any) -> bool:
         return bool(vllm_config.aux_output_config.enable_return_routed_experts)
@@ -167,7 +168,14 @@ class AuxOutputAPI:
     def prepare(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> PreparedCapture | None:
         if not self.routed_experts_requested(vllm_config):
             return None
-        return prepare_capture(model, vllm_config, device, self.generation.value, self.routing_shape(vllm_config))
+        return prepare_capture(
+            model,
+            vllm_config,
+            device,
+            self.generation.value,
+            self.routing_shape(vllm_config),
+            narrowed_by_expert_count=self.narrowed_by_expert_count,
+        )
 
     def attach(self, runner: Any, prepared: PreparedCapture, capturer: Any) -> None:
         attach_buffer(prepared, capturer)  # snapshot_routing_data narrows it to uint8/uint16

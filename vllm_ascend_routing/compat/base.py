@@ -62,6 +62,9 @@ class RunnerClass:
     # overrides load_model), but which ones it overrides varies by release: the manifest requires the class
     # only (one ``RELY`` row), not each hooked method on it.
     hooks_optional: bool = False
+    # True: its routed-experts slot-mapping snapshot is KV cache group 0's where vLLM's runners take the first
+    # full-attention group's (``_common.misplaced_slot_group``: re-taken, or refused where it cannot be).
+    snapshots_kv_group_0: bool = False
 
     @property
     def in_vllm_ascend(self) -> bool:

@@ -77,6 +77,7 @@ class RunnerOutputAPI(StepHooksNotUsed):
     runner_hooks: tuple[RunnerHook, ...] = CAPTURER_HOOKS
     runner_classes: Mapping[str, tuple[RunnerClass, ...]] = RUNNER_CLASSES
     rows_read_in_front_end = False  # rows travel in vLLM's runner output
+    narrowed_by_expert_count = True  # vLLM returns the array as uint8 where the routed experts fit it
 
     def routed_experts_requested(self, vllm_config: Any) -> bool:
         return bool(vllm_config.model_config.enable_return_routed_experts)
@@ -111,7 +112,14 @@ class RunnerOutputAPI(StepHooksNotUsed):
                 "added it; on 0.26-0.27 it would return no routed experts, and vllm-ascend 0.27.1rc1's V2 runner "
                 "fails at start-up); unset VLLM_USE_V2_MODEL_RUNNER or unset VLLM_ASCEND_ROUTING."
             )
-        return prepare_capture(model, vllm_config, device, self.generation.value, self.routing_shape(vllm_config))
+        return prepare_capture(
+            model,
+            vllm_config,
+            device,
+            self.generation.value,
+            self.routing_shape(vllm_config),
+            narrowed_by_expert_count=self.narrowed_by_expert_count,
+        )
 
     def after_forward(self, runner: Any, prepared: PreparedCapture, num_tokens: int) -> None:
         """vLLM's runner copies the buffer to the host itself, asynchronously. Where the runner snapshotted
