@@ -21,9 +21,9 @@ from types import ModuleType
 from vllm_ascend_routing import _cpu_compat, envs, peers, releases, runner_mixin, validate
 from vllm_ascend_routing.backends import ascend, ascend_router, cpu_moe, zero_expert_router
 from vllm_ascend_routing.compat.base import CaptureAPI, Generation, UnsupportedVllmError
-from vllm_ascend_routing.patching import VALIDATION, Patch, problem, resolve
+from vllm_ascend_routing.patching import RELY, REPLACE, VALIDATION, Patch, problem, resolve
 
-__all__ = ["Finding", "Patch", "all_patches", "check", "patches_for", "verify"]
+__all__ = ["Finding", "Patch", "all_patches", "check", "counted", "patches_for", "verify"]
 
 
 def generation_modules() -> tuple[ModuleType, ...]:
@@ -134,6 +134,18 @@ def verify(generation: Generation, platform: str, package: str = "vllm") -> list
             "unset VLLM_ASCEND_ROUTING."
         )
     return findings
+
+
+def counted(findings: Iterable[Finding]) -> str:
+    """``"12/14 patch targets + 6/6 relied-on symbols verified"``: what ``findings`` found, the rows the plugin
+    replaces apart from those it only relies on (``Patch.action``); an absent one here is optional (``verify``
+    refused the others)."""
+    tally = {REPLACE: [0, 0], RELY: [0, 0]}
+    for finding in findings:
+        tally[finding.patch.action][0] += finding.present
+        tally[finding.patch.action][1] += 1
+    (patched, patch_rows), (relied, rely_rows) = tally[REPLACE], tally[RELY]
+    return f"{patched}/{patch_rows} patch targets + {relied}/{rely_rows} relied-on symbols verified"
 
 
 def _present(patch: Patch) -> bool:
