@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from vllm_ascend_routing.compat.base import RunnerClass, RunnerHook
+from vllm_ascend_routing.releases import BINDER_METHOD
 
-# Where vLLM hands its capturer the buffer: the runner method (0.20-0.27) or a module function (0.28-0.30).
+# The manifest group of vLLM's capturer binder (``releases.BINDER_METHOD`` / ``BINDER_FUNCTION``): where it is
+# depends on the release, one of the group must exist.
 CAPTURER_BINDER = "vLLM's capturer binder"
 
 LOAD_MODEL = RunnerHook(
@@ -27,7 +29,7 @@ CAPTURER_HOOKS: tuple[RunnerHook, ...] = (
         "vLLM creates its capturer here; the runner is the binding runner meanwhile",
     ),
     RunnerHook(
-        "_bind_routed_experts_capturer",
+        BINDER_METHOD,
         ("self", "capturer"),
         "hand vLLM's capturer the prepared buffer (added where vLLM binds through a module function)",
         added_if_absent=True,

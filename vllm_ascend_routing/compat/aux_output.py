@@ -7,7 +7,7 @@ scheduler-side connector turns its per-step ``ModelRunnerOutput.aux_output_conne
 user's chunks (uint8/uint16 ``[num_tokens - 1 - prompt_start, num_hidden_layers, top_k]``). Upstream wires
 it into Model Runner V2 only. This adapter:
   * binds the target model's MoE layers at load (before vLLM compiles) to the plugin's static buffer, as
-    every generation does, and makes vLLM's binder (``worker.bind_routed_experts_capturer``) hand that
+    every generation does, and makes vLLM's binder (as the connector's worker imports it) hand that
     buffer to the connector's capturer instead of binding routers itself;
   * on Model Runner V2 leaves the connector's driving to vLLM;
   * on runners without connector code (vLLM's V1 runner, which the CPU runner and vllm-ascend's NPU
@@ -35,6 +35,7 @@ from vllm_ascend_routing.compat._common import attach_buffer, prepare_capture
 from vllm_ascend_routing.compat._runners import LOAD_MODEL, RUNNER_CLASSES
 from vllm_ascend_routing.compat.base import Generation, RunnerClass, RunnerHook, UnsupportedVllmError
 from vllm_ascend_routing.patching import RELY, Patch
+from vllm_ascend_routing.releases import BINDER_FUNCTION
 from vllm_ascend_routing.runner_state import as_binding_runner, binding_runner, prepared_capture
 
 logger = get_logger(__name__)
@@ -53,7 +54,7 @@ CONNECTOR_HOOKS: tuple[RunnerHook, ...] = (
 )
 _WORKER = "vllm.distributed.aux_output_connector.worker"
 BINDER = Patch(
-    f"{_WORKER}:bind_routed_experts_capturer",
+    f"{_WORKER}:{BINDER_FUNCTION}",
     "the connector's capturer is handed the buffer bound at load (vLLM would bind after compiling)",
     "vLLM binds before its first compile on every platform",
     _AUX,
