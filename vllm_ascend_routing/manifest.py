@@ -136,16 +136,16 @@ def verify(generation: Generation, platform: str, package: str = "vllm") -> list
     return findings
 
 
-def counted(findings: Iterable[Finding]) -> str:
-    """``"12/14 patch targets + 6/6 relied-on symbols verified"``: what ``findings`` found, the rows the plugin
-    replaces apart from those it only relies on (``Patch.action``); an absent one here is optional (``verify``
-    refused the others)."""
-    tally = {REPLACE: [0, 0], RELY: [0, 0]}
-    for finding in findings:
-        tally[finding.patch.action][0] += finding.present
-        tally[finding.patch.action][1] += 1
-    (patched, patch_rows), (relied, rely_rows) = tally[REPLACE], tally[RELY]
-    return f"{patched}/{patch_rows} patch targets + {relied}/{rely_rows} relied-on symbols verified"
+def counted(findings: list[Finding]) -> str:
+    """``"8 patch targets + 4 relied-on symbols verified (4 optional absent here)"``: what ``findings`` found
+    present, the symbols the plugin replaces apart from those it only relies on (``Patch.action``). An absent
+    one is optional (another release's location of a moved symbol): ``verify`` refused the others."""
+    found = [finding for finding in findings if finding.present]
+    patched = sum(finding.patch.action == REPLACE for finding in found)
+    relied = sum(finding.patch.action == RELY for finding in found)
+    absent = len(findings) - len(found)
+    text = f"{patched} patch targets + {relied} relied-on symbols verified"
+    return text + (f" ({absent} optional absent here)" if absent else "")
 
 
 def _present(patch: Patch) -> bool:
