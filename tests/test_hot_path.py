@@ -117,9 +117,9 @@ def test_capture_takes_the_op_where_the_host_kernel_does_not_serve() -> None:
 
     errors = torch.zeros(1, dtype=torch.int64)
     meta = LayerCapture(torch.zeros(8, 2, 4, dtype=torch.int16, device="meta"), 1, 64, errors)
-    assert not meta.recorder.writes_directly
+    assert not meta.writes_directly
     cpu = LayerCapture(torch.zeros(8, 2, 4, dtype=torch.int16), 1, 64, errors)
-    assert cpu.recorder.writes_directly
+    assert cpu.writes_directly
     ids = torch.zeros(3, 4, dtype=torch.int32)
     with OpLog() as log:
         cpu(ids)
@@ -136,7 +136,7 @@ def test_capture_takes_the_op_where_the_host_kernel_does_not_serve() -> None:
         cpu(torch.zeros(9, 4, dtype=torch.int32))  # more tokens than rows: never a silent partial write
     with pytest.MonkeyPatch.context() as forced:  # VLLM_ASCEND_ROUTING_FORCE_REFERENCE=1
         forced.setattr(_library, "HOST_KERNEL", False)
-        assert not LayerCapture(torch.zeros(8, 2, 4, dtype=torch.int16), 1, 64, errors).recorder.writes_directly
+        assert not LayerCapture(torch.zeros(8, 2, 4, dtype=torch.int16), 1, 64, errors).writes_directly
 
 
 def test_reference_kernel_has_no_syncing_op_on_the_capture_path() -> None:

@@ -110,5 +110,17 @@ def test_runner_rows_replace_hooked_methods_and_rely_on_subclasses_that_inherit_
         rows = manifest.patches_for(api.generation, platform)[: len(api.runner_hooks) * 4]
         for runner in api.runner_classes[platform]:
             mine = [row for row in rows if row.target.startswith(runner.path)]
-            expected = RELY if runner.inherits_hooks else REPLACE
+            expected = RELY if runner.hooks_optional else REPLACE
             assert mine and {row.action for row in mine} == {expected}, runner.path
+
+
+def test_the_start_up_count_tells_replaced_targets_from_relied_on_symbols() -> None:
+    replaced, relied = Patch("vllm.x:f", "why", "never"), Patch("vllm.x:C", "why", "never", action=RELY)
+    optional = Patch("vllm.x:g", "why", "never", required=False)
+    findings = [
+        manifest.Finding(replaced, True, None),
+        manifest.Finding(optional, False, None),  # absent here, and optional
+        manifest.Finding(relied, True, None),
+    ]
+    assert manifest.counted(findings) == "1 patch targets + 1 relied-on symbols verified (1 optional absent here)"
+    assert manifest.counted(findings[2:]) == "0 patch targets + 1 relied-on symbols verified"

@@ -49,11 +49,20 @@ def test_binding_records_zero_experts_as_ids(monkeypatch: pytest.MonkeyPatch) ->
 )
 def test_ids_vllm_would_wrap_are_refused(routed: int, zero: int, generation: str, refused: bool) -> None:
     prepared = SimpleNamespace(num_experts=routed, id_range=routed + zero)
+    narrowed = _narrowed_by_expert_count(generation)
     if refused:
         with pytest.raises(UnsupportedVllmError, match="ids from 256 on would wrap"):
-            refuse_unrepresentable_ids(prepared, generation)  # type: ignore[arg-type]
+            refuse_unrepresentable_ids(prepared, narrowed)  # type: ignore[arg-type]
     else:
-        refuse_unrepresentable_ids(prepared, generation)  # type: ignore[arg-type]
+        refuse_unrepresentable_ids(prepared, narrowed)  # type: ignore[arg-type]
+
+
+def _narrowed_by_expert_count(generation: str) -> bool:
+    """What the generation's adapter passes to ``prepare_capture``."""
+    from vllm_ascend_routing import manifest
+
+    api = next(api for api in manifest.adapters() if api.generation.value == generation)
+    return bool(api.narrowed_by_expert_count)  # type: ignore[attr-defined]
 
 
 def test_validation_and_replay_accept_the_zero_expert_range() -> None:

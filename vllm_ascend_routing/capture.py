@@ -29,10 +29,6 @@ class LayerCapture(LayerRecorder):
         """``[max_tokens, num_hidden_layers, top_k]`` int16, shared by the model's layers."""
         return self.out
 
-    @property
-    def recorder(self) -> LayerRecorder:
-        return self
-
 
 @dataclass(frozen=True)
 class PreparedCapture:
@@ -42,11 +38,12 @@ class PreparedCapture:
     buffer: torch.Tensor  # [max_tokens, num_hidden_layers, top_k] int16, zeroed
     errors: torch.Tensor
     num_experts: int  # routed experts
-    bound_layers: tuple[int, ...]  # the layer ids bound, ascending
+    # Every MoE layer id whose rows the buffer holds, ascending: bound by a backend at load, or left to vLLM's
+    # binder (``deferred``) until vLLM hands over its capturer; the always-on check covers them all.
+    layer_ids: tuple[int, ...]
     id_range: int  # ids recorded as valid: [0, id_range) (routed experts, then zero experts)
     sentinel: Sentinel
-    # Layers left to vLLM's own binder (``backends.upstream``), bound when vLLM hands over its capturer; their
-    # layer ids are in ``bound_layers`` (the always-on check covers their rows).
+    # Layers left to vLLM's own binder (``backends.upstream``), bound when vLLM hands over its capturer.
     deferred: tuple[torch.nn.Module, ...] = ()
 
     @classmethod
@@ -55,18 +52,19 @@ class PreparedCapture:
         buffer: torch.Tensor,
         errors: torch.Tensor,
         num_experts: int,
-        bound_layers: tuple[int, ...],
+        layer_ids: tuple[int, ...],
         id_range: int | None = None,
         deferred: tuple[torch.nn.Module, ...] = (),
     ) -> PreparedCapture:
-        layers = tuple(sorted(set(bound_layers)))
+        layers = tuple(sorted(set(layer_ids)))
         ids = num_experts if id_range is None else id_range
         sentinel = Sentinel.for_capture(buffer, errors, layers, ids)
         return cls(buffer, errors, num_experts, layers, ids, sentinel, deferred)
 
     @property
     def num_bound_layers(self) -> int:
-        return len(self.bound_layers)
+        """MoE layers recorded into the buffer (``layer_ids``), whichever binder binds them."""
+        return len(self.layer_ids)
 
 
 def new_error_counter(device: torch.device | str) -> torch.Tensor:

@@ -183,12 +183,6 @@ def coverage_lines(binder: dict[str, Any]) -> tuple[list[str], str | None]:
     return lines, None
 
 
-def coverage_report() -> tuple[list[str], str | None]:
-    """One line per kind of layer vLLM's own binder binds in this release (each class it names), with what the
-    plugin does about it; the problem when it names one the plugin does not know (it could lose those rows)."""
-    return coverage_lines(binder_coverage())
-
-
 def version_lines(versions: dict[str, Any]) -> list[tuple[str, str]]:
     """The versions ``environment_lines`` does not print already (vLLM is its first line)."""
     commit = f" (commit {versions['commit']}, from the {versions['commit_source']})" if versions["commit"] else ""

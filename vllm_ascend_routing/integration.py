@@ -56,13 +56,11 @@ def install() -> None:
                 when_imported(module_name, functools.partial(_patch_npu_runner, attr=attr, api=api))
     fixed = device == "cpu" and _cpu_compat.apply()
     logger.info(
-        "vllm-ascend-routing enabled: vLLM %s, API generation %s, platform %s, %d/%d patch targets verified, "
-        "kernel backend %s%s",
+        "vllm-ascend-routing enabled: vLLM %s, API generation %s, platform %s, %s, kernel backend %s%s",
         vllm_version(),
         api.generation.value,
         device,
-        sum(finding.present for finding in findings),
-        len(findings),
+        manifest.counted(findings),
         ops.kernel_backend(),
         ", CPU MoE compat fix applied" if fixed else "",
     )

@@ -21,9 +21,9 @@ from types import ModuleType
 from vllm_ascend_routing import _cpu_compat, envs, peers, releases, runner_mixin, validate
 from vllm_ascend_routing.backends import ascend, ascend_router, cpu_moe, zero_expert_router
 from vllm_ascend_routing.compat.base import CaptureAPI, Generation, UnsupportedVllmError
-from vllm_ascend_routing.patching import VALIDATION, Patch, problem, resolve
+from vllm_ascend_routing.patching import RELY, REPLACE, VALIDATION, Patch, problem, resolve
 
-__all__ = ["Finding", "Patch", "all_patches", "check", "patches_for", "verify"]
+__all__ = ["Finding", "Patch", "all_patches", "check", "counted", "patches_for", "verify"]
 
 
 def generation_modules() -> tuple[ModuleType, ...]:
@@ -134,6 +134,18 @@ def verify(generation: Generation, platform: str, package: str = "vllm") -> list
             "unset VLLM_ASCEND_ROUTING."
         )
     return findings
+
+
+def counted(findings: list[Finding]) -> str:
+    """``"8 patch targets + 4 relied-on symbols verified (4 optional absent here)"``: what ``findings`` found
+    present, the symbols the plugin replaces apart from those it only relies on (``Patch.action``). An absent
+    one is optional (another release's location of a moved symbol): ``verify`` refused the others."""
+    found = [finding for finding in findings if finding.present]
+    patched = sum(finding.patch.action == REPLACE for finding in found)
+    relied = sum(finding.patch.action == RELY for finding in found)
+    absent = len(findings) - len(found)
+    text = f"{patched} patch targets + {relied} relied-on symbols verified"
+    return text + (f" ({absent} optional absent here)" if absent else "")
 
 
 def _present(patch: Patch) -> bool:

@@ -42,8 +42,8 @@ class Patch:
     platform: str = "any"  # "any", "cpu", "npu"
     # False: absent in some supported releases, and the code applying it skips it there.
     required: bool = True
-    # Non-empty: at least one target of this group must exist (e.g. vLLM's binder moved from a runner
-    # method, 0.22-0.27, to a module function, 0.28-0.30: one of the two is where the buffer is handed over).
+    # Non-empty: at least one target of this group must exist (e.g. vLLM's capturer binder, a runner method or a
+    # module function by release, ``releases.BINDER_METHOD``: one of the two is where the buffer is handed over).
     one_of: str = ""
     releases: str = ""  # narrower than the generations' spans, e.g. "vLLM 0.28.0-0.30.0"
     feature: str = ""  # non-empty: applied (and verified) only while that feature is on, e.g. VALIDATION

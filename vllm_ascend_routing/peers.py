@@ -277,9 +277,3 @@ def worker_ready(runner: Any, rows_read_in_front_end: bool) -> None:
             text,
             MASTER_SWITCH,
         )
-
-
-def mark_checked_by_engine() -> None:
-    """For harnesses that drive a runner without an engine core (the engine's question stands answered)."""
-    global _checked_by_engine
-    _checked_by_engine = True

@@ -48,19 +48,26 @@ class GenerationReleases:
     markers: tuple[str, ...] = ()
 
 
-_CAPTURER = "vllm.model_executor.layers.fused_moe.routed_experts_capturer"
+# vLLM's routed-experts capturer module, and where vLLM hands its capturer to the MoE layers (its binder): the
+# model runner's method ``BINDER_METHOD`` in 0.20-0.27 (0.27's also binds monolithic kernels), then the module
+# function ``BINDER_FUNCTION`` of the capturer module (0.28+), imported by the runner modules (0.28-0.30) and by
+# the AuxOutput connector's worker (0.31+). Every hook, manifest row and call that names the binder takes it
+# from here.
+CAPTURER_MODULE = "vllm.model_executor.layers.fused_moe.routed_experts_capturer"
+BINDER_METHOD = "_bind_routed_experts_capturer"
+BINDER_FUNCTION = "bind_routed_experts_capturer"
 GENERATIONS: tuple[GenerationReleases, ...] = (
     GenerationReleases(Generation.SHM, "0.20.0", "0.20.2", True,
                        "the lowest supported vLLM is 0.22.0 or newer", obsolete_from="0.22.0",
-                       adapter="vllm_ascend_routing.compat.shm", markers=(f"{_CAPTURER}:RoutedExpertsReader",)),
+                       adapter="vllm_ascend_routing.compat.shm", markers=(f"{CAPTURER_MODULE}:RoutedExpertsReader",)),
     GenerationReleases(Generation.REVERTED, "0.21.0", "0.21.0", False,
                        "never implemented (upstream reverted it in 0.22.0)",
-                       markers=(f"{_CAPTURER}:bind_routing_capture_to_model",)),
+                       markers=(f"{CAPTURER_MODULE}:bind_routing_capture_to_model",)),
     GenerationReleases(Generation.RUNNER_OUTPUT, "0.22.0", "0.30.0", True,
                        "the lowest supported vLLM is 0.31.0 or newer", obsolete_from="0.31.0",
                        adapter="vllm_ascend_routing.compat.runner_output",
-                       markers=(f"{_CAPTURER}:RoutedExpertsManager", "vllm.v1.outputs:RoutedExpertsLists",
-                                f"!{_CAPTURER}:bind_routing_capture_to_model")),
+                       markers=(f"{CAPTURER_MODULE}:RoutedExpertsManager", "vllm.v1.outputs:RoutedExpertsLists",
+                                f"!{CAPTURER_MODULE}:bind_routing_capture_to_model")),
     GenerationReleases(Generation.AUX_OUTPUT, "0.31.0", "0.33.0", True,
                        "a later generation replaces vLLM's AuxOutput connector",
                        adapter="vllm_ascend_routing.compat.aux_output",

@@ -42,7 +42,7 @@ def runner_patches(
     """The manifest rows of ``hooks`` on each of ``classes`` (one platform's runner classes)."""
     rows: list[Patch] = []
     for runner in classes:
-        if runner.inherits_hooks:
+        if runner.hooks_optional:
             rows.append(
                 Patch(
                     runner.path,

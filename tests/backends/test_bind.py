@@ -140,3 +140,37 @@ def test_cpu_experts_shared_by_two_layers_is_refused() -> None:
     model.layers[2].quant_method.moe_kernel = model.layers[0].quant_method.moe_kernel
     with pytest.raises(RuntimeError, match="shared by two MoE layers"):
         bind(model)
+
+
+class FakeCaptureSource(torch.nn.Module):
+    """A module vLLM's binder binds by its own ``capture_fn`` (``RoutedExpertsCaptureSource``, vLLM 0.28+)."""
+
+    def __init__(self, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.capture_fn = None
+
+
+def test_capture_sources_outside_the_bound_layers_are_left_to_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second step: a capture source inside a bound MoE layer is that layer's, one on a layer id a backend
+    records is that backend's, any other is left to vLLM's binder (or refused without one)."""
+    from vllm_ascend_routing.backends import upstream
+
+    # vLLM's protocol check needs vLLM: here a capture source is this class (the rest is bind_model's own).
+    monkeypatch.setattr(upstream, "is_capture_source", lambda module: isinstance(module, FakeCaptureSource))
+    monkeypatch.setattr(upstream, "defers", lambda module: isinstance(module, FakeCaptureSource))
+    model = FakeModel(cpu=False, moe_layers=(0, 2), num_layers=3)
+    model.layers[0].inner = FakeCaptureSource(4)  # inside a bound layer: never bound apart
+    model.layers[1] = FakeCaptureSource(1)  # its own layer: vLLM's
+    model.extra = FakeCaptureSource(2)  # layer 2's routing is recorded by the router backend already
+    buffer = new_capture_buffer(4, 3, 2, 8, "cpu")
+    errors = new_error_counter("cpu")
+    deferred: list[tuple[int, torch.nn.Module]] = []
+    make = lambda layer_id, zero_experts: LayerCapture(buffer, layer_id, 8, errors)  # noqa: E731
+    bound = backends.bind_model(model, make, lambda layer_id, module: deferred.append((layer_id, module)))
+    assert bound == {"router": 2, "vllm": 1}
+    assert deferred == [(1, model.layers[1])]
+    alone = FakeModel(cpu=False, moe_layers=(0, 2), num_layers=3)
+    alone.layers[1] = FakeCaptureSource(1)
+    with pytest.raises(backends.UnboundLayerError, match="RoutedExpertsCaptureSource"):
+        backends.bind_model(alone, make)  # no binder to leave it to: refused, never zeros

@@ -189,8 +189,10 @@ def test_config_check_exempts_only_the_v1_runner_on_cpu() -> None:
     platform = CpuPlatform()
     seen: list[bool] = []
 
-    def upstream(config: Any) -> None:
-        seen.append(platform.is_out_of_tree())
+    def upstream(config: Any) -> None:  # vLLM's first rule: Model Runner V2, TPU or an out-of-tree platform
+        seen.append(config.use_v2_model_runner or platform.is_out_of_tree())
+        assert config.model_config.runner_type == "generate"  # every other attribute is the config's own
+        config.checked = True  # and so is what the check writes
 
     check = aux_output._accept_v1_runner_on_cpu(upstream)
     import sys
@@ -207,7 +209,8 @@ def test_config_check_exempts_only_the_v1_runner_on_cpu() -> None:
                 model_config=SimpleNamespace(runner_type=runner_type),
             )
 
-        check(config(enabled=True, v2=False))
+        v1 = config(enabled=True, v2=False)
+        check(v1)
         check(config(enabled=True, v2=True))
         check(config(enabled=False, v2=False))
         check(config(enabled=True, v2=False, runner_type="draft"))  # the drafter's copy: not checked at all
@@ -216,5 +219,6 @@ def test_config_check_exempts_only_the_v1_runner_on_cpu() -> None:
             del sys.modules["vllm.platforms"]
         else:
             sys.modules["vllm.platforms"] = saved
-    assert seen == [True, False, False]
-    assert platform.is_out_of_tree() is False  # restored
+    assert seen == [True, True, False]  # exempt: the V1 runner the plugin drives, and Model Runner V2; not off
+    assert v1.use_v2_model_runner is False and v1.checked is True  # the config itself is left as it was
+    assert platform.is_out_of_tree() is False and "is_out_of_tree" not in vars(platform)  # never rewritten

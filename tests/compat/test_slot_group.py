@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from vllm_ascend_routing.compat._common import misplaced_slot_group, refuse_misplaced_slots
+from vllm_ascend_routing.compat._common import misplaced_slot_group
 from vllm_ascend_routing.compat.base import UnsupportedVllmError
 from vllm_ascend_routing.compat.runner_output import RunnerOutputAPI
+from vllm_ascend_routing.compat.shm import refuse_misplaced_slots
 
 
 def runner_class(module: str) -> type:

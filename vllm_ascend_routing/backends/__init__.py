@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -118,29 +119,40 @@ def bind_model(
     (``upstream.defers``), for that binder to bind later; without it such a layer is refused. Counted as
     ``vllm``.
 
+    Two steps, in this order: every MoE layer (one per router) through its backend or left to vLLM; then the
+    modules vLLM binds by their own ``capture_fn`` outside those layers, on layer ids no backend recorded.
+
     Raises:
         UnboundLayerError: for a layer no backend can intercept, or a model with no MoE layer.
     """
-    bound: dict[str, int] = {}
-
-    deferred: set[int] = set()  # ids of the modules left to vLLM
-
-    def left_to_vllm(module: torch.nn.Module, layer_id: int) -> bool:
-        if defer is None or not upstream.defers(module):
-            return False
-        deferred.add(id(module))
-        defer(layer_id, module)
-        bound["vllm"] = bound.get("vllm", 0) + 1
-        return True
-
-    taken: list[str] = []  # names of the layers bound or deferred: their sub-modules are theirs
-    backend_layers: set[int] = set()  # layer ids a backend of this plugin records
+    binding = _ModelBinding(make_capture, defer)
     for name, module, layer_id in moe_layers(model):
-        taken.append(name)
+        binding.bind_layer(name, module, layer_id)
+    for name, module in model.named_modules():
+        binding.bind_capture_source(name, module)
+    if not binding.counts:
+        raise UnboundLayerError("No MoE layer found in the model: nothing to capture.")
+    return binding.counts
+
+
+@dataclass
+class _ModelBinding:
+    """One model's binding as ``bind_model`` walks it."""
+
+    make_capture: Callable[[int, int], LayerCapture]
+    defer: Callable[[int, torch.nn.Module], None] | None
+    counts: dict[str, int] = field(default_factory=dict)  # layers bound, per backend ("vllm": left to vLLM)
+    # The MoE layers of the first step and every module inside them (by identity): theirs, never bound apart.
+    owned: set[int] = field(default_factory=set)
+    recorded_ids: set[int] = field(default_factory=set)  # layer ids a backend of this plugin records
+
+    def bind_layer(self, name: str, module: torch.nn.Module, layer_id: int) -> None:
+        """One MoE layer: the first backend that handles it binds it; else vLLM's binder takes it, or refused."""
+        self.owned.update(id(part) for part in module.modules())
         backend = next((key for key, candidate in BACKENDS if candidate.handles(module)), None)
         if backend is None:
-            if left_to_vllm(module, layer_id):
-                continue
+            if self._left_to_vllm(module, layer_id):
+                return
             raise UnboundLayerError(
                 f"MoE layer {name!r}: no capture backend for router {type(module.router).__name__} "
                 f"/ quant method {type(quant_method(module)).__name__}; refusing instead of "
@@ -148,44 +160,53 @@ def bind_model(
             )
         chosen = dict(BACKENDS)[backend]
         counted = getattr(chosen, "zero_experts", None)
-        capture = make_capture(layer_id, int(counted(module)) if counted is not None else 0)
+        capture = self.make_capture(layer_id, int(counted(module)) if counted is not None else 0)
         chosen.bind(module, capture, name)
-        bound[backend] = bound.get(backend, 0) + 1
-        backend_layers.add(layer_id)
-    # Modules vLLM's binder binds by their own capture_fn (RoutedExpertsCaptureSource), outside the layers above
-    # and on layer ids no backend here records. (vllm-ascend's layers and their parts have a capture_fn too: an
-    # Ascend backend records them, and vllm-ascend's own capture stays off.)
-    for name, module in model.named_modules():
-        if id(module) in deferred or not upstream.is_capture_source(module):
-            continue
-        if any(name == other or name.startswith(other + ".") for other in taken):
-            continue
+        self._count(backend)
+        self.recorded_ids.add(layer_id)
+
+    def bind_capture_source(self, name: str, module: torch.nn.Module) -> None:
+        """A module vLLM's binder binds by its own ``capture_fn`` (``RoutedExpertsCaptureSource``), outside the
+        MoE layers and on a layer id no backend here records: left to vLLM, or refused. (vllm-ascend's layers
+        and their parts have a capture_fn too: an Ascend backend records them, vllm-ascend's own stays off.)"""
+        if id(module) in self.owned or not upstream.is_capture_source(module):
+            return
         layer_id = getattr(module, "layer_id")  # noqa: B009
         if not isinstance(layer_id, int):
             raise UnboundLayerError(f"MoE layer {name!r} ({type(module).__name__}) has no layer id ({layer_id!r}).")
-        if layer_id in backend_layers:
-            continue
-        if not left_to_vllm(module, layer_id):
+        if layer_id in self.recorded_ids:
+            return
+        if not self._left_to_vllm(module, layer_id):
             raise UnboundLayerError(
                 f"MoE layer {name!r} ({type(module).__name__}) records its routing through vLLM's "
                 "RoutedExpertsCaptureSource, which only vLLM's binder can bind, and this path hands nothing to it; "
                 "refusing instead of returning zeros."
             )
-    if not bound:
-        raise UnboundLayerError("No MoE layer found in the model: nothing to capture.")
-    return bound
+
+    def _left_to_vllm(self, module: torch.nn.Module, layer_id: int) -> bool:
+        if self.defer is None or not upstream.defers(module):
+            return False
+        self.owned.add(id(module))
+        self.defer(layer_id, module)
+        self._count("vllm")
+        return True
+
+    def _count(self, backend: str) -> None:
+        self.counts[backend] = self.counts.get(backend, 0) + 1
 
 
 def splits_tokens(vllm_config: Any) -> bool:
     """Whether the backend in use splits a step's tokens over the TP ranks before routing (vllm-ascend)."""
-    return _on_ascend() and ascend_config.splits_tokens(vllm_config)
+    return _vllm_ascend_loaded() and ascend_config.splits_tokens(vllm_config)
 
 
 def refuse_unsupported_config(vllm_config: Any) -> None:
     """Raise ``UnsupportedVllmError`` for a configuration whose routing no backend can see (vllm-ascend's xlite)."""
-    if _on_ascend():
+    if _vllm_ascend_loaded():
         ascend_config.refuse_unsupported(vllm_config)
 
 
-def _on_ascend() -> bool:
+def _vllm_ascend_loaded() -> bool:
+    """Whether vllm-ascend is imported in this process (its platform plugin loaded): its backends and its
+    configuration then apply. Not a platform check: vLLM's ``current_platform`` is never consulted here."""
     return "vllm_ascend" in sys.modules

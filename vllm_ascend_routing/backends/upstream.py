@@ -7,7 +7,7 @@ From vLLM 0.28 a module-level ``bind_routed_experts_capturer(model, capturer)`` 
     logical ids; 0.33's DeepGEMM MegaMoE experts);
   * monolithic kernels whose experts declare ``supports_routing_replay_capture()`` (FlashInfer TRT-LLM), through
     a ``RoutedExpertsSink`` (0.32+) or ``fused_experts.set_capture_fn`` (0.28-0.31; on 0.27 the runner's own
-    ``_bind_routed_experts_capturer`` does it, ``deferral_binder``).
+    binder method does it, ``deferral_binder``).
 The last two record ids from inside vLLM's kernels, where the plugin has no hook of its own. It defers them:
 vLLM's binder runs on exactly those layers once vLLM hands over its capturer (whose buffer is then the
 plugin's), so they are bound as without the plugin, and the always-on check covers their rows too.
@@ -21,20 +21,18 @@ from __future__ import annotations
 import dis
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from vllm_ascend_routing import patching
 from vllm_ascend_routing.backends._layer import is_vllm_ascend_layer, quant_method
+from vllm_ascend_routing.releases import BINDER_FUNCTION, BINDER_METHOD, CAPTURER_MODULE
 
-CAPTURER = "vllm.model_executor.layers.fused_moe.routed_experts_capturer"
-BINDER = f"{CAPTURER}:bind_routed_experts_capturer"
+CAPTURER = CAPTURER_MODULE
+BINDER = f"{CAPTURER}:{BINDER_FUNCTION}"
 CAPTURE_SOURCE = f"{CAPTURER}:RoutedExpertsCaptureSource"
-SINK = f"{CAPTURER}:RoutedExpertsSink"
 MONOLITHIC_EXPERTS = "vllm.model_executor.layers.fused_moe.modular_kernel:FusedMoEExpertsMonolithic"
-ROUTER = "vllm.model_executor.layers.fused_moe.router.base_router:BaseRouter"
 RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 
 # Classes vLLM's binder may name, and what each is to this plugin. Any other class it names is a new seam.
@@ -61,16 +59,31 @@ def binder() -> Callable[[Any, Any], None] | None:
 def deferral_binder() -> Callable[[Any, Any], None] | None:
     """What binds the layers left to vLLM: its module-level binder (0.28+), or on 0.27, whose runner method
     already binds monolithic kernels, that method as vLLM wrote it (unwrapped from the plugin's hook) on a
-    stand-in runner whose model is the deferred layers; ``None`` before (nothing is left to vLLM there)."""
+    ``_ModelOnlyRunner`` whose model is the deferred layers; ``None`` before (nothing is left to vLLM there).
+    Why this is kept as it is: docs/architecture.md, "Seams kept as they are"."""
     found = binder()
     if found is not None:
         return found
-    runner_class = _resolved(RUNNER)
-    method = getattr(runner_class, "_bind_routed_experts_capturer", None)
-    original = patching.original_of(method)
-    if original is None or "FusedMoEExpertsMonolithic" not in referenced_classes(original):
+    original = patching.original_of(getattr(_resolved(RUNNER), BINDER_METHOD, None))
+    if original is None or not _binds_monolithic_kernels(original):
         return None
-    return lambda model, capturer: original(SimpleNamespace(model=model), capturer)
+    return lambda model, capturer: original(_ModelOnlyRunner(model), capturer)
+
+
+def _binds_monolithic_kernels(runner_method: Callable[..., Any]) -> bool:
+    """Whether vLLM's runner method binds monolithic kernels' experts (0.27), not routers only (0.20-0.26):
+    it names ``FusedMoEExpertsMonolithic``, which only that binding needs."""
+    return "FusedMoEExpertsMonolithic" in referenced_classes(runner_method)
+
+
+class _ModelOnlyRunner:
+    """The ``self`` vLLM 0.27's runner binder method is called with: it reads ``self.model`` only (its
+    ``modules()``); any other attribute raises, never a default."""
+
+    __slots__ = ("model",)
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
 
 
 def _resolved(target: str) -> Any:

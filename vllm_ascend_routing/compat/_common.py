@@ -16,6 +16,7 @@ from vllm_ascend_routing.capture import (
     new_capture_buffer,
     new_error_counter,
 )
+from vllm_ascend_routing.compat._runners import GROUP_0_SNAPSHOT_MODULES
 from vllm_ascend_routing.compat.base import UnsupportedVllmError
 from vllm_ascend_routing.parallel import RankLayout
 
@@ -29,21 +30,33 @@ _PARALLELISM_REFUSED = {
 
 
 def prepare_capture(
-    model: torch.nn.Module, vllm_config: Any, device: torch.device, generation: str, shape: tuple[int, int, int]
+    model: torch.nn.Module,
+    vllm_config: Any,
+    device: torch.device,
+    generation: str,
+    shape: tuple[int, int, int],
+    *,
+    narrowed_by_expert_count: bool,
 ) -> PreparedCapture:
     """At model load, for an engine that returns routed experts: refuse what cannot be served exactly, then
-    bind the target model's MoE layers to a ``[max_num_batched_tokens, *shape[:2]]`` buffer."""
+    bind the target model's MoE layers to a ``[max_num_batched_tokens, *shape[:2]]`` buffer.
+
+    Args:
+        generation: the generation's name, for messages.
+        narrowed_by_expert_count: the generation's array is narrowed by the routed expert count
+            (``refuse_unrepresentable_ids``).
+    """
     refuse_unsupported_config(vllm_config, generation)
     num_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
     prepared = bind_target_model(model, num_tokens, shape, device, rank_layout(vllm_config))
-    refuse_unrepresentable_ids(prepared, generation)
+    refuse_unrepresentable_ids(prepared, narrowed_by_expert_count)
     return prepared
 
 
-def refuse_unrepresentable_ids(prepared: PreparedCapture, generation: str) -> None:
-    """vLLM 0.22+ narrows the array by the routed expert count (uint8 up to 256): refuse zero experts' ids
-    that would wrap there (the 0.20.x store is this plugin's and is sized for them)."""
-    if generation != "shm" and prepared.num_experts <= 256 < prepared.id_range:
+def refuse_unrepresentable_ids(prepared: PreparedCapture, narrowed_by_expert_count: bool) -> None:
+    """Where the generation's array is narrowed by the routed expert count (uint8 up to 256 experts), refuse
+    zero experts' ids that would wrap there."""
+    if narrowed_by_expert_count and prepared.num_experts <= 256 < prepared.id_range:
         raise UnsupportedVllmError(
             f"vllm-ascend-routing: this model's zero experts have ids up to {prepared.id_range - 1}, but vLLM sizes "
             f"its routed-experts array for {prepared.num_experts} routed experts (uint8): ids from 256 on would "
@@ -68,13 +81,6 @@ def attach_buffer(prepared: PreparedCapture, capturer: Any) -> None:
     backends.upstream.bind(prepared.deferred, capturer)
 
 
-# vllm-ascend's V1 runner snapshots the routed-experts slot mapping of KV cache group 0 (its own
-# ``_build_attention_metadata``), where vLLM's runners snapshot the first full-attention group, the one the
-# scheduler reads rows back by. They differ in hybrid models (Qwen3.5, Qwen3-Next: linear-attention groups come
-# first), where group 0's slots would file every row under another group's slot numbers.
-_GROUP_0_SNAPSHOT_RUNNER = "vllm_ascend.worker.model_runner_v1"
-
-
 def attention_kv_group(runner: Any) -> int:
     """The KV cache group whose slots key routed-experts rows, as vLLM's runner computed it (0.20-0.27: the
     runner's ``routed_experts_attn_gid``; 0.28+: its capturer's ``attn_gid``)."""
@@ -86,23 +92,13 @@ def attention_kv_group(runner: Any) -> int:
 
 def misplaced_slot_group(runner: Any) -> int | None:
     """The attention group whose slots the runner should have snapshotted, where it snapshots group 0
-    instead (vllm-ascend's V1 runner on a hybrid model); ``None`` where its snapshot is right."""
+    instead (a runner class marked ``snapshots_kv_group_0``, on a hybrid model); ``None`` where its snapshot
+    is right. Such a runner files rows under group 0's slots, where the scheduler reads them back by the
+    attention group's: in hybrid models (Qwen3.5, Qwen3-Next: linear-attention groups first) they differ."""
     gid = attention_kv_group(runner)
-    if gid == 0 or not any(cls.__module__ == _GROUP_0_SNAPSHOT_RUNNER for cls in type(runner).__mro__):
+    if gid == 0 or not any(cls.__module__ in GROUP_0_SNAPSHOT_MODULES for cls in type(runner).__mro__):
         return None
     return gid
-
-
-def refuse_misplaced_slots(runner: Any) -> None:
-    """For generations that cannot re-take the snapshot (vLLM 0.20.x copies it to the host inside the
-    runner's own step): refuse a runner that would ship another KV group's slots."""
-    gid = misplaced_slot_group(runner)
-    if gid is not None:
-        raise UnsupportedVllmError(
-            f"vllm-ascend-routing: vllm-ascend's V1 runner keys routed-experts rows by KV cache group 0's slots, "
-            f"but this hybrid model's attention is group {gid}: rows would be filed under the wrong tokens. "
-            "Upgrade to vllm-ascend 0.23.0 or newer (the plugin corrects it there) or unset VLLM_ASCEND_ROUTING."
-        )
 
 
 def refuse_unsupported_config(vllm_config: Any, generation: str) -> None:

@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from vllm_ascend_routing.compat.base import RunnerClass, RunnerHook
+from vllm_ascend_routing.releases import BINDER_METHOD
 
-# Where vLLM hands its capturer the buffer: the runner method (0.20-0.27) or a module function (0.28-0.30).
+# The manifest group of vLLM's capturer binder (``releases.BINDER_METHOD`` / ``BINDER_FUNCTION``): where it is
+# depends on the release, one of the group must exist.
 CAPTURER_BINDER = "vLLM's capturer binder"
 
 LOAD_MODEL = RunnerHook(
@@ -27,7 +29,7 @@ CAPTURER_HOOKS: tuple[RunnerHook, ...] = (
         "vLLM creates its capturer here; the runner is the binding runner meanwhile",
     ),
     RunnerHook(
-        "_bind_routed_experts_capturer",
+        BINDER_METHOD,
         ("self", "capturer"),
         "hand vLLM's capturer the prepared buffer (added where vLLM binds through a module function)",
         added_if_absent=True,
@@ -45,13 +47,22 @@ RUNNER_CLASSES: Mapping[str, tuple[RunnerClass, ...]] = {
     # The CPU runners subclass the GPU ones and override load_model, so they are hooked too.
     "cpu": (
         *_GPU,
-        RunnerClass("vllm.v1.worker.cpu_model_runner:CPUModelRunner", True, inherits_hooks=True),
-        RunnerClass("vllm.v1.worker.cpu.model_runner:CPUModelRunner", False, inherits_hooks=True),
+        RunnerClass("vllm.v1.worker.cpu_model_runner:CPUModelRunner", True, hooks_optional=True),
+        RunnerClass("vllm.v1.worker.cpu.model_runner:CPUModelRunner", False, hooks_optional=True),
     ),
     # vllm-ascend's runners override the hooked methods: hooked when the worker imports them.
     "npu": (
         *_GPU,
-        RunnerClass("vllm_ascend.worker.model_runner_v1:NPUModelRunner", True),
+        # Its own _build_attention_metadata snapshots the routed-experts slot mapping of KV cache group 0.
+        RunnerClass("vllm_ascend.worker.model_runner_v1:NPUModelRunner", True, snapshots_kv_group_0=True),
         RunnerClass("vllm_ascend.worker.v2.model_runner:NPUModelRunner", False),
     ),
 }
+# Modules of the runner classes whose routed-experts slot snapshot is KV cache group 0's, not the attention
+# group's (``_common.misplaced_slot_group``).
+GROUP_0_SNAPSHOT_MODULES = frozenset(
+    runner.path.partition(":")[0]
+    for runners in RUNNER_CLASSES.values()
+    for runner in runners
+    if runner.snapshots_kv_group_0
+)

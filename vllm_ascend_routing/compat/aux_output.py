@@ -7,7 +7,7 @@ scheduler-side connector turns its per-step ``ModelRunnerOutput.aux_output_conne
 user's chunks (uint8/uint16 ``[num_tokens - 1 - prompt_start, num_hidden_layers, top_k]``). Upstream wires
 it into Model Runner V2 only. This adapter:
   * binds the target model's MoE layers at load (before vLLM compiles) to the plugin's static buffer, as
-    every generation does, and makes vLLM's binder (``worker.bind_routed_experts_capturer``) hand that
+    every generation does, and makes vLLM's binder (as the connector's worker imports it) hand that
     buffer to the connector's capturer instead of binding routers itself;
   * on Model Runner V2 leaves the connector's driving to vLLM;
   * on runners without connector code (vLLM's V1 runner, which the CPU runner and vllm-ascend's NPU
@@ -20,8 +20,7 @@ it into Model Runner V2 only. This adapter:
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -36,6 +35,7 @@ from vllm_ascend_routing.compat._common import attach_buffer, prepare_capture
 from vllm_ascend_routing.compat._runners import LOAD_MODEL, RUNNER_CLASSES
 from vllm_ascend_routing.compat.base import Generation, RunnerClass, RunnerHook, UnsupportedVllmError
 from vllm_ascend_routing.patching import RELY, Patch
+from vllm_ascend_routing.releases import BINDER_FUNCTION
 from vllm_ascend_routing.runner_state import as_binding_runner, binding_runner, prepared_capture
 
 logger = get_logger(__name__)
@@ -54,7 +54,7 @@ CONNECTOR_HOOKS: tuple[RunnerHook, ...] = (
 )
 _WORKER = "vllm.distributed.aux_output_connector.worker"
 BINDER = Patch(
-    f"{_WORKER}:bind_routed_experts_capturer",
+    f"{_WORKER}:{BINDER_FUNCTION}",
     "the connector's capturer is handed the buffer bound at load (vLLM would bind after compiling)",
     "vLLM binds before its first compile on every platform",
     _AUX,
@@ -91,19 +91,28 @@ def _attach_prepared_buffer(model: torch.nn.Module, capturer: Any) -> None:
     attach_buffer(prepared, capturer)  # snapshot_routing_data narrows it to uint8/uint16
 
 
-@contextlib.contextmanager
-def _out_of_tree(platform: Any) -> Iterator[None]:
-    platform.is_out_of_tree = lambda: True
-    try:
-        yield
-    finally:
-        del platform.is_out_of_tree
+class _ConnectorDrivenByPlugin:
+    """A ``VllmConfig`` as vLLM's AuxOutput check reads it where the plugin drives the connector the way Model
+    Runner V2 does: ``use_v2_model_runner`` is True, every other attribute (read or written) is the config's
+    own. Only this call sees it: vLLM's platform and the config itself are left as they are."""
+
+    use_v2_model_runner = True
+
+    def __init__(self, config: Any) -> None:
+        object.__setattr__(self, "_config", config)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._config, name, value)
 
 
 def _accept_v1_runner_on_cpu(verify: Callable[[Any], None]) -> Callable[[Any], None]:
     """vLLM's check refuses the connector on in-tree platforms unless Model Runner V2 runs (which needs
-    Triton: never on the CPU build). With the plugin driving it from the V1 runner, the CPU is treated
-    like the out-of-tree platforms the check exempts; every other condition is still checked."""
+    Triton: never on the CPU build). With the plugin driving it from the V1 runner as Model Runner V2 would
+    (vLLM exempts out-of-tree platforms, which drive it themselves, the same way), the check is run on the
+    config as that runner would present it; every other condition is still checked."""
 
     def verify_aux_output_compatibility(self: Any) -> None:
         from vllm.platforms import current_platform
@@ -111,8 +120,7 @@ def _accept_v1_runner_on_cpu(verify: Callable[[Any], None]) -> Callable[[Any], N
         if current_platform.is_cpu() and self.aux_output_config.enabled and not self.use_v2_model_runner:
             if getattr(self.model_config, "runner_type", None) == "draft":
                 return  # the draft model's copy of the target's config: the target's runner drives the connector
-            with _out_of_tree(current_platform):
-                return verify(self)
+            return verify(_ConnectorDrivenByPlugin(self))
         return verify(self)
 
     return verify_aux_output_compatibility
@@ -136,6 +144,7 @@ class AuxOutputAPI:
     runner_hooks: tuple[RunnerHook, ...] = CONNECTOR_HOOKS
     runner_classes: Mapping[str, tuple[RunnerClass, ...]] = RUNNER_CLASSES
     rows_read_in_front_end = False  # rows travel through vLLM's AuxOutput connector
+    narrowed_by_expert_count = True  # vLLM returns the array as uint8 where the routed experts fit it
 
     def routed_experts_requested(self, vllm_config: Any) -> bool:
         return bool(vllm_config.aux_output_config.enable_return_routed_experts)
@@ -160,7 +169,14 @@ class AuxOutputAPI:
     def prepare(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> PreparedCapture | None:
         if not self.routed_experts_requested(vllm_config):
             return None
-        return prepare_capture(model, vllm_config, device, self.generation.value, self.routing_shape(vllm_config))
+        return prepare_capture(
+            model,
+            vllm_config,
+            device,
+            self.generation.value,
+            self.routing_shape(vllm_config),
+            narrowed_by_expert_count=self.narrowed_by_expert_count,
+        )
 
     def attach(self, runner: Any, prepared: PreparedCapture, capturer: Any) -> None:
         attach_buffer(prepared, capturer)  # snapshot_routing_data narrows it to uint8/uint16

@@ -58,9 +58,13 @@ class RunnerClass:
 
     path: str
     required: bool  # False: absent from some supported releases (then skipped)
-    # True: a subclass that gets the hooks through its base class's methods; the manifest checks that the class
-    # exists, not its methods (a CPU runner overrides some of them, and those are hooked on it too).
-    inherits_hooks: bool = False
+    # True: a subclass of a hooked class. Its own overrides of the hooked methods are hooked too (a CPU runner
+    # overrides load_model), but which ones it overrides varies by release: the manifest requires the class
+    # only (one ``RELY`` row), not each hooked method on it.
+    hooks_optional: bool = False
+    # True: its routed-experts slot-mapping snapshot is KV cache group 0's where vLLM's runners take the first
+    # full-attention group's (``_common.misplaced_slot_group``: re-taken, or refused where it cannot be).
+    snapshots_kv_group_0: bool = False
 
     @property
     def in_vllm_ascend(self) -> bool:

@@ -9,9 +9,8 @@ existing sync) and ships ``RoutedExpertsLists`` on ``ModelRunnerOutput.routed_ex
   * at model load (before vLLM compiles the model during profiling), target-model MoE layers only are
     bound, through whichever backend routes them (``backends``), to a static int16 buffer (half the bytes
     of upstream's int32 per step), written by the ``record_topk_ids`` custom op;
-  * when vLLM creates its capturer, ``_bind_routed_experts_capturer`` (0.22-0.27) or the module function
-    ``bind_routed_experts_capturer(model, capturer)`` the runners import (0.28-0.30, both runners) hands
-    it that buffer instead of binding layers.
+  * when vLLM creates its capturer, its binder (the runner method, or the module function the runners
+    import: ``releases.BINDER_METHOD`` / ``BINDER_FUNCTION``) hands it that buffer instead of binding layers.
 
 SCAFFOLDING: remove when the lowest supported vLLM is >= 0.31 (AuxOutput connector only).
 """
@@ -35,15 +34,16 @@ from vllm_ascend_routing.compat.base import (
     UnsupportedVllmError,
 )
 from vllm_ascend_routing.patching import Patch
+from vllm_ascend_routing.releases import BINDER_FUNCTION, BINDER_METHOD
 from vllm_ascend_routing.runner_state import binding_runner
 
-# The module-level binder (0.28-0.30), as each runner module imported it; absent in older releases.
+# The module-level binder (0.28-0.30 here), as each runner module imported it; absent in older releases.
 _BINDER_WHY = "vLLM's module-level binder, as the runner imported it, routes to the runner's bind hook"
 PATCHES = (
-    Patch("vllm.v1.worker.gpu_model_runner:bind_routed_experts_capturer", _BINDER_WHY,
+    Patch(f"vllm.v1.worker.gpu_model_runner:{BINDER_FUNCTION}", _BINDER_WHY,
           "the lowest supported vLLM is 0.31.0 or newer", (Generation.RUNNER_OUTPUT,), ("model", "capturer"),
           required=False, one_of=CAPTURER_BINDER, releases="vLLM 0.28.0-0.30.0"),
-    Patch("vllm.v1.worker.gpu.model_runner:bind_routed_experts_capturer", _BINDER_WHY + " (Model Runner V2)",
+    Patch(f"vllm.v1.worker.gpu.model_runner:{BINDER_FUNCTION}", _BINDER_WHY + " (Model Runner V2)",
           "the lowest supported vLLM is 0.31.0 or newer", (Generation.RUNNER_OUTPUT,), ("model", "capturer"),
           required=False, releases="vLLM 0.28.0-0.30.0"),
 )  # fmt: skip
@@ -57,7 +57,7 @@ def _bind_through_runner(model: torch.nn.Module, capturer: Any) -> None:
             "vllm-ascend-routing: routed-experts binding called outside a patched model runner's "
             "init_routed_experts_capturer(); this runner class is not supported."
         )
-    runner._bind_routed_experts_capturer(capturer)
+    getattr(runner, BINDER_METHOD)(capturer)
 
 
 _V2_CAPTURER = "vllm.v1.worker.gpu.model_runner:GPUModelRunner.init_routed_experts_capturer"
@@ -77,6 +77,7 @@ class RunnerOutputAPI(StepHooksNotUsed):
     runner_hooks: tuple[RunnerHook, ...] = CAPTURER_HOOKS
     runner_classes: Mapping[str, tuple[RunnerClass, ...]] = RUNNER_CLASSES
     rows_read_in_front_end = False  # rows travel in vLLM's runner output
+    narrowed_by_expert_count = True  # vLLM returns the array as uint8 where the routed experts fit it
 
     def routed_experts_requested(self, vllm_config: Any) -> bool:
         return bool(vllm_config.model_config.enable_return_routed_experts)
@@ -111,7 +112,14 @@ class RunnerOutputAPI(StepHooksNotUsed):
                 "added it; on 0.26-0.27 it would return no routed experts, and vllm-ascend 0.27.1rc1's V2 runner "
                 "fails at start-up); unset VLLM_USE_V2_MODEL_RUNNER or unset VLLM_ASCEND_ROUTING."
             )
-        return prepare_capture(model, vllm_config, device, self.generation.value, self.routing_shape(vllm_config))
+        return prepare_capture(
+            model,
+            vllm_config,
+            device,
+            self.generation.value,
+            self.routing_shape(vllm_config),
+            narrowed_by_expert_count=self.narrowed_by_expert_count,
+        )
 
     def after_forward(self, runner: Any, prepared: PreparedCapture, num_tokens: int) -> None:
         """vLLM's runner copies the buffer to the host itself, asynchronously. Where the runner snapshotted

@@ -28,10 +28,16 @@ import torch
 from vllm_ascend_routing import contract, patching
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import PreparedCapture
-from vllm_ascend_routing.compat._common import prepare_capture, refuse_misplaced_slots
+from vllm_ascend_routing.compat._common import misplaced_slot_group, prepare_capture
 from vllm_ascend_routing.compat._runners import CAPTURER_HOOKS, RUNNER_CLASSES
 from vllm_ascend_routing.compat._shm_store import SegmentReader, SegmentSpec, SegmentWriter
-from vllm_ascend_routing.compat.base import Generation, RunnerClass, RunnerHook, StepHooksNotUsed
+from vllm_ascend_routing.compat.base import (
+    Generation,
+    RunnerClass,
+    RunnerHook,
+    StepHooksNotUsed,
+    UnsupportedVllmError,
+)
 from vllm_ascend_routing.patching import Patch
 
 logger = get_logger(__name__)
@@ -214,11 +220,24 @@ class _CaptureOff:
         return None
 
 
+def refuse_misplaced_slots(runner: Any) -> None:
+    """vLLM 0.20.x copies the slot snapshot to the host inside the runner's own step, so it cannot be re-taken
+    (runner-output does): refuse a runner that would ship another KV group's slots."""
+    gid = misplaced_slot_group(runner)
+    if gid is not None:
+        raise UnsupportedVllmError(
+            f"vllm-ascend-routing: vllm-ascend's V1 runner keys routed-experts rows by KV cache group 0's slots, "
+            f"but this hybrid model's attention is group {gid}: rows would be filed under the wrong tokens. "
+            "Upgrade to vllm-ascend 0.23.0 or newer (the plugin corrects it there) or unset VLLM_ASCEND_ROUTING."
+        )
+
+
 class ShmAPI(StepHooksNotUsed):
     generation = Generation.SHM
     runner_hooks: tuple[RunnerHook, ...] = CAPTURER_HOOKS
     runner_classes: Mapping[str, tuple[RunnerClass, ...]] = RUNNER_CLASSES
     rows_read_in_front_end = True  # the front-end reads the plugin's shared-memory store
+    narrowed_by_expert_count = False  # the plugin's own store, sized for every id (zero experts' too)
 
     def routed_experts_requested(self, vllm_config: Any) -> bool:
         return bool(vllm_config.model_config.enable_return_routed_experts)
@@ -234,7 +253,14 @@ class ShmAPI(StepHooksNotUsed):
     def prepare(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> PreparedCapture | None:
         if not self.routed_experts_requested(vllm_config):
             return None
-        return prepare_capture(model, vllm_config, device, self.generation.value, _routing_shape(vllm_config))
+        return prepare_capture(
+            model,
+            vllm_config,
+            device,
+            self.generation.value,
+            _routing_shape(vllm_config),
+            narrowed_by_expert_count=self.narrowed_by_expert_count,
+        )
 
     def attach(self, runner: Any, prepared: PreparedCapture, capturer: Any) -> None:
         refuse_misplaced_slots(runner)
