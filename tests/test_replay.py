@@ -42,7 +42,9 @@ def vllm_rows(
 def test_align_0_22_rows_start_at_prompt_start(dtype: type, prompt_start: int) -> None:
     prompt_len, output_len = 6, 4  # T = 10: rows for tokens prompt_start..8, token 9 never forwarded
     routed = vllm_rows(10 - 1 - prompt_start, 3, 2, 8, dense=(1,), dtype=dtype)
-    routes, valid = align(routed, prompt_len, output_len, prompt_start)
+    aligned = align(routed, prompt_len, output_len, prompt_start)
+    assert aligned.parts[0] is routed  # vLLM's array itself: no copy, its dtype
+    routes, valid = aligned.routes, aligned.valid
     assert routes.shape == (10, 3, 2) and routes.dtype == np.int64 and valid.dtype == bool
     assert valid.tolist() == [t >= prompt_start for t in range(9)] + [False]
     np.testing.assert_array_equal(routes[prompt_start:9], routed.astype(np.int64))
@@ -51,7 +53,8 @@ def test_align_0_22_rows_start_at_prompt_start(dtype: type, prompt_start: int) -
 
 def test_align_0_20_int32_has_every_row_but_the_last() -> None:
     routed = vllm_rows(9, 2, 2, 8, dtype=np.int32)
-    routes, valid = align(routed, 6, 4)
+    aligned = align(routed, 6, 4)
+    routes, valid = aligned.routes, aligned.valid
     assert valid.tolist() == [True] * 9 + [False]
     np.testing.assert_array_equal(routes[:9], routed)
 
@@ -108,7 +111,8 @@ def test_moe_layers_refuses_a_config_it_cannot_read() -> None:
 def test_check_rules_on_vllm_rows_and_on_aligned_routes() -> None:
     routed = vllm_rows(9, 3, 2, 8, dense=(1,))
     assert check(routed, 8, (0, 2)) == []
-    routes, valid = align(routed, 6, 4)
+    aligned = align(routed, 6, 4)
+    routes, valid = aligned.routes, aligned.valid
     assert check(routes, 8, (0, 2), valid=valid) == []  # the INVALID last row is not a recorded row
     assert [v.what for v in check(routes, 8, (0, 2))][:1] == ["non-zero ids in a dense layer"]
     bad = routed.copy()
@@ -164,6 +168,25 @@ def test_to_megatron_more_than_256_experts_and_int32_rows() -> None:
     assert [t.shape for t in replay_data.indices] == [(42, top_k)] * 2
     assert int(replay_data.indices[1].max()) > 255
     np.testing.assert_array_equal(replay_data.indices[1][21:41].numpy(), old.routes[:20, 1])
+
+
+@pytest.mark.parametrize(
+    ("num_experts", "vllm_dtype", "narrow"),
+    [
+        (8, np.uint8, torch.uint8),
+        (256, np.int32, torch.uint8),
+        (300, np.uint16, torch.int16),
+        (40000, np.int32, torch.int32),
+    ],
+)
+def test_to_megatron_stays_narrow_and_widens_per_layer(num_experts: int, vllm_dtype: type, narrow: torch.dtype) -> None:
+    """The block keeps a narrow dtype (dense layers never copied); one layer at a time becomes int64."""
+    routed = vllm_rows(9, 3, 2, num_experts, dense=(1,), dtype=vllm_dtype)
+    data = to_megatron([align(routed, 6, 4)], (0, 2), num_experts, pad_to=4)
+    assert data.ids.dtype == narrow and tuple(data.ids.shape) == (2, 12, 2)  # [MoE layers, N, top_k]
+    wide = data.layer(1, torch.device("cpu"))
+    assert wide.dtype == torch.int64
+    np.testing.assert_array_equal(wide[:9].numpy(), routed[:, 2].astype(np.int64))
 
 
 def test_to_megatron_refuses_broken_rows() -> None:
