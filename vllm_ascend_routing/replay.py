@@ -357,7 +357,7 @@ def to_megatron(
     return MegatronReplay(torch.from_numpy(out), torch.from_numpy(valid_out), tuple(rank_layers))
 
 
-_CHECK_IDS = 1 << 18  # ids per contract-check chunk: its int64 temporaries stay a few MB
+_CHECK_IDS = 1 << 16  # ids per contract-check chunk: its int64 temporaries stay under a few MB
 
 
 def _narrow_dtype(id_range: int) -> np.dtype[Any]:
