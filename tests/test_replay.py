@@ -290,6 +290,91 @@ def test_slime_row_count_rule_is_aligns() -> None:
         assert not slime_accepts(len(routed), 9 + 6, start=prompt_start + 1)
 
 
+# ---- every row sent once: multi-turn conversations, GRPO groups ----
+
+
+def conversation_rows(turns: int, seed: int = 0) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """One conversation's rows as a full re-request of its last turn returns them (row t = token t), and
+    each turn's (context tokens, output tokens): 5 new user tokens and 4 generated per turn."""
+    lengths, context = [], 6
+    for _ in range(turns):
+        lengths.append((context, 4))
+        context += 4 + 5
+    total = lengths[-1][0] + lengths[-1][1]
+    return vllm_rows(total - 1, 3, 2, 8, dense=(1,), seed=seed), lengths
+
+
+def test_conversation_keeps_each_row_once_and_rebuilds_the_whole() -> None:
+    full, lengths = conversation_rows(4)
+    conversation = replay.Conversation()
+    sent = 0
+    for context, output in lengths:
+        start = conversation.prompt_start
+        routed = full[start : context + output - 1]  # what vLLM 0.22+ returns with routed_experts_prompt_start
+        assert conversation.add_turn(routed, context, output, start) == len(routed)
+        sent += len(routed)
+    whole = conversation.aligned()
+    assert sent == len(full) and whole.num_tokens == len(full) + 1 and conversation.nbytes == full.nbytes
+    np.testing.assert_array_equal(whole.routes[:-1], full.astype(np.int64))
+    resent = sum(context + output - 1 for context, output in lengths)  # every turn re-requesting every row
+    assert resent == 2.5 * sent  # 4 turns: 9 + 18 + 27 + 36 rows sent for 36 (multi-turn rows once)
+    packed = to_megatron([whole], (0, 2), 8)
+    np.testing.assert_array_equal(packed.layer(1)[:-1].numpy(), full[:, 2])
+
+
+def test_conversation_refuses_a_turn_asked_from_elsewhere() -> None:
+    full, lengths = conversation_rows(2)
+    conversation = replay.Conversation()
+    (c0, o0), (c1, o1) = lengths
+    conversation.add_turn(full[: c0 + o0 - 1], c0, o0, 0)
+    with pytest.raises(
+        ValueError, match=r"prompt_start=0, but 9 rows are held: ask with conversation.prompt_start \(9\)"
+    ):
+        conversation.add_turn(full[: c1 + o1 - 1], c1, o1, 0)  # verl's agent loop: every row again
+    with pytest.raises(ValueError, match="a turn of 3 context tokens after a conversation of 10"):
+        conversation.add_turn(full[:2], 3, 1, 0)
+
+
+def test_conversation_on_0_20_int32_drops_the_rows_held() -> None:
+    full, lengths = conversation_rows(3, seed=2)
+    wide = full.astype(np.int32)  # 0.20.x: no prompt_start, every row from token 0 each turn
+    conversation = replay.Conversation()
+    for context, output in lengths:
+        conversation.add_turn(wide[: context + output - 1], context, output, 0)
+    np.testing.assert_array_equal(np.concatenate(conversation.aligned().parts), wide)
+
+
+def test_share_prompt_holds_a_groups_prompt_rows_once() -> None:
+    prompt_len, outputs, prompt_start = 12, [5, 9, 1, 7], 2
+    prompt = vllm_rows(prompt_len - prompt_start, 3, 2, 8, dense=(1,), seed=1)
+    group = [
+        np.concatenate([prompt, vllm_rows(out - 1, 3, 2, 8, dense=(1,), seed=10 + i)]) for i, out in enumerate(outputs)
+    ]
+    shared = replay.share_prompt(group, prompt_len, outputs, prompt_start)
+    assert shared.nbytes == sum(g.nbytes for g in group) - (len(group) - 1) * prompt.nbytes
+    for i, (routed, out) in enumerate(zip(group, outputs, strict=True)):
+        rebuilt, direct = shared.sample(i), align(routed, prompt_len, out, prompt_start)
+        assert rebuilt.num_tokens == direct.num_tokens and rebuilt.first == direct.first
+        np.testing.assert_array_equal(rebuilt.routes, direct.routes)
+    direct = [align(g, prompt_len, out, prompt_start) for g, out in zip(group, outputs, strict=True)]
+    packed = to_megatron([shared.sample(i) for i in range(4)], (0, 2), 8, pad_to=4)
+    assert torch.equal(packed.ids, to_megatron(direct, (0, 2), 8, pad_to=4).ids)
+
+
+def test_share_prompt_refuses_prompt_rows_that_differ() -> None:
+    prompt_len, outputs = 8, [4, 4]
+    group = [vllm_rows(prompt_len + 3, 3, 2, 8, dense=(1,), seed=s) for s in (1, 1)]
+    group[1] = group[1].copy()
+    group[1][5, 2] = (group[1][5, 2] + 1) % 8  # sample 1 routed prompt token 5 otherwise (no prefix cache)
+    with pytest.raises(ValueError, match=r"sample 1's prompt rows differ.*token 5 layer 2.*send its rows whole"):
+        replay.share_prompt(group, prompt_len, outputs)
+    group[1][5, 2] = group[0][5, 2]
+    group[1][prompt_len, 0] = (group[1][prompt_len, 0] + 1) % 8  # a response row: not shared, not compared
+    assert len(replay.share_prompt(group, prompt_len, outputs).responses) == 2
+    with pytest.raises(ValueError, match="T-1-prompt_start = 10 rows"):
+        replay.share_prompt(group, prompt_len, [3, 4])
+
+
 # ---- the runtime plugin never imports the bridge ----
 
 
