@@ -224,6 +224,41 @@ def test_megatron_refuses_narrow_ids(fresh_replay: None) -> None:
 # ---- the model's own routers, rows without recorded routing kept native ----
 
 
+@pytest.mark.parametrize("order", ["fifo", "lifo"])
+def test_keep_native_follows_each_micro_batch_into_its_recompute(order: str, fresh_replay: None) -> None:
+    """Two micro-batches set before their recomputes (as pipeline schedules do): each recompute keeps its own
+    micro-batch's rows native, whichever end of the backward list the class takes it from (stock: the first)."""
+    from vllm_ascend_routing.replay import keep_native
+
+    class LastFirst(RouterReplay):  # a RouterReplay that recomputes the newest micro-batch first
+        def get_replay_topk(self, scores: Any, topk: int, *args: Any, **kwargs: Any) -> Any:
+            if self.router_replay_action == RouterReplayAction.REPLAY_BACKWARD:
+                top = self.replay_backward_list.pop()
+                return scores.gather(1, top), top
+            return super().get_replay_topk(scores, topk, *args, **kwargs)
+
+    instance = RouterReplay() if order == "fifo" else LastFirst()
+    ids = [torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]]), torch.tensor([[7, 6], [5, 4], [3, 2], [1, 0]])]
+    masks = [torch.tensor([True, False, True, False]), torch.tensor([False, True, True, True])]
+    torch.manual_seed(3)
+    logits = torch.randn(4, 8)
+    native = routing_sets(topk_routing_with_score_function(logits, 2)[1])
+
+    def routed(action: Any) -> list[frozenset[int]]:
+        instance.set_router_replay_action(action)
+        return routing_sets(topk_routing_with_score_function(logits, 2, router_replay=instance)[1])
+
+    def want(m: int) -> list[frozenset[int]]:
+        return [frozenset(ids[m][n].tolist()) if masks[m][n] else native[n] for n in range(4)]
+
+    for m in (0, 1):  # each micro-batch's forward
+        instance.set_target_indices(ids[m])
+        keep_native(instance, ids[m], masks[m])
+        assert routed(RouterReplayAction.REPLAY_FORWARD) == want(m)
+    for m in (0, 1) if order == "fifo" else (1, 0):  # the recomputes
+        assert routed(RouterReplayAction.REPLAY_BACKWARD) == want(m), f"recompute of micro-batch {m}"
+
+
 def route(routers: list[Any], logits: list[torch.Tensor]) -> list[list[frozenset[int]]]:
     with torch.no_grad():
         return [routing_sets(router.routing(x)[1]) for router, x in zip(routers, logits, strict=True)]

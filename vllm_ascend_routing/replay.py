@@ -731,7 +731,9 @@ def keep_native(router_replay: Any, indices: torch.Tensor, mask: torch.Tensor) -
 
     Stock Megatron replays every row it is given; a row without recorded routing would run through the filler
     ids. ``indices`` must be the tensor just given to ``set_target_indices``: the mask follows it into the
-    backward list. Costs one native top-k per routed forward, on the scores the router computed anyway.
+    backward list (the one the class's method took off that list, compared before and after the call, so
+    no pop order is assumed). Costs one native top-k per routed forward, on the scores the router computed
+    anyway. Why an instance is wrapped here, outside ``patching``: docs/architecture.md.
     """
     state = router_replay.__dict__.get("_vllm_ascend_routing_native")
     if state is None:
@@ -748,11 +750,12 @@ def keep_native(router_replay: Any, indices: torch.Tensor, mask: torch.Tensor) -
             import torch
 
             action = getattr(router_replay.router_replay_action, "value", None)
-            ids = router_replay.target_topk_idx if action == "replay_forward" else None
-            if action == "replay_backward" and router_replay.replay_backward_list:
-                ids = router_replay.replay_backward_list[0]  # the one the class's method pops
-            mask = None if ids is None else state.mask_for(ids)
+            before = list(router_replay.replay_backward_list)
             probs, top = replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+            ids = router_replay.target_topk_idx if action == "replay_forward" else None
+            if action == "replay_backward":
+                ids = _taken(before, router_replay.replay_backward_list)
+            mask = None if ids is None else state.mask_for(ids)
             state.prune([router_replay.target_topk_idx, *router_replay.replay_backward_list])
             if mask is None:
                 return probs, top
@@ -768,6 +771,13 @@ def keep_native(router_replay: Any, indices: torch.Tensor, mask: torch.Tensor) -
     if mask.shape != indices.shape[:1]:
         raise AlignmentError(f"a replay mask of shape {tuple(mask.shape)} for ids of shape {tuple(indices.shape)}")
     state.masks.append((indices, mask.bool()))
+
+
+def _taken(before: list[Any], after: list[Any]) -> Any:
+    """The tensor the class's method took off the backward list (wherever it took it from), or None."""
+    if len(after) != len(before) - 1:
+        return None
+    return next((b for b, a in zip(before, after, strict=False) if b is not a), before[-1])
 
 
 def recorded_routes(model: Any, layers: Sequence[int]) -> list[torch.Tensor]:
