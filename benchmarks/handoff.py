@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The replay bridge's host memory and time at RL sizes, before and after the narrow bridge, and a rank's shard.
 
-    python benchmarks/handoff.py [--long] [--samples 4]      (make bench-handoff [LONG=1])
+    python benchmarks/handoff.py [--long] [--samples 2]      (make bench-handoff [LONG=1])
 
 Synthetic arrays of the real shapes, as vLLM returns them (distinct ids per MoE row, dense rows zero, the
 contract's dtype): DeepSeek-V3 (61 layers, the first 3 dense, top-8 of 256, uint8), Qwen3-235B-A22B (94 MoE
@@ -165,7 +165,7 @@ def mib(n: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--long", action="store_true", help=f"also {LONG_TOKENS} tokens (about 8 GB for 'before')")
-    parser.add_argument("--samples", type=int, default=4, help="samples per measurement")
+    parser.add_argument("--samples", type=int, default=2, help="samples per measurement (the ratios do not depend on it)")
     parser.add_argument("--no-before", action="store_true", help="skip the int64 bridge")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
