@@ -7,7 +7,7 @@
 Synthetic arrays of the real shapes, as vLLM returns them (distinct ids per MoE row, dense rows zero, the
 contract's dtype): DeepSeek-V3 (61 layers, the first 3 dense, top-8 of 256, uint8), Qwen3-235B-A22B (94 MoE
 layers, top-8 of 128, uint8), Kimi-K2 (61 layers, the first dense, top-8 of 384, uint16); ``--samples``
-samples of 4k and 32k tokens each (``--long``: also 128k, about 8 GB at peak for the old bridge). Each
+samples of 4k and 32k tokens each (``--long``: also 128k; the old bridge takes 2-3 GB per 128k sample). Each
 measurement runs in a fresh subprocess: the arrays are made, the process's peak RSS is reset
 (``/proc/self/clear_refs``), then ``align`` of every sample and one ``to_megatron`` (``pad_to=4``) run;
 printed: peak RSS above the arrays, as a ratio to the input bytes, and the wall time. "before" is the bridge
@@ -164,8 +164,8 @@ def mib(n: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--long", action="store_true", help=f"also {LONG_TOKENS} tokens (about 8 GB for 'before')")
-    parser.add_argument("--samples", type=int, default=2, help="samples per measurement (the ratios do not depend on it)")
+    parser.add_argument("--long", action="store_true", help=f"also {LONG_TOKENS} tokens ('before': 2-3 GB a sample)")
+    parser.add_argument("--samples", type=int, default=2, help="samples per measurement (the ratios do not vary)")
     parser.add_argument("--no-before", action="store_true", help="skip the int64 bridge")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -357,7 +357,7 @@ def to_megatron(
     return MegatronReplay(torch.from_numpy(out), torch.from_numpy(valid_out), tuple(rank_layers))
 
 
-_CHECK_IDS = 1 << 16  # ids per contract-check chunk: its int64 temporaries stay under a few MB
+_CHECK_IDS = 1 << 14  # ids per contract-check chunk: its int64 temporaries stay a few hundred KB
 
 
 def _narrow_dtype(id_range: int) -> np.dtype[Any]:
@@ -486,11 +486,18 @@ def for_nemo_rl(aligned: Aligned | tuple[np.ndarray, np.ndarray], num_experts: i
     token 0. This puts the rows at their tokens and the prompt rows before ``prompt_start`` on native routing.
     A signed dtype also spares NeMo RL's conversion the uint16 arrays (more than 256 experts) it fails on.
     """
-    if isinstance(aligned, Aligned):
-        routes, valid = aligned.routes, aligned.valid
-    else:
-        routes, valid = np.asarray(aligned[0]), np.asarray(aligned[1], dtype=bool)
     dtype = next(d for d in (np.int8, np.int16, np.int32) if num_experts - 1 <= np.iinfo(d).max)
+    if isinstance(aligned, Aligned):  # written in the carry dtype directly, never widened to int64
+        out = np.full((aligned.num_tokens - 1, *aligned.parts[0].shape[1:]), INVALID, dtype=dtype)
+        token = aligned.first
+        for part in aligned.parts:
+            part = part[: max(0, aligned.num_tokens - 1 - token)]  # the last token has no row in NeMo RL's form
+            if part.size and (part.max() >= num_experts or part.min() < 0):
+                raise ValueError(f"an expert id outside [0, {num_experts}) in the recorded rows")
+            out[token : token + len(part)] = part
+            token += len(part)
+        return out
+    routes, valid = np.asarray(aligned[0]), np.asarray(aligned[1], dtype=bool)
     rows = routes[:-1].copy()
     rows[~valid[:-1]] = INVALID
     if rows.size and (rows.max() >= num_experts or rows[valid[:-1]].min(initial=0) < 0):
