@@ -14,7 +14,7 @@ TRAINER_ENVS ?= trainer-0.16.1 trainer-0.19.2
 VENV          = $$($(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: dist gpu-check test venvs test-unit test-native test-static test-ascend test-trainer test-e2e test-spec test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-kernel bench-sentinel matrix matrix-ascend
+.PHONY: dist gpu-check test venvs test-unit test-native test-static test-ascend test-trainer test-e2e test-spec test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-handoff bench-kernel bench-sentinel matrix matrix-ascend
 
 ## make dist: the sdist and the pure-Python py3-none-any wheel (version in the names) in dist/, for offline installs
 ## (pip install --no-index --no-deps dist/vllm_ascend_routing-*.whl); native kernels stay opt-in source builds
@@ -202,6 +202,12 @@ bench-check:
 ## make bench-sentinel: per-step cost of the always-on check next to the capture's, on every device present
 bench-sentinel:
 	@py=$(call VENV,dev) && $$py benchmarks/sentinel.py
+
+## make bench-handoff [LONG=1]: host memory and time of the replay bridge (align + to_megatron) before and after
+## the narrow bridge, as ratios to vLLM's bytes, on DeepSeek-V3, Qwen3-235B and Kimi-K2 shapes (4k, 32k; LONG: 128k),
+## and the bytes one rank materialises under DP 8 x PP 8 x CP 2
+bench-handoff:
+	@py=$(call VENV,dev) && PYTHONPATH=$(CURDIR) $$py benchmarks/handoff.py $(if $(LONG),--long)
 
 ## make bench-kernel: bytes/s of record_topk_ids next to a same-size memcpy, on every device present
 bench-kernel:

@@ -42,7 +42,9 @@ def vllm_rows(
 def test_align_0_22_rows_start_at_prompt_start(dtype: type, prompt_start: int) -> None:
     prompt_len, output_len = 6, 4  # T = 10: rows for tokens prompt_start..8, token 9 never forwarded
     routed = vllm_rows(10 - 1 - prompt_start, 3, 2, 8, dense=(1,), dtype=dtype)
-    routes, valid = align(routed, prompt_len, output_len, prompt_start)
+    aligned = align(routed, prompt_len, output_len, prompt_start)
+    assert aligned.parts[0] is routed  # vLLM's array itself: no copy, its dtype
+    routes, valid = aligned.routes, aligned.valid
     assert routes.shape == (10, 3, 2) and routes.dtype == np.int64 and valid.dtype == bool
     assert valid.tolist() == [t >= prompt_start for t in range(9)] + [False]
     np.testing.assert_array_equal(routes[prompt_start:9], routed.astype(np.int64))
@@ -51,7 +53,8 @@ def test_align_0_22_rows_start_at_prompt_start(dtype: type, prompt_start: int) -
 
 def test_align_0_20_int32_has_every_row_but_the_last() -> None:
     routed = vllm_rows(9, 2, 2, 8, dtype=np.int32)
-    routes, valid = align(routed, 6, 4)
+    aligned = align(routed, 6, 4)
+    routes, valid = aligned.routes, aligned.valid
     assert valid.tolist() == [True] * 9 + [False]
     np.testing.assert_array_equal(routes[:9], routed)
 
@@ -108,7 +111,8 @@ def test_moe_layers_refuses_a_config_it_cannot_read() -> None:
 def test_check_rules_on_vllm_rows_and_on_aligned_routes() -> None:
     routed = vllm_rows(9, 3, 2, 8, dense=(1,))
     assert check(routed, 8, (0, 2)) == []
-    routes, valid = align(routed, 6, 4)
+    aligned = align(routed, 6, 4)
+    routes, valid = aligned.routes, aligned.valid
     assert check(routes, 8, (0, 2), valid=valid) == []  # the INVALID last row is not a recorded row
     assert [v.what for v in check(routes, 8, (0, 2))][:1] == ["non-zero ids in a dense layer"]
     bad = routed.copy()
@@ -166,6 +170,25 @@ def test_to_megatron_more_than_256_experts_and_int32_rows() -> None:
     np.testing.assert_array_equal(replay_data.indices[1][21:41].numpy(), old.routes[:20, 1])
 
 
+@pytest.mark.parametrize(
+    ("num_experts", "vllm_dtype", "narrow"),
+    [
+        (8, np.uint8, torch.uint8),
+        (256, np.int32, torch.uint8),
+        (300, np.uint16, torch.int16),
+        (40000, np.int32, torch.int32),
+    ],
+)
+def test_to_megatron_stays_narrow_and_widens_per_layer(num_experts: int, vllm_dtype: type, narrow: torch.dtype) -> None:
+    """The block keeps a narrow dtype (dense layers never copied); one layer at a time becomes int64."""
+    routed = vllm_rows(9, 3, 2, num_experts, dense=(1,), dtype=vllm_dtype)
+    data = to_megatron([align(routed, 6, 4)], (0, 2), num_experts, pad_to=4)
+    assert data.ids.dtype == narrow and tuple(data.ids.shape) == (2, 12, 2)  # [MoE layers, N, top_k]
+    wide = data.layer(1, torch.device("cpu"))
+    assert wide.dtype == torch.int64
+    np.testing.assert_array_equal(wide[:9].numpy(), routed[:, 2].astype(np.int64))
+
+
 def test_to_megatron_refuses_broken_rows() -> None:
     routed = vllm_rows(9, 3, 2, 8, dense=(1,))
     with pytest.raises(ValueError, match="sample 0 .*layer 1 row 0: the same expert twice"):
@@ -178,6 +201,25 @@ def test_to_megatron_refuses_broken_rows() -> None:
         to_megatron([align(routed, 6, 4)], (0, 3), 8)
     with pytest.raises(ValueError, match="sample 1"):
         to_megatron([align(routed, 6, 4), align(vllm_rows(9, 3, 4, 8, dense=(1,)), 6, 4)], (0, 2), 8)
+
+
+def test_shard_materialises_only_the_ranks_rows_and_layers() -> None:
+    """A rank's shard is its slice of the whole (Megatron's own split: tests/test_replay_megatron.py); bad
+    layouts are refused naming the padding Megatron needs."""
+    samples = [align(vllm_rows(11 - 1, 4, 2, 8, dense=(1,), seed=s), 6, 5) for s in range(4)]  # T = 11, padded 12
+    whole = to_megatron(samples, (0, 2, 3), 8, pad_to=4)
+    part = to_megatron(samples, (0, 2, 3), 8, pad_to=4, shard=replay.Shard(dp_rank=1, dp_size=2, layers=(2, 3, 4)))
+    assert part.layers == (2, 3) and tuple(part.ids.shape) == (2, 24, 2)  # samples 2 and 3, MoE layers 2 and 3
+    half = to_megatron(samples[2:], (0, 2, 3), 8, pad_to=4)
+    assert torch.equal(part.ids, half.ids[1:]) and torch.equal(part.valid, half.valid)
+    cp = to_megatron(samples, (0, 2, 3), 8, pad_to=4, shard=replay.Shard(cp_rank=1, cp_size=2))
+    assert torch.equal(cp.ids[:, :6], torch.cat([whole.ids[:, 3:6], whole.ids[:, 6:9]], 1))  # chunks 1 and 2 of 4
+    with pytest.raises(ValueError, match=r"12 tokens \(padded\) do not split over cp_size=4.*multiple of 8"):
+        to_megatron(samples, (0, 2), 8, pad_to=4, shard=replay.Shard(cp_size=4))
+    with pytest.raises(ValueError, match="4 samples do not split into dp_size=3"):
+        to_megatron(samples, (0, 2), 8, shard=replay.Shard(dp_size=3))
+    with pytest.raises(ValueError, match=r"cp_rank=2 outside \[0, cp_size=2\)"):
+        to_megatron(samples, (0, 2), 8, pad_to=4, shard=replay.Shard(cp_rank=2, cp_size=2))
 
 
 def test_mask_forms_for_verl_and_nemo_rl() -> None:
@@ -246,6 +288,91 @@ def test_slime_row_count_rule_is_aligns() -> None:
         assert slime_accepts(len(routed), 9 + 6, start=prompt_start)  # slime's start offset = prompt_start
         align(routed, 9, 6, prompt_start)  # the same rule
         assert not slime_accepts(len(routed), 9 + 6, start=prompt_start + 1)
+
+
+# ---- every row sent once: multi-turn conversations, GRPO groups ----
+
+
+def conversation_rows(turns: int, seed: int = 0) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """One conversation's rows as a full re-request of its last turn returns them (row t = token t), and
+    each turn's (context tokens, output tokens): 5 new user tokens and 4 generated per turn."""
+    lengths, context = [], 6
+    for _ in range(turns):
+        lengths.append((context, 4))
+        context += 4 + 5
+    total = lengths[-1][0] + lengths[-1][1]
+    return vllm_rows(total - 1, 3, 2, 8, dense=(1,), seed=seed), lengths
+
+
+def test_conversation_keeps_each_row_once_and_rebuilds_the_whole() -> None:
+    full, lengths = conversation_rows(4)
+    conversation = replay.Conversation()
+    sent = 0
+    for context, output in lengths:
+        start = conversation.prompt_start
+        routed = full[start : context + output - 1]  # what vLLM 0.22+ returns with routed_experts_prompt_start
+        assert conversation.add_turn(routed, context, output, start) == len(routed)
+        sent += len(routed)
+    whole = conversation.aligned()
+    assert sent == len(full) and whole.num_tokens == len(full) + 1 and conversation.nbytes == full.nbytes
+    np.testing.assert_array_equal(whole.routes[:-1], full.astype(np.int64))
+    resent = sum(context + output - 1 for context, output in lengths)  # every turn re-requesting every row
+    assert resent == 2.5 * sent  # 4 turns: 9 + 18 + 27 + 36 rows sent for 36 (multi-turn rows once)
+    packed = to_megatron([whole], (0, 2), 8)
+    np.testing.assert_array_equal(packed.layer(1)[:-1].numpy(), full[:, 2])
+
+
+def test_conversation_refuses_a_turn_asked_from_elsewhere() -> None:
+    full, lengths = conversation_rows(2)
+    conversation = replay.Conversation()
+    (c0, o0), (c1, o1) = lengths
+    conversation.add_turn(full[: c0 + o0 - 1], c0, o0, 0)
+    with pytest.raises(
+        ValueError, match=r"prompt_start=0, but 9 rows are held: ask with conversation.prompt_start \(9\)"
+    ):
+        conversation.add_turn(full[: c1 + o1 - 1], c1, o1, 0)  # verl's agent loop: every row again
+    with pytest.raises(ValueError, match="a turn of 3 context tokens after a conversation of 10"):
+        conversation.add_turn(full[:2], 3, 1, 0)
+
+
+def test_conversation_on_0_20_int32_drops_the_rows_held() -> None:
+    full, lengths = conversation_rows(3, seed=2)
+    wide = full.astype(np.int32)  # 0.20.x: no prompt_start, every row from token 0 each turn
+    conversation = replay.Conversation()
+    for context, output in lengths:
+        conversation.add_turn(wide[: context + output - 1], context, output, 0)
+    np.testing.assert_array_equal(np.concatenate(conversation.aligned().parts), wide)
+
+
+def test_share_prompt_holds_a_groups_prompt_rows_once() -> None:
+    prompt_len, outputs, prompt_start = 12, [5, 9, 1, 7], 2
+    prompt = vllm_rows(prompt_len - prompt_start, 3, 2, 8, dense=(1,), seed=1)
+    group = [
+        np.concatenate([prompt, vllm_rows(out - 1, 3, 2, 8, dense=(1,), seed=10 + i)]) for i, out in enumerate(outputs)
+    ]
+    shared = replay.share_prompt(group, prompt_len, outputs, prompt_start)
+    assert shared.nbytes == sum(g.nbytes for g in group) - (len(group) - 1) * prompt.nbytes
+    for i, (routed, out) in enumerate(zip(group, outputs, strict=True)):
+        rebuilt, direct = shared.sample(i), align(routed, prompt_len, out, prompt_start)
+        assert rebuilt.num_tokens == direct.num_tokens and rebuilt.first == direct.first
+        np.testing.assert_array_equal(rebuilt.routes, direct.routes)
+    direct = [align(g, prompt_len, out, prompt_start) for g, out in zip(group, outputs, strict=True)]
+    packed = to_megatron([shared.sample(i) for i in range(4)], (0, 2), 8, pad_to=4)
+    assert torch.equal(packed.ids, to_megatron(direct, (0, 2), 8, pad_to=4).ids)
+
+
+def test_share_prompt_refuses_prompt_rows_that_differ() -> None:
+    prompt_len, outputs = 8, [4, 4]
+    group = [vllm_rows(prompt_len + 3, 3, 2, 8, dense=(1,), seed=s) for s in (1, 1)]
+    group[1] = group[1].copy()
+    group[1][5, 2] = (group[1][5, 2] + 1) % 8  # sample 1 routed prompt token 5 otherwise (no prefix cache)
+    with pytest.raises(ValueError, match=r"sample 1's prompt rows differ.*token 5 layer 2.*send its rows whole"):
+        replay.share_prompt(group, prompt_len, outputs)
+    group[1][5, 2] = group[0][5, 2]
+    group[1][prompt_len, 0] = (group[1][prompt_len, 0] + 1) % 8  # a response row: not shared, not compared
+    assert len(replay.share_prompt(group, prompt_len, outputs).responses) == 2
+    with pytest.raises(ValueError, match="T-1-prompt_start = 10 rows"):
+        replay.share_prompt(group, prompt_len, [3, 4])
 
 
 # ---- the runtime plugin never imports the bridge ----

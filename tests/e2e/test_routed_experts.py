@@ -57,6 +57,34 @@ def test_prefix_cache_repeat_identical(scenario: Any, arch: str, mode: str) -> N
 
 
 @pytest.mark.parametrize(("arch", "mode"), RUNS)
+def test_rows_sent_once(scenario: Any, arch: str, mode: str) -> None:
+    """The bridge's dedup on the same engine's outputs: the two samples of the prefix-cached prompt share
+    their prompt rows (replay.share_prompt: identical, held once), and a second turn of that conversation
+    asks only for its new rows (0.22+: routed_experts_prompt_start) and keeps each row once (0.20.x: drops
+    the rows held); the conversation's rows are the reference's for every token."""
+    result = scenario("offline", "--arch", arch, "--mode", mode, "--prompts", str(NUM_PROMPTS))
+    group = result["prefix_repeat"]["shared_prompt"]
+    assert "error" not in group, group
+    rows = scenarios.LONG_PROMPT + scenarios.MAX_TOKENS - 1
+    assert group["rows_before"] == 2 * rows
+    assert group["rows_after"] == scenarios.LONG_PROMPT + 2 * (scenarios.MAX_TOKENS - 1)
+    assert group["bytes_after"] * group["rows_before"] == group["bytes_before"] * group["rows_after"]
+    turn = result["multi_turn"]
+    assert "error" not in turn, turn
+    assert turn["ok"], turn["problems"]
+    assert turn["rows"] == turn["matched"] > 0
+    context = rows + 1 + 5  # the first turn's tokens and 5 new ones
+    assert turn["rows_kept"] == context + scenarios.MAX_TOKENS - 1
+    assert turn["rows_if_resent"] == rows + turn["rows_kept"]
+    if turn["prompt_start"]:  # 0.22+: vLLM sends each row once
+        assert turn["prompt_start"] == rows and turn["rows_received"] == turn["rows_kept"]
+    print(
+        f"{arch} {mode}: GRPO pair {group['rows_before']} -> {group['rows_after']} rows; two turns "
+        f"{turn['rows_if_resent']} -> {turn['rows_received']} received, {turn['rows_kept']} kept, exact"
+    )
+
+
+@pytest.mark.parametrize(("arch", "mode"), RUNS)
 def test_chunked_prefill_exact(scenario: Any, arch: str, mode: str) -> None:
     chunked = scenario("offline", "--arch", arch, "--mode", mode, "--prompts", str(NUM_PROMPTS))["chunked_prefill"]
     assert chunked["prompt_tokens"] > chunked["max_num_batched_tokens"]

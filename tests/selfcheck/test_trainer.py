@@ -34,11 +34,11 @@ def recorded(inference: TrainerModel, prompt: list[int], response: list[int]) ->
     return align(forward.routes[:-1].astype(np.uint8), len(prompt), len(response)), forward.logprobs[len(prompt) - 1 :]
 
 
-def shifted_by_one(aligned: Aligned) -> Aligned:
-    """A consumer that puts row i on token i + 1."""
+def shifted_by_one(aligned: Aligned) -> tuple[np.ndarray, np.ndarray]:
+    """A consumer that puts row i on token i + 1: ``(routes, valid)``, the pair form ``to_megatron`` takes."""
     routes, valid = np.full_like(aligned.routes, INVALID), np.zeros_like(aligned.valid)
     routes[1:], valid[1:] = aligned.routes[:-1], aligned.valid[:-1]
-    return Aligned(routes, valid)
+    return routes, valid
 
 
 def dense_misindexed(aligned: Aligned, num_moe_layers: int) -> MegatronReplay:

@@ -98,6 +98,8 @@ def run_offline(
         and np.array_equal(chunked.routed_experts, repeat.routed_experts)
     )
     out["prefix_repeat"]["cached_tokens"] = repeat.num_cached_tokens
+    out["prefix_repeat"]["shared_prompt"] = shared_prompt([chunked, repeat])
+    out["multi_turn"] = second_turn(llm, reference, model, chunked, dtype)
 
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -107,6 +109,57 @@ def run_offline(
         out.update(after(llm))
     out["sentinel"] = offline.sentinel_totals(llm)
     return out
+
+
+def shared_prompt(group: list[offline.Completion]) -> dict[str, Any]:
+    """The bridge's GRPO sharing on samples of one prompt served from the prefix cache: rows received and kept."""
+    from vllm_ascend_routing import replay
+
+    arrays = [c.routed_experts for c in group]
+    if any(a is None for a in arrays):
+        return {"error": "no routed_experts"}
+    prompt_len = len(group[0].prompt_ids)
+    try:
+        shared = replay.share_prompt(arrays, prompt_len, [len(c.output_ids) for c in group])  # type: ignore[arg-type]
+    except ValueError as error:
+        return {"error": str(error)}
+    return {
+        "samples": len(group),
+        "rows_before": sum(len(a) for a in arrays if a is not None),
+        "rows_after": len(shared.prompt_rows) + sum(len(r) for r in shared.responses),
+        "bytes_before": sum(a.nbytes for a in arrays if a is not None),
+        "bytes_after": shared.nbytes,
+    }
+
+
+def second_turn(
+    llm: Any, reference: Any, model: models.TinyMoE, first: offline.Completion, dtype: str
+) -> dict[str, Any]:
+    """A second turn on ``first``'s conversation (its tokens and 5 new ones as the prompt), asking only for the
+    new rows where the generation can (0.22+: ``routed_experts_prompt_start``); the conversation's rows, each
+    kept once, must be the reference's for every token of the whole conversation."""
+    from vllm_ascend_routing import replay
+
+    if first.routed_experts is None:
+        return {"error": "no routed_experts"}
+    conversation = replay.Conversation()
+    conversation.add_turn(first.routed_experts, len(first.prompt_ids), len(first.output_ids), 0)
+    context = first.prompt_ids + first.output_ids + models.mixed_prompts(1, seed=11, min_len=5, max_len=5)[0]
+    takes_start = replay.ROW_CONTRACTS[first.routed_experts.dtype].takes_prompt_start
+    start = conversation.prompt_start if takes_start else 0
+    (turn,) = offline.generate(llm, [context], MAX_TOKENS, prompt_start=start)
+    if turn.routed_experts is None:
+        return {"error": "no routed_experts in the second turn"}
+    conversation.add_turn(turn.routed_experts, len(context), len(turn.output_ids), start)
+    whole = np.concatenate(conversation.aligned().parts)
+    verdict = offline.check(reference, model, [offline.Completion(context, turn.output_ids, whole)], dtype=dtype)
+    return {
+        "prompt_start": start,
+        "rows_received": len(first.routed_experts) + len(turn.routed_experts),
+        "rows_if_resent": len(first.routed_experts) + len(context) + len(turn.output_ids) - 1,
+        "rows_kept": len(whole),
+        **_verdict(verdict),
+    }
 
 
 def expert_load(completions: list[offline.Completion], model: models.TinyMoE) -> dict[str, list[int]]:

@@ -77,12 +77,12 @@ class TrainerModel:
 
     @contextmanager
     def _routing(self, replay: MegatronReplay | None, count: int, used: dict[int, Any]) -> Iterator[None]:
-        if replay is not None and len(replay.indices) != len(self.moe_layers):
-            raise ValueError(f"{len(replay.indices)} replay tensors for {len(self.moe_layers)} MoE layers")
+        if replay is not None and len(replay.ids) != len(self.moe_layers):
+            raise ValueError(f"{len(replay.ids)} replay tensors for {len(self.moe_layers)} MoE layers")
         originals = {}
         try:
             for j, (layer, router) in enumerate(sorted(self.routers.items())):
-                forced = None if replay is None else (replay.indices[j][:count], replay.valid[:count])
+                forced = None if replay is None else (replay.layer(j)[:count], replay.valid[:count])
                 originals[layer] = router.forward
                 router.forward = self._tapped(router, router.forward, forced, used, layer)
             yield
