@@ -144,10 +144,21 @@ def fake_targets(verified: int, problem: str | None = None) -> Callable[[str], d
     """A stand-in for ``doctor.targets``: ``verified`` present targets, then one with ``problem`` if given."""
 
     def targets(platform: str) -> dict[str, Any]:
-        rows = [{"target": f"vllm.x:T{i}", "present": True, "problem": None} for i in range(verified)]
-        rows += [] if problem is None else [{"target": "vllm.x:Gone", "present": False, "problem": problem}]
+        rows = [
+            {"target": f"vllm.x:T{i}", "action": "replace", "present": True, "problem": None} for i in range(verified)
+        ]
+        gone = {"target": "vllm.x:Gone", "action": "rely", "present": False, "problem": problem}
+        rows += [] if problem is None else [gone]
         total = len(rows)
-        return {"generation": "aux-output", "platform": platform, "verified": verified, "total": total, "rows": rows}
+        counted = f"{verified} patch targets + 0 relied-on symbols verified"
+        return {
+            "generation": "aux-output",
+            "platform": platform,
+            "verified": verified,
+            "total": total,
+            "rows": rows,
+            "counted": counted,
+        }
 
     return targets
 
@@ -218,6 +229,7 @@ def test_the_json_report_holds_what_was_printed(monkeypatch: pytest.MonkeyPatch)
     assert doctor.run(print_fn=printed.append, surface=True, platform="cuda", report=report) == 1
     assert report["patches"]["rows"][-1] == {
         "target": "vllm.x:Gone",
+        "action": "rely",
         "present": False,
         "problem": "has no attribute 'Gone'",
     }

@@ -123,7 +123,13 @@ def targets(platform: str) -> dict[str, Any]:
     packages = ["vllm"] + (["vllm_ascend"] if importlib.util.find_spec("vllm_ascend") is not None else [])
     findings = [finding for package in packages for finding in manifest.check(generation, platform, package)]
     rows = [
-        {"target": finding.patch.target, "present": finding.present, "problem": finding.problem} for finding in findings
+        {
+            "target": finding.patch.target,
+            "action": finding.patch.action,
+            "present": finding.present,
+            "problem": finding.problem,
+        }
+        for finding in findings
     ]
     verified = sum(1 for row in rows if row["problem"] is None)
     return {
@@ -132,16 +138,21 @@ def targets(platform: str) -> dict[str, Any]:
         "verified": verified,
         "total": len(rows),
         "rows": rows,
+        "counted": manifest.counted(findings),
     }
 
 
 def target_lines(patches: dict[str, Any]) -> list[str]:
-    lines = [f"patch targets ({patches['generation']}, platform {patches['platform']}):"]
+    lines = [
+        f"patch targets and relied-on symbols ({patches['generation']}, platform {patches['platform']}): "
+        f"{patches['counted']}"
+    ]
     for row in patches["rows"]:
+        relied = " (relied on)" if row["action"] == "rely" else ""
         if row["problem"] is not None:
-            lines.append(f"    MISSING  {row['target']}: {row['problem']}")
+            lines.append(f"    MISSING  {row['target']}{relied}: {row['problem']}")
         else:
-            lines.append(f"    {'ok' if row['present'] else 'absent here (optional)'}  {row['target']}")
+            lines.append(f"    {'ok' if row['present'] else 'absent here (optional)'}  {row['target']}{relied}")
     return lines
 
 
