@@ -100,8 +100,8 @@ def render_markdown(document: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "Generations: `shm` (0.20.x, rows through shared memory), `reverted` (0.21.0, a design upstream "
-        "reverted; refused), `runner-output` (0.22-0.30), `aux-output` (0.31+). Results: `pass` (every row "
+        "Generations: `shm` (0.20.x, rows through shared memory), `device-cache` (0.21.0, the design upstream "
+        "reverted in 0.22), `runner-output` (0.22-0.30), `aux-output` (0.31+). Results: `pass` (every row "
         + ("exact; static rows: every patch target verified" if static else "exact")
         + "), `refused as designed`, `fail` (doctor's reason), `timeout`, `no verdict` (the check died), "
         "`env build failed` (see the log named), `env not built` (not attempted, e.g. no disk). Speculative "
