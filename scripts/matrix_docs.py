@@ -74,7 +74,8 @@ def render_markdown(document: dict[str, Any]) -> str:
         "Check: `VLLM_ASCEND_ROUTING=1 VLLM_ASCEND_ROUTING_VALIDATE=strict python -m vllm_ascend_routing doctor` "
         "in the release's environment (vLLM with the plugin on an embedded tiny Qwen3-MoE, compiled; every "
         "(token, MoE layer) row of a batch, a chunked prefill and a prefix-cache repeat compared with the "
-        "transformers reference). On 0.21.0 the check is that the plugin refuses the release.",
+        "transformers reference; on 0.21.0 its two arrays joined on the decoder-layer axis). A release of a "
+        "generation the plugin refuses must be refused with its message.",
         "",
     ]
     if static:

@@ -115,7 +115,10 @@ def _joining(make_request_output: Callable[..., Any]) -> Callable[..., Any]:
             chunks.append(chunk)
         whole = None
         if finish_reason is not None and self.__dict__.get(_CHUNKS):
-            whole = np.concatenate(self.__dict__.pop(_CHUNKS), axis=0)
+            # The last chunk may hold rows of tokens the scheduler then dropped (a step that sampled past
+            # max_tokens with accepted drafts): the request's rows end at its last token but one.
+            rows = int(self.prompt_len) + len(self.detokenizer.output_token_ids) - 1 if self.detokenizer else None
+            whole = np.concatenate(self.__dict__.pop(_CHUNKS), axis=0)[:rows]
             validate.keep_whole_request(self, whole)
         return make_request_output(self, new_token_ids, pooling_output, finish_reason, *args, routed_experts=whole,
                                    **kwargs)  # fmt: skip
