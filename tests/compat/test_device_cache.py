@@ -156,3 +156,21 @@ def test_deepseek_first_k_dense_layers_are_not_columns() -> None:
     rows = np.ones((2, len(layers), TOP_K), dtype=np.int16)
     widened = contract.from_device_cache(rows, None, layers, 4)
     assert not widened[:, 0].any() and widened[:, 1:].all()
+
+
+def test_validation_checks_the_whole_request_on_the_decoder_layer_axis(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The final output carries the generated rows only; validation checks the joined request instead."""
+    from vllm_ascend_routing import validate
+
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING_VALIDATE", "strict")
+    monkeypatch.setattr(validate, "_model", validate.ModelRouting(8, LAYERS, frozenset(MOE)))
+    generated_only = SimpleNamespace(routed_experts=token_rows(range(3, 4)))
+    check = validate._validating(lambda self, *args: generated_only, strict=True)
+    state = SimpleNamespace(prompt_len=3, request_id="r", detokenizer=SimpleNamespace(output_token_ids=[9, 9]))
+    validate.keep_whole_request(state, token_rows(range(4)))  # 3 prompt + 2 output tokens: 4 rows
+    assert check(state) is generated_only
+    broken = token_rows(range(4))
+    broken[2, 1] = broken[2, 1, 0]  # the same expert twice in one row of MoE layer 2
+    validate.keep_whole_request(state, broken)
+    with pytest.raises(validate.RoutingValidationError, match="layer 2 row 2: the same expert twice"):
+        check(state)
