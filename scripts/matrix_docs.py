@@ -74,7 +74,8 @@ def render_markdown(document: dict[str, Any]) -> str:
         "Check: `VLLM_ASCEND_ROUTING=1 VLLM_ASCEND_ROUTING_VALIDATE=strict python -m vllm_ascend_routing doctor` "
         "in the release's environment (vLLM with the plugin on an embedded tiny Qwen3-MoE, compiled; every "
         "(token, MoE layer) row of a batch, a chunked prefill and a prefix-cache repeat compared with the "
-        "transformers reference). On 0.21.0 the check is that the plugin refuses the release.",
+        "transformers reference; on 0.21.0 its two arrays joined on the decoder-layer axis). A release of a "
+        "generation the plugin refuses must be refused with its message.",
         "",
     ]
     if static:
@@ -100,8 +101,8 @@ def render_markdown(document: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "Generations: `shm` (0.20.x, rows through shared memory), `reverted` (0.21.0, a design upstream "
-        "reverted; refused), `runner-output` (0.22-0.30), `aux-output` (0.31+). Results: `pass` (every row "
+        "Generations: `shm` (0.20.x, rows through shared memory), `device-cache` (0.21.0, the design upstream "
+        "reverted in 0.22), `runner-output` (0.22-0.30), `aux-output` (0.31+). Results: `pass` (every row "
         + ("exact; static rows: every patch target verified" if static else "exact")
         + "), `refused as designed`, `fail` (doctor's reason), `timeout`, `no verdict` (the check died), "
         "`env build failed` (see the log named), `env not built` (not attempted, e.g. no disk). Speculative "

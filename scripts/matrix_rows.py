@@ -40,7 +40,7 @@ RELEASES: tuple[str, ...] = tuple(sorted({*CPU_RELEASES, *STATIC_RELEASES}, key=
 
 # Generation names as the plugin spells them (its Generation values).
 SHM: str = RELEASE_TABLE.Generation.SHM.value
-REVERTED: str = RELEASE_TABLE.Generation.REVERTED.value
+DEVICE_CACHE: str = RELEASE_TABLE.Generation.DEVICE_CACHE.value
 RUNNER_OUTPUT: str = RELEASE_TABLE.Generation.RUNNER_OUTPUT.value
 AUX_OUTPUT: str = RELEASE_TABLE.Generation.AUX_OUTPUT.value
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from vllm_ascend_routing import releases
+
 PACKAGE = Path(__file__).resolve().parents[1] / "vllm_ascend_routing"
 
 
@@ -113,7 +115,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ops", "capture", "sentinel", "validate", "_cpu_compat", "replay"),  # the op, the capture, the checks
     ("compat.base", "compat._detect", "compat", "compat._runners", "runner_mixin", "peers"),  # the interface
     ("backends",),  # where routing is intercepted
-    ("compat._common", "compat.shm", "compat.runner_output", "compat.aux_output"),  # the generations
+    # the generations: each module the release table names, and what they share
+    ("compat._common", *(span.adapter.removeprefix("vllm_ascend_routing.") for span in releases.implemented())),
     ("manifest", "integration", ""),  # wiring: collect, verify, install; register()
     ("versions", "doctor", "model_check", "__main__", "selfcheck"),  # user-facing tools and their self-check
 )  # fmt: skip

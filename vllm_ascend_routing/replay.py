@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from vllm_ascend_routing.contract import UnknownMoELayersError, Violation, moe_layers
+from vllm_ascend_routing.contract import UnknownMoELayersError, Violation, from_device_cache, moe_layers
 from vllm_ascend_routing.contract import check as _check
 
 if TYPE_CHECKING:
@@ -47,6 +47,7 @@ __all__ = [
     "Violation",
     "align",
     "check",
+    "from_device_cache",
     "check_alignment",
     "for_nemo_rl",
     "keep_native",

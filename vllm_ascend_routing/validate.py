@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Validation mode (``VLLM_ASCEND_ROUTING_VALIDATE=1`` or ``strict``): every returned array is checked.
 
-Checks, per finished request, on the array the user receives: row count = tokens - 1 - prompt_start;
+Checks, per finished request, on the array the user receives (vLLM 0.21.0: its prompt and generated arrays
+joined, on the decoder-layer axis, ``keep_whole_request``): row count = tokens - 1 - prompt_start;
 in MoE layers every id in ``[0, num_experts)`` and no id twice in a row, and no MoE layer all zero
 across the request; dense layers all zero. A violation is logged with request id, layer and row;
 ``strict`` raises ``RoutingValidationError`` instead. The rules and the MoE-layer reading are ``contract``'s,
@@ -34,6 +35,10 @@ from vllm_ascend_routing.patching import VALIDATION, Patch
 logger = get_logger(__name__)
 
 _PROMPT_START = "_vllm_ascend_routing_prompt_start"
+# RequestState attribute a generation whose output splits a request's rows (vLLM 0.21.0: prompt / generated
+# tokens, MoE-layer axis) sets for the final output: the whole request on the decoder-layer axis, or None.
+_WHOLE_REQUEST = "_vllm_ascend_routing_whole_request"
+_ABSENT = object()
 _KEEP = "never while validation mode exists"
 _ENGINE_WHY = "validation mode: remember the engine's model (experts, MoE layers)"
 ENGINE_INITS = (
@@ -129,6 +134,21 @@ def report(violations: list[Violation], strict: bool) -> None:
         raise RoutingValidationError("; ".join(map(str, violations)))
 
 
+def keep_whole_request(state: Any, moe_axis_rows: np.ndarray) -> None:
+    """For a generation whose final output splits the request's rows over two arrays on the MoE-layer axis
+    (vLLM 0.21.0): keep the whole request, on the decoder-layer axis, for the check of that output. Where the
+    config names no MoE layers the arrays cannot be placed and the request is not checked."""
+    if envs.VLLM_ASCEND_ROUTING_VALIDATE == "off" or _model is None:
+        return
+    whole = None
+    if _model.moe_layers is not None and moe_axis_rows.ndim == 3:
+        if moe_axis_rows.shape[1] == len(_model.moe_layers):
+            whole = contract.from_device_cache(moe_axis_rows, None, _model.moe_layers, _model.num_layers)
+        else:  # checked as it is: the shape rule names the layer axis the config disagrees with
+            whole = moe_axis_rows
+    setattr(state, _WHOLE_REQUEST, whole)
+
+
 # ---- front-end hooks ----
 
 _model: ModelRouting | None = None  # the engine created in this process (one model per front-end)
@@ -180,7 +200,9 @@ def _validating(new_completion_output: Callable[..., Any], strict: bool) -> Call
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         global _checked
         output = new_completion_output(self, *args, **kwargs)
-        routed = getattr(output, "routed_experts", None)
+        routed = self.__dict__.pop(_WHOLE_REQUEST, _ABSENT)
+        if routed is _ABSENT:
+            routed = getattr(output, "routed_experts", None)
         if routed is None:
             return output
         model = _model

@@ -379,6 +379,8 @@ def v1_steps(
         "slots": [b.method for b in slots_snapshot],
         "after": [b.method for b in after],
         "async": [b.method for b in async_snapshot],
+        # the copy completes before the output is built (a stream synchronize): safe under either scheduling
+        "after_synchronises": any(".synchronize()" in b.text for b in after),
     }
     # 0.20.x's runner has no async branch: its shared-memory save runs in sample_tokens either way.
     hand_off = async_snapshot if args.use_async and async_snapshot else after

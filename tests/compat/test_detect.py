@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 import types
 
 import pytest
 
+from vllm_ascend_routing import releases
 from vllm_ascend_routing.compat import _detect
 from vllm_ascend_routing.compat.base import SUPPORTED_RELEASES, Generation, UnsupportedVllmError
 
@@ -81,10 +83,21 @@ def test_detection(
     assert _detect.detect_generation() is expected
 
 
-def test_0_21_is_refused_naming_supported_releases(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake_vllm(monkeypatch, "0.21.0", ["bind_routing_capture_to_model", "RoutedExpertsCapturer"], [])
-    supported = re.escape(SUPPORTED_RELEASES)  # "0.20.0-0.20.2 and 0.22.0-<newest>", from releases.py
-    with pytest.raises(UnsupportedVllmError, match=rf"0\.21\.0.*reverted.*{supported}"):
+V021_CAPTURER = ["bind_routing_capture_to_model", "split_routed_experts", "RoutedExpertsCapturer"]
+
+
+def test_0_21_is_the_device_cache_generation(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_vllm(monkeypatch, "0.21.0", V021_CAPTURER, [])
+    assert _detect.detect_generation() is Generation.DEVICE_CACHE
+
+
+def test_a_refused_generation_is_refused_naming_supported_releases(monkeypatch: pytest.MonkeyPatch) -> None:
+    refused = dataclasses.replace(releases.span_of(Generation.DEVICE_CACHE), supported=False, delete_when="reverted")
+    table = tuple(refused if span.generation is refused.generation else span for span in releases.GENERATIONS)
+    monkeypatch.setattr(releases, "GENERATIONS", table)
+    fake_vllm(monkeypatch, "0.21.0", V021_CAPTURER, [])
+    supported = re.escape(SUPPORTED_RELEASES)  # "0.20.0-<newest>", from releases.py
+    with pytest.raises(UnsupportedVllmError, match=rf"0\.21\.0.*device-cache.*reverted.*{supported}"):
         _detect.detect_generation()
 
 

@@ -64,7 +64,7 @@ def test_the_row_and_module_are_all_a_generation_needs(
 def test_without_its_row_the_generation_does_not_exist(monkeypatch: pytest.MonkeyPatch) -> None:
     get_api.cache_clear()
     monkeypatch.setenv("VLLM_ASCEND_ROUTING_VLLM_API", FAKE.value)
-    with pytest.raises(ValueError, match="expected one of auto, shm, runner-output, aux-output"):
+    with pytest.raises(ValueError, match="expected one of auto, shm, device-cache, runner-output, aux-output"):
         envs.VLLM_ASCEND_ROUTING_VLLM_API  # noqa: B018
     assert all(module.ADAPTER is not fake_generation.FakeAPI for module in manifest.generation_modules())
 

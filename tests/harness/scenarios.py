@@ -30,6 +30,7 @@ from tests.harness import distributed, oracle, verl_handoff
 from tests.harness.bypass import run_bypass
 from tests.harness.data_parallel import run_data_parallel
 from tests.harness.server import Server, post
+from tests.harness.vllm_0_21_cases import run_device_cache
 from vllm_ascend_routing import validate
 from vllm_ascend_routing.selfcheck import models, offline
 
@@ -192,7 +193,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument(
         "scenario",
-        choices=["offline", "serve", "speculative", "data-parallel", "bypass", "distributed", "verl-handoff"],
+        choices=[
+            "offline",
+            "serve",
+            "speculative",
+            "data-parallel",
+            "bypass",
+            "distributed",
+            "verl-handoff",
+            "device-cache",
+        ],
     )
     parser.add_argument("--bypass", default="removed-hook", choices=["removed-hook", "xlite"], help="bypass: which")
     parser.add_argument(
@@ -227,6 +237,8 @@ def main() -> None:
         result = run_bypass(args.arch, args.bypass)
     elif args.scenario == "verl-handoff":
         result = verl_handoff.run_verl_handoff(args.arch, Path(args.out), model_dir())
+    elif args.scenario == "device-cache":
+        result = run_device_cache(args.arch, args.mode)
     elif args.scenario == "speculative":
         result = run_speculative(args.arch, args.spec, args.k)
     else:

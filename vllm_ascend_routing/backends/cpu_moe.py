@@ -25,7 +25,7 @@ FORWARD_METHOD = Patch(
     "vllm.model_executor.layers.fused_moe.cpu_fused_moe:CPUFusedMOE",
     "per bound layer, the instance's forward_method is wrapped to record the ids the CPU MoE computed itself",
     "the lowest supported vLLM is 0.28.0 or newer (CPU MoE routes through BaseRouter)",
-    (Generation.SHM, Generation.RUNNER_OUTPUT),
+    (Generation.SHM, Generation.DEVICE_CACHE, Generation.RUNNER_OUTPUT),
     platform="cpu",
     required=False,
     releases="vLLM 0.20.0-0.27.1",

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from vllm_ascend_routing import contract
 from vllm_ascend_routing.selfcheck.compare import Match, compare
 from vllm_ascend_routing.selfcheck.models import TinyMoE
 from vllm_ascend_routing.selfcheck.reference import RouterReference
@@ -21,6 +22,8 @@ class Completion:
     output_ids: list[int]
     routed_experts: np.ndarray | None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # vLLM 0.21.0 only: (prompt_routed_experts, routed_experts) as returned (int16, MoE-layer axis)
+    native: tuple[np.ndarray | None, np.ndarray | None] | None = None
 
 
 def make_llm(model: TinyMoE, *, enforce_eager: bool = True, dtype: str = "float32", **kwargs: Any) -> Any:
@@ -76,11 +79,32 @@ def generate(
         Completion(
             list(o.prompt_token_ids),
             list(o.outputs[0].token_ids),
-            o.outputs[0].routed_experts,
+            routed_rows(llm, o),
             int(getattr(o, "num_cached_tokens", 0) or 0),
+            native_arrays(o),
         )
         for o in outputs
     ]
+
+
+def native_arrays(output: Any) -> tuple[np.ndarray | None, np.ndarray | None] | None:
+    """vLLM 0.21.0's two arrays as it returned them (prompt's, generated tokens'); ``None`` on other releases."""
+    if not hasattr(output, "prompt_routed_experts"):  # a field vLLM 0.21.0 alone has
+        return None
+    return output.prompt_routed_experts, output.outputs[0].routed_experts
+
+
+def routed_rows(llm: Any, output: Any) -> np.ndarray | None:
+    """The request's array in the layout of its release, vLLM 0.21.0's two arrays joined and widened to
+    every decoder layer (``contract.from_device_cache``), so every release is compared the same way."""
+    native = native_arrays(output)
+    if native is None:
+        return output.outputs[0].routed_experts  # type: ignore[no-any-return]
+    if native[0] is None and native[1] is None:
+        return None
+    hf_config = llm.llm_engine.model_config.hf_text_config
+    num_layers = int(hf_config.num_hidden_layers)
+    return contract.from_device_cache(*native, contract.moe_layers(hf_config, num_layers), num_layers)
 
 
 def check(

@@ -60,7 +60,8 @@ def sample_with_vllm(arch: str, num_prompts: int, max_tokens: int, mode: str) ->
         completion = output.outputs[0]
         tokens = list(completion.token_ids)
         logprobs = [float(completion.logprobs[i][token].logprob) for i, token in enumerate(tokens)]
-        samples.append(Sample(list(output.prompt_token_ids), tokens, np.asarray(completion.routed_experts), logprobs))
+        routed = np.asarray(offline.routed_rows(llm, output))
+        samples.append(Sample(list(output.prompt_token_ids), tokens, routed, logprobs))
     return model, samples
 
 
