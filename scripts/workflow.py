@@ -5,14 +5,14 @@
     python scripts/workflow.py            # (re)write it
     python scripts/workflow.py --check    # exit status 1 when the committed file is not what this writes (make lint)
 
-One job per entry of a matrix ``include:`` list, each running the existing make target(s) on ubuntu-latest:
-``lint test-unit test-native`` (the dev environment), ``e2e-RELEASE`` per ``E2E_RELEASES`` entry,
-``ascend-RELEASE`` per ``ASCEND_TEST_RELEASES`` entry, ``test-spec``, ``test-static`` and ``test-trainer``. The
-environments ``scripts/venv.py`` builds (``~/.cache/vllm_ascend_routing``) are cached per job, keyed by the
-release and the files that decide what they hold (pyproject.toml, scripts/venv.py, releases.py). Python 3.11,
-plus each Python a trainer environment needs (``scripts/venv.py`` ``TRAINER_ENVS``) in the jobs that build
-trainer environments (``test-trainer``, and ``e2e-%``, which hands vLLM's arrays to them). ``.ci/run`` (``make
-test``) stays the local entry point.
+One job per entry of a matrix ``include:`` list, each running the existing make target(s) on ubuntu-latest: ``lint
+test-unit test-native`` (the dev environment), ``e2e-RELEASE`` per ``E2E_RELEASES`` entry, ``ascend-RELEASE`` per
+``ASCEND_TEST_RELEASES`` entry, ``test-spec``, ``test-static``, ``test-contract`` and ``test-trainer``. The
+environments ``scripts/venv.py`` builds (``~/.cache/vllm_ascend_routing``) are cached per job, keyed by the release
+and the files that decide what they hold (pyproject.toml, scripts/venv.py, releases.py). Python 3.11, plus each Python
+a trainer environment needs (``scripts/venv.py`` ``TRAINER_ENVS``) in the jobs that build trainer environments
+(``test-trainer``, and ``e2e-%``, which hands vLLM's arrays to them). ``.ci/run`` (``make test``) stays the local
+entry point.
 
 Plain standard library: the release table and scripts/venv.py are loaded by path, the YAML written by hand.
 """
@@ -65,6 +65,12 @@ def jobs(table: Any, extra_pythons: list[str]) -> list[dict[str, str]]:
     entries += [
         {"name": "test-spec", "make": "test-spec", "cache": "-".join(["spec", *table.SPEC_RELEASES]), "python": PYTHON},
         {"name": "test-static", "make": "test-static", "cache": "-".join(static), "python": PYTHON},
+        {
+            "name": "test-contract",
+            "make": "test-contract",
+            "cache": "-".join(["contract", *table.CONTRACT_RELEASES]),
+            "python": PYTHON,
+        },
         {"name": "test-trainer", "make": "test-trainer", "cache": "trainer", "python": with_trainers},
     ]
     return entries

@@ -38,6 +38,7 @@ def test_one_job_per_release_role() -> None:
         *(f"ascend-{release}" for release in releases.ASCEND_TEST_RELEASES),
         "test-spec",
         "test-static",
+        "test-contract",
         "test-trainer",
     ]
     assert len({entry["cache"] for entry in entries}) == len(entries)  # two jobs saving one cache key would race

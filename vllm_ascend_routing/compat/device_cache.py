@@ -172,6 +172,7 @@ def _block_size(kv_cache_config: Any, group: int) -> int:
 
 class DeviceCacheAPI:
     generation = Generation.DEVICE_CACHE
+    narrowed_by_expert_count = False  # vLLM 0.21.0's arrays are int16 whatever the expert count
     runner_hooks: tuple[RunnerHook, ...] = HOOKS
     # vllm-ascend 0.21.0rc1's NPU runner keeps its own 0.21.0 capture code (not read here yet): refused on "npu".
     runner_classes: Mapping[str, tuple[RunnerClass, ...]] = {
@@ -203,7 +204,14 @@ class DeviceCacheAPI:
     def prepare(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> PreparedCapture | None:
         if not self.routed_experts_requested(vllm_config):
             return None
-        return prepare_capture(model, vllm_config, device, self.generation.value, self.routing_shape(vllm_config))
+        return prepare_capture(
+            model,
+            vllm_config,
+            device,
+            self.generation.value,
+            self.routing_shape(vllm_config),
+            narrowed_by_expert_count=self.narrowed_by_expert_count,
+        )
 
     def attach(self, runner: Any, prepared: PreparedCapture, capturer: Any) -> None:
         raise RuntimeError("vllm-ascend-routing: vLLM 0.21.0's capturer is never created under the plugin")
@@ -213,7 +221,7 @@ class DeviceCacheAPI:
             return
         group = _attention_group(runner, kv_cache_config)
         block_size = _block_size(kv_cache_config, group)
-        columns = np.asarray(prepared.bound_layers, dtype=np.int64)
+        columns = np.asarray(prepared.layer_ids, dtype=np.int64)
         num_slots = int(kv_cache_config.num_blocks) * block_size
         top_k = int(prepared.buffer.shape[2])
         store = np.zeros((num_slots, len(columns), top_k), dtype=ROW_DTYPE)  # pages committed as written

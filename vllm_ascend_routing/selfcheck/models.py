@@ -185,6 +185,11 @@ def build_tiny_moe(architecture: str, path: str | Path, seed: int = 0) -> TinyMo
     return _describe(path, architecture, config)
 
 
+def prompt_text(token_ids: list[int]) -> str:
+    """The text the local tokenizer turns back into exactly ``token_ids`` (no special tokens)."""
+    return " ".join(f"t{i}" for i in token_ids)
+
+
 def mixed_prompts(count: int, seed: int = 0, min_len: int = 3, max_len: int = 60) -> list[list[int]]:
     """``count`` prompts of mixed lengths, as token ids (deterministic)."""
     import random
