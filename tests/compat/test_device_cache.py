@@ -142,8 +142,9 @@ def test_from_device_cache_widens_to_the_decoder_layers() -> None:
     widened = replay.from_device_cache(prompt, generated, MOE, LAYERS)
     assert widened.dtype == np.int32 and widened.shape == (5, LAYERS, TOP_K)
     assert np.array_equal(widened[:, list(MOE)], token_rows(range(5))) and not widened[:, 1].any()
-    routes, valid = replay.align(widened, prompt_len=3, output_len=3)  # the 0.20.x layout: rows from token 0
-    assert valid.tolist() == [True] * 5 + [False]
+    aligned = replay.align(widened, prompt_len=3, output_len=3)  # the 0.20.x layout: rows from token 0
+    assert aligned.valid.tolist() == [True] * 5 + [False]
+    assert np.array_equal(aligned.routes[:5, list(MOE)], token_rows(range(5)))
     with pytest.raises(ValueError, match="2 MoE layers"):
         contract.from_device_cache(np.zeros((2, LAYERS, TOP_K), np.int16), None, MOE, LAYERS)
 

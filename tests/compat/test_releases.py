@@ -38,11 +38,11 @@ def test_spans_are_ordered_and_cover_every_listed_release() -> None:
 
 
 # Which generation each release is, written out from vLLM's history (docs/architecture.md), not from the table.
-_SHM, _REVERTED, _RUNNER, _AUX = "shm", "reverted", "runner-output", "aux-output"
+_SHM, _DEVICE_CACHE, _RUNNER, _AUX = "shm", "device-cache", "runner-output", "aux-output"
 KNOWN_GENERATIONS = {
     "0.19.1": None,
     "0.20.0": _SHM, "0.20.1": _SHM, "0.20.2": _SHM, "0.20.2+cpu": _SHM,
-    "0.21.0": _REVERTED,
+    "0.21.0": _DEVICE_CACHE,
     "0.22.0": _RUNNER, "0.22.1": _RUNNER, "0.23.0": _RUNNER, "0.24.0": _RUNNER, "0.25.0": _RUNNER,
     "0.25.1": _RUNNER, "0.26.0": _RUNNER, "0.27.0": _RUNNER, "0.27.1": _RUNNER, "0.28.0": _RUNNER,
     "0.29.0": _RUNNER, "0.30.0": _RUNNER,
