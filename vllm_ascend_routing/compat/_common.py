@@ -17,7 +17,7 @@ from vllm_ascend_routing.capture import (
     new_error_counter,
 )
 from vllm_ascend_routing.compat._runners import GROUP_0_SNAPSHOT_MODULES
-from vllm_ascend_routing.compat.base import UnsupportedVllmError
+from vllm_ascend_routing.compat.base import CaptureAPI, UnsupportedVllmError
 from vllm_ascend_routing.parallel import RankLayout
 
 logger = get_logger(__name__)
@@ -30,26 +30,15 @@ _PARALLELISM_REFUSED = {
 
 
 def prepare_capture(
-    model: torch.nn.Module,
-    vllm_config: Any,
-    device: torch.device,
-    generation: str,
-    shape: tuple[int, int, int],
-    *,
-    narrowed_by_expert_count: bool,
+    api: CaptureAPI, model: torch.nn.Module, vllm_config: Any, device: torch.device, shape: tuple[int, int, int]
 ) -> PreparedCapture:
-    """At model load, for an engine that returns routed experts: refuse what cannot be served exactly, then
-    bind the target model's MoE layers to a ``[max_num_batched_tokens, *shape[:2]]`` buffer.
-
-    Args:
-        generation: the generation's name, for messages.
-        narrowed_by_expert_count: the generation's array is narrowed by the routed expert count
-            (``refuse_unrepresentable_ids``).
-    """
-    refuse_unsupported_config(vllm_config, generation)
+    """At model load, for an engine of ``api``'s generation that returns routed experts: refuse what cannot be
+    served exactly (its name in the messages; ``api.narrowed_by_expert_count``: ``refuse_unrepresentable_ids``),
+    then bind the target model's MoE layers to a ``[max_num_batched_tokens, *shape[:2]]`` buffer."""
+    refuse_unsupported_config(vllm_config, api.generation.value)
     num_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
     prepared = bind_target_model(model, num_tokens, shape, device, rank_layout(vllm_config))
-    refuse_unrepresentable_ids(prepared, narrowed_by_expert_count)
+    refuse_unrepresentable_ids(prepared, api.narrowed_by_expert_count)
     return prepared
 
 

@@ -82,6 +82,9 @@ class CaptureAPI(Protocol):
     # True where the front-end reads the rows from the plugin's own store (not vLLM's transport): a worker
     # running the plugin under an engine without it must then refuse (``peers.worker_ready``).
     rows_read_in_front_end: bool
+    # True where vLLM narrows this generation's array by the routed expert count (uint8 up to 256 experts): zero
+    # experts' ids past it would wrap there (``_common.refuse_unrepresentable_ids``).
+    narrowed_by_expert_count: bool
 
     def routed_experts_requested(self, vllm_config: Any) -> bool:
         """Whether this engine was started with ``--enable-return-routed-experts`` (where this generation keeps it)."""

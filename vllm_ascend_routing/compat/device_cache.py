@@ -204,14 +204,7 @@ class DeviceCacheAPI:
     def prepare(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> PreparedCapture | None:
         if not self.routed_experts_requested(vllm_config):
             return None
-        return prepare_capture(
-            model,
-            vllm_config,
-            device,
-            self.generation.value,
-            self.routing_shape(vllm_config),
-            narrowed_by_expert_count=self.narrowed_by_expert_count,
-        )
+        return prepare_capture(self, model, vllm_config, device, self.routing_shape(vllm_config))
 
     def attach(self, runner: Any, prepared: PreparedCapture, capturer: Any) -> None:
         raise RuntimeError("vllm-ascend-routing: vLLM 0.21.0's capturer is never created under the plugin")

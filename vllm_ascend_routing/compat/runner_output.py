@@ -112,14 +112,7 @@ class RunnerOutputAPI(StepHooksNotUsed):
                 "added it; on 0.26-0.27 it would return no routed experts, and vllm-ascend 0.27.1rc1's V2 runner "
                 "fails at start-up); unset VLLM_USE_V2_MODEL_RUNNER or unset VLLM_ASCEND_ROUTING."
             )
-        return prepare_capture(
-            model,
-            vllm_config,
-            device,
-            self.generation.value,
-            self.routing_shape(vllm_config),
-            narrowed_by_expert_count=self.narrowed_by_expert_count,
-        )
+        return prepare_capture(self, model, vllm_config, device, self.routing_shape(vllm_config))
 
     def after_forward(self, runner: Any, prepared: PreparedCapture, num_tokens: int) -> None:
         """vLLM's runner copies the buffer to the host itself, asynchronously. Where the runner snapshotted

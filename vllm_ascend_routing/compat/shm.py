@@ -253,14 +253,7 @@ class ShmAPI(StepHooksNotUsed):
     def prepare(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> PreparedCapture | None:
         if not self.routed_experts_requested(vllm_config):
             return None
-        return prepare_capture(
-            model,
-            vllm_config,
-            device,
-            self.generation.value,
-            _routing_shape(vllm_config),
-            narrowed_by_expert_count=self.narrowed_by_expert_count,
-        )
+        return prepare_capture(self, model, vllm_config, device, _routing_shape(vllm_config))
 
     def attach(self, runner: Any, prepared: PreparedCapture, capturer: Any) -> None:
         refuse_misplaced_slots(runner)
