@@ -305,6 +305,14 @@ def _run_child(cmd: list[str], env: dict[str, str], timeout: int, result_file: P
     return {"error": f"exited {proc.returncode} without a result", "output_tail": text[-4000:]}
 
 
+def remove_launcher_segments() -> None:
+    """vLLM's CPU shared-memory communicator names its segments after an engine id the external launcher leaves
+    empty (``/dev/shm/-tp:0-[0-1]-cpushm_0``) and does not remove them at exit: the next run's ranks then fail to
+    create theirs (``create shm in SHMManager failed. errno: 17``). Only this case uses those names, one at a time."""
+    for stale in Path("/dev/shm").glob("-tp:*-cpushm_*"):
+        stale.unlink(missing_ok=True)
+
+
 def run_case(case: str, arch: str, model_path: Path, mode: str, cluster: LocalRayCluster | None) -> dict[str, Any]:
     scratch = Path(tempfile.mkdtemp(prefix="routing_case_"))
     result_file = scratch / "result.json"
@@ -312,6 +320,7 @@ def run_case(case: str, arch: str, model_path: Path, mode: str, cluster: LocalRa
     me = [sys.executable, "-m", "tests.harness.distributed"]
     common = ["--arch", arch, "--model", str(model_path), "--mode", mode, "--out", str(result_file)]
     if case == "external-launcher":
+        remove_launcher_segments()
         cmd = [
             sys.executable,
             "-m",
@@ -333,6 +342,8 @@ def run_case(case: str, arch: str, model_path: Path, mode: str, cluster: LocalRa
         result = _run_child(cmd, env, CASE_TIMEOUT_S, result_file)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        if case == "external-launcher":
+            remove_launcher_segments()
     result["wall_s"] = round(time.monotonic() - start, 1)
     return result
 
