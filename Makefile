@@ -172,11 +172,12 @@ build-cuda:
 gpu-check:
 	@$(PYTHON) scripts/gpu_check.py
 
-## make test-native: build-cuda where nvcc exists (CI compiles the CUDA binding when it can); without nvcc it says
-## SKIPPED (scripts/lanes.py shows the stage as skipped, not ok), or fails where VLLM_ASCEND_ROUTING_TEST_REQUIRE
-## names nvcc
+## make test-native: build-cuda where nvcc exists (CI compiles the CUDA binding when it can), then gpu-check's own
+## build (in place, as on a GPU machine) up to its registration; without nvcc it says SKIPPED (scripts/lanes.py
+## shows the stage as skipped, not ok), or fails where VLLM_ASCEND_ROUTING_TEST_REQUIRE names nvcc
 test-native:
-	@if command -v nvcc >/dev/null 2>&1; then $(MAKE) --no-print-directory build-cuda; \
+	@if command -v nvcc >/dev/null 2>&1; then $(MAKE) --no-print-directory build-cuda && \
+		py=$(call VENV,cuda-build) && $$py scripts/gpu_check.py --build-only; \
 	elif echo ",$$VLLM_ASCEND_ROUTING_TEST_REQUIRE," | grep -q ",nvcc,"; then \
 		echo "test-native: FAILED: no nvcc on PATH, and this run requires it (VLLM_ASCEND_ROUTING_TEST_REQUIRE)"; exit 1; \
 	else echo "SKIPPED: no nvcc on PATH: the CUDA kernel was not compiled"; fi
