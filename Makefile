@@ -157,12 +157,15 @@ test-distributed:
 		$$py -m tests.harness.scenarios distributed --mode $(MODE) $(if $(CASES),--cases $(CASES))
 
 ## make build-cuda: compile the CUDA kernel's torch binding against a CUDA build of torch (no GPU needed),
-## check it registers; on a machine with a GPU also run the GPU kernel tests against it
+## check it registers; then gpu-check's own in-place build up to its registration, and the Triton kernel against
+## the oracle in Triton's interpreter; on a machine with a GPU also run the GPU kernel tests against it
 build-cuda:
 	@py=$(call VENV,cuda-build) && VLLM_ASCEND_ROUTING_TARGET_DEVICE=cuda $$py -m pip install -q --no-deps \
 		--no-build-isolation --force-reinstall . && (cd /tmp && $$py $(CURDIR)/scripts/check_native.py cuda) && \
+		$$py scripts/gpu_check.py --build-only && VLLM_ASCEND_ROUTING_TEST_REQUIRE=triton $$py -m pytest \
+		$(PYTEST_FLAGS) -p no:cacheprovider -m "triton and not cuda" tests/ops/test_triton_kernel.py && \
 		if $$py -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
-			VLLM_ASCEND_ROUTING_TEST_REQUIRE=cuda $$py -m pytest $(PYTEST_FLAGS) -m cuda tests/ops; \
+			VLLM_ASCEND_ROUTING_TEST_REQUIRE=cuda $$py -m pytest $(PYTEST_FLAGS) -m "cuda and not triton" tests/ops; \
 		else echo "SKIPPED: no GPU here: the CUDA kernel compiled and registered, its GPU tests not run (make gpu-check)"; fi
 
 ## make gpu-check PYTHON=python: on a machine with one NVIDIA GPU (a CUDA torch, nvcc, pytest; no vLLM, no venv):
@@ -172,12 +175,11 @@ build-cuda:
 gpu-check:
 	@$(PYTHON) scripts/gpu_check.py
 
-## make test-native: build-cuda where nvcc exists (CI compiles the CUDA binding when it can), then gpu-check's own
-## build (in place, as on a GPU machine) up to its registration; without nvcc it says SKIPPED (scripts/lanes.py
-## shows the stage as skipped, not ok), or fails where VLLM_ASCEND_ROUTING_TEST_REQUIRE names nvcc
+## make test-native: build-cuda where nvcc exists (CI compiles the CUDA binding when it can); without nvcc it says
+## SKIPPED (scripts/lanes.py shows the stage as skipped, not ok), or fails where VLLM_ASCEND_ROUTING_TEST_REQUIRE
+## names nvcc
 test-native:
-	@if command -v nvcc >/dev/null 2>&1; then $(MAKE) --no-print-directory build-cuda && \
-		py=$(call VENV,cuda-build) && $$py scripts/gpu_check.py --build-only; \
+	@if command -v nvcc >/dev/null 2>&1; then $(MAKE) --no-print-directory build-cuda; \
 	elif echo ",$$VLLM_ASCEND_ROUTING_TEST_REQUIRE," | grep -q ",nvcc,"; then \
 		echo "test-native: FAILED: no nvcc on PATH, and this run requires it (VLLM_ASCEND_ROUTING_TEST_REQUIRE)"; exit 1; \
 	else echo "SKIPPED: no nvcc on PATH: the CUDA kernel was not compiled"; fi

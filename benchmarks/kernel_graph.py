@@ -10,7 +10,8 @@
 once in a CUDA graph and the graph replayed, timed with CUDA events: what is left is the device's own time per
 layer, as in a graph-captured decode step. Per token count, in microseconds per layer:
   op           ``LayerRecorder`` (what a captured forward runs: the op, its native kernel where built)
-  reference    the op's PyTorch reference (what a GPU runs without the native kernel: the pure-Python wheel)
+  triton       the Triton kernel (what serves CUDA without the native kernel: the pure-Python wheel)
+  reference    the op's PyTorch reference (what it replaced there; what ``VLLM_ASCEND_ROUTING_FORCE_REFERENCE`` runs)
   same place   a bare ``copy_`` of the same ids into the same ``[tokens, layers, top_k]`` view: the layout's floor
   contiguous   the same copy into a ``[tokens, top_k]`` block (a layer-major buffer's floor)
 and the op's bytes/s (ids read + int16 written). After the replays every layer's rows are compared with the ids.
@@ -26,6 +27,7 @@ import torch
 
 from vllm_ascend_routing.ops import OUT_DTYPE, LayerRecorder, kernel_backend
 from vllm_ascend_routing.ops._reference import record_topk_ids_reference
+from vllm_ascend_routing.ops._triton import record_topk_ids_triton
 
 Call = Callable[[], object]
 
@@ -62,6 +64,9 @@ def measure(tokens: int, top_k: int, layers: int, experts: int, replays: int) ->
     recorders = [LayerRecorder(token_major, layer, experts, errors) for layer in range(layers)]
     variants: dict[str, list[Call]] = {
         "op": [partial(recorder, ids) for recorder in recorders],
+        "triton": [
+            partial(record_topk_ids_triton, ids, token_major, layer, experts, errors) for layer in range(layers)
+        ],
         "reference": [
             partial(record_topk_ids_reference, ids, token_major, layer, experts, errors) for layer in range(layers)
         ],
@@ -85,7 +90,8 @@ def measure(tokens: int, top_k: int, layers: int, experts: int, replays: int) ->
 def report(tokens: int, timings: dict[str, float], layers: int, top_k: int) -> str:
     return (
         f"cuda graph N={tokens:6d} K={top_k:2d} L={layers:3d}  op {timings['op']:7.2f} us  "
-        f"reference {timings['reference']:7.2f} us  same place {timings['same place']:6.2f} us  "
+        f"triton {timings['triton']:6.2f} us  reference {timings['reference']:6.2f} us  "
+        f"same place {timings['same place']:6.2f} us  "
         f"contiguous {timings['contiguous']:6.2f} us  op/same place {timings['op'] / timings['same place']:5.2f}  "
         f"op/contiguous {timings['op'] / timings['contiguous']:5.2f}  op {timings['op_bytes_per_s'] / 1e9:7.1f} GB/s"
     )

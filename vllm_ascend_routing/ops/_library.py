@@ -10,6 +10,8 @@ kernel (``_host``) serves CPU tensors and the reference every other device they 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from vllm_ascend_routing import envs
@@ -34,6 +36,11 @@ HOST_KERNEL = not envs.VLLM_ASCEND_ROUTING_FORCE_REFERENCE
 if HOST_KERNEL:
     _LIBRARY.impl("record_topk_ids", record_topk_ids_host, "CPU")
 record_topk_ids_op = torch.ops.vllm_ascend_routing.record_topk_ids.default
+
+
+def serve_cuda_with(kernel: Callable[[torch.Tensor, torch.Tensor, int, int | None, torch.Tensor], None]) -> None:
+    """``kernel`` serves CUDA tensors (where no native CUDA kernel registered itself for them)."""
+    _LIBRARY.impl("record_topk_ids", kernel, "CUDA")
 
 
 @torch.library.register_fake("vllm_ascend_routing::record_topk_ids")
