@@ -72,9 +72,9 @@ def gpu() -> str:
 
     if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
         raise GpuCheckError(
-            f"no CUDA device visible to torch {torch.__version__} (CUDA {torch.version.cuda}): the kernel was "
-            "built, but its tests, the CUDA graph, the always-on check's device path and the bandwidth need one "
-            "NVIDIA GPU and did not run"
+            f"no CUDA device visible to torch {torch.__version__} (CUDA {torch.version.cuda}): the Triton and native "
+            "kernels' tests, the CUDA graphs, the always-on check's device path and the timings need one NVIDIA GPU "
+            "and did not run (--build-only proves the build without one)"
         )
     major, minor = torch.cuda.get_device_capability(0)
     return f"{torch.cuda.get_device_name(0)} (sm_{major}{minor}), {torch.cuda.device_count()} visible"
