@@ -89,7 +89,7 @@ def nvcc_version() -> str:
 
 def arch() -> str:
     """This GPU's architecture ("9.0"), the one the build targets (one architecture: a shorter build); without
-    a GPU, 9.0 (the build is then proven, the rest fails at the gpu step)."""
+    a GPU, 9.0 (--build-only: the build is proven without one)."""
     import torch
 
     if not torch.cuda.is_available():
