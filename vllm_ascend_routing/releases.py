@@ -152,11 +152,12 @@ class AscendRelease:
 
 
 _V1, _V2, _BOTH = ("v1",), ("v2",), ("v1", "v2")
-# Every vllm-ascend release on PyPI from 0.20.2rc1 (pre-releases are what NPU clusters run), but 0.21.0rc1: it
-# targets vLLM 0.21.0, whose ``reverted`` generation is refused. Model Runner V2 serves routed experts from vLLM
-# 0.28.0 on; vllm-ascend 0.30 refuses them on its V1 runner.
+# Every vllm-ascend release on PyPI from 0.20.2rc1 (pre-releases are what NPU clusters run); 0.21.0rc1 targets
+# vLLM 0.21.0 (device-cache, whose Model Runner V2 refuses routed experts). Model Runner V2 serves routed experts
+# from vLLM 0.28.0 on; vllm-ascend 0.30 refuses them on its V1 runner.
 ASCEND_RELEASES: tuple[AscendRelease, ...] = (
     AscendRelease("0.20.2rc1", "0.20.2", AscendDesign.LAYER, _V1),
+    AscendRelease("0.21.0rc1", "0.21.0", AscendDesign.LAYER, _V1),
     AscendRelease("0.22.1rc1", "0.22.1", AscendDesign.LAYER, _V1),
     AscendRelease("0.23.0rc1", "0.23.0", AscendDesign.LAYER, _V1),
     AscendRelease("0.23.0", "0.23.0", AscendDesign.LAYER, _V1),

@@ -202,7 +202,7 @@ def main() -> None:
     module = importlib.import_module(runner_module)
     runner_cls = module.NPUModelRunner
     hooks = ("load_model", "execute_model", "sample_tokens", "init_routed_experts_capturer")
-    hooks += ("_bind_routed_experts_capturer",)
+    hooks += ("_bind_routed_experts_capturer", "initialize_kv_cache")
     result["hooked"] = sorted(name for name in hooks if is_hooked(getattr(runner_cls, name, None)))
 
     kv_config = kv_cache_config(args.hybrid)
@@ -251,6 +251,16 @@ def main() -> None:
     workers = peers.verify_workers(SimpleNamespace(collective_rpc=lambda ask: [ask(worker)]))
     result["workers_bound_layers"] = [answer.bound_layers for answer in workers]
     result["moe_layers"] = len(layers)
+    from vllm_ascend_routing.compat import get_api
+    from vllm_ascend_routing.compat.base import Generation
+
+    if get_api().generation is Generation.DEVICE_CACHE:
+        result["steps"] = device_cache_steps(runner, module, layers, kv_config, args, result, patch)
+        from vllm_ascend_routing import sentinel
+
+        result["sentinel"] = sentinel.stats().as_dict()
+        print("RESULT " + json.dumps(result), flush=True)
+        return
     try:
         runner.init_routed_experts_capturer()  # vLLM's real method, through the plugin's hook
     except UnsupportedVllmError as refused:
@@ -441,6 +451,130 @@ def step_v1(
         reader.attach_buffer(NUM_KV_BLOCKS * BLOCK_SIZE, runner.vllm_config)
         step["stored_rows"] = reader.get_routed_experts(np.array(slots)).astype(np.int64).tolist()
     return step
+
+
+# vLLM 0.21.0 (device-cache): per step, each request's (id, positions computed before, positions scheduled, whether
+# it samples). Step 1: "a"'s prompt, the first chunk of "b"'s; step 2: "a" decodes, "b"'s last chunk, "c"'s prompt.
+DEVICE_CACHE_STEPS = (
+    (("a", 0, 3, True), ("b", 0, 2, False)),
+    (("a", 3, 1, True), ("b", 2, 2, True), ("c", 0, 2, True)),
+)
+ATTENTION_BLOCKS = {"a": [2], "b": [5], "c": [1]}  # KV blocks of each request in the attention group
+
+
+def device_cache_steps(
+    runner: Any,
+    module: Any,
+    layers: dict[int, Any],
+    kv_config: Any,
+    args: Any,
+    result: dict[str, Any],
+    patch: pytest.MonkeyPatch,
+) -> list[dict[str, Any]]:
+    """vLLM 0.21.0 on vllm-ascend 0.21.0rc1's V1 runner: the runner's own routed-experts statements (vLLM 0.21.0's
+    capturer creation in ``initialize_kv_cache``, its step-start ``finalize_pending_copy``, its device-to-host copy
+    and ``extract_routed_experts_for_current_batch`` in ``sample_tokens``) run as written, around real MoE forwards,
+    through the hooks installed on the class; ``sample_tokens`` returns the ``ModelRunnerOutput`` the runner builds
+    (``routed_experts_dict`` from its statements), which the plugin's hook fills."""
+    from vllm.model_executor.layers.fused_moe import routed_experts_capturer as upstream
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    blocks = routed_experts_blocks(type(runner))
+    create = [b for b in blocks if "init_routed_experts_capturer()" in b.text]
+    start = [b for b in blocks if b.method == "execute_model"]
+    after = [b for b in blocks if b.method == "sample_tokens"]
+    result["blocks"] = {"create": [b.method for b in create], "start": [b.method for b in start],
+                        "after": [b.method for b in after]}  # fmt: skip
+    scope: dict[str, Any] = {"self": runner}
+
+    def initialize_kv_cache(self: Any, config: Any, *a: Any, **k: Any) -> None:
+        for block in create:
+            run_block(block, module, scope)
+
+    result["initialize_kv_cache_wraps"] = call_through_class(runner, "initialize_kv_cache", initialize_kv_cache,
+                                                             kv_config)  # fmt: skip
+    result["routed_experts_initialized"] = runner.routed_experts_initialized
+    own = upstream.get_global_experts_capturer()
+    result["capturer"] = type(own).__name__
+    result["vllm_ascend_binder_ran"] = any(
+        "_ascend_routed_experts_capturer" in vars(part) for moe in layers.values() for part in (moe.layer, moe.experts)
+    )
+    own_calls: list[int] = []  # layer ids vllm-ascend's MoE method hands vLLM's global capturer itself
+    original_capture = own.capture
+    patch.setattr(own, "capture", lambda layer_id, topk_ids: (own_calls.append(layer_id), original_capture(
+        layer_id=layer_id, topk_ids=topk_ids))[1])  # fmt: skip
+    result["vllm_ascend_capture_calls"] = _watch_vllm_ascend_capture(patch)
+    attention = 1 if args.hybrid else 0
+    requests: dict[str, Any] = {}
+    rows: dict[str, dict[int, list[Any]]] = {}
+    sent: dict[str, int] = {}
+    generator = torch.Generator().manual_seed(7)
+    moe_columns = sorted(layers)
+    steps = []
+    for batch in DEVICE_CACHE_STEPS:
+        for request, *_ in batch:
+            blocks_of = [[], ATTENTION_BLOCKS[request]] if args.hybrid else [ATTENTION_BLOCKS[request]]
+            if args.hybrid:
+                blocks_of[0] = [7]  # its linear-attention state block
+            requests.setdefault(request, SimpleNamespace(block_ids=tuple(blocks_of)))
+        runner.requests = requests
+        runner.input_batch = SimpleNamespace(
+            req_ids=[r for r, *_ in batch], num_computed_tokens_cpu=np.array([c for _, c, _, _ in batch])
+        )
+        num_tokens = sum(n for _, _, n, _ in batch)
+        scheduler_output = SimpleNamespace(
+            total_num_scheduled_tokens=num_tokens,
+            num_scheduled_tokens={r: n for r, _, n, _ in batch},
+            finished_req_ids=set(),
+            scheduled_spec_decode_tokens={},
+        )
+        step_scope = {**scope, "scheduler_output": scheduler_output}
+        outputs: list[Any] = []
+
+        def execute_model(self: Any, output: Any, *a: Any, **k: Any) -> None:
+            for block in start:
+                run_block(block, module, step_scope)
+            forward = forward_layers(layers, num_tokens, generator)
+            offset = 0
+            for request, computed, scheduled, _ in batch:
+                for i in range(scheduled):
+                    rows.setdefault(request, {})[computed + i] = forward[offset + i][moe_columns].tolist()
+                offset += scheduled
+
+        def sample_tokens(self: Any, *a: Any, **k: Any) -> Any:
+            req_ids = [r for r, *_ in batch]
+            step_scope.update(req_ids_output_copy=req_ids, routed_experts_dict=None)
+            for block in after:
+                run_block(block, module, step_scope)
+            outputs.append(ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=[[7] if samples else [] for *_, samples in batch],
+                routed_experts_dict=step_scope["routed_experts_dict"],
+            ))  # fmt: skip
+            return outputs[-1]
+
+        wraps = [
+            call_through_class(runner, "execute_model", execute_model, scheduler_output),
+            call_through_class(runner, "sample_tokens", sample_tokens, None),
+        ]
+        expected: dict[str, Any] = {}
+        for request, computed, scheduled, samples in batch:
+            if samples:
+                end = computed + scheduled
+                expected[request] = [rows[request][p] for p in range(sent.get(request, 0), end)]
+                sent[request] = end
+        shipped = outputs[0].routed_experts_dict or {}
+        steps.append({
+            "wraps": wraps,
+            "expected": expected,
+            "shipped": {r: np.asarray(a).astype(np.int64).tolist() for r, a in shipped.items()},
+            "shipped_dtypes": sorted({str(np.asarray(a).dtype) for a in shipped.values()}),
+        })  # fmt: skip
+    result["attention_group"] = attention
+    result["vllm_ascend_own_capture_layer_ids"] = own_calls
+    result["vllm_ascend_capture_calls"] = result["vllm_ascend_capture_calls"]()
+    return steps
 
 
 def v2_steps(

@@ -42,7 +42,7 @@ from vllm_ascend_routing.releases import Generation
 
 __all__ = ["PATCHES", "RoutingNotRecordedError", "bind", "handles"]
 
-_GENERATIONS = (Generation.SHM, Generation.RUNNER_OUTPUT)  # vllm-ascend's select_experts design
+_GENERATIONS = (Generation.SHM, Generation.DEVICE_CACHE, Generation.RUNNER_OUTPUT)  # vllm-ascend's select_experts design
 # vllm-ascend's routing seam: one of these exists in every supported release (this module's or ascend_router's).
 ROUTING_SEAM = "vllm-ascend's routing seam"
 SELECTOR = Patch(
