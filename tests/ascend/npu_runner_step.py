@@ -39,7 +39,7 @@ import os
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -477,7 +477,6 @@ def device_cache_steps(
     through the hooks installed on the class; ``sample_tokens`` returns the ``ModelRunnerOutput`` the runner builds
     (``routed_experts_dict`` from its statements), which the plugin's hook fills."""
     from vllm.model_executor.layers.fused_moe import routed_experts_capturer as upstream
-    from vllm.v1.outputs import ModelRunnerOutput
 
     blocks = routed_experts_blocks(type(runner))
     create = [b for b in blocks if "init_routed_experts_capturer()" in b.text]
@@ -505,21 +504,40 @@ def device_cache_steps(
         layer_id=layer_id, topk_ids=topk_ids))[1])  # fmt: skip
     result["vllm_ascend_capture_calls"] = _watch_vllm_ascend_capture(patch)
     attention = 1 if args.hybrid else 0
-    requests: dict[str, Any] = {}
-    rows: dict[str, dict[int, list[Any]]] = {}
-    sent: dict[str, int] = {}
-    generator = torch.Generator().manual_seed(7)
-    moe_columns = sorted(layers)
-    steps = []
-    for batch in DEVICE_CACHE_STEPS:
-        for request, *_ in batch:
-            blocks_of = [[], ATTENTION_BLOCKS[request]] if args.hybrid else [ATTENTION_BLOCKS[request]]
-            if args.hybrid:
-                blocks_of[0] = [7]  # its linear-attention state block
-            requests.setdefault(request, SimpleNamespace(block_ids=tuple(blocks_of)))
-        runner.requests = requests
-        runner.input_batch = SimpleNamespace(
-            req_ids=[r for r, *_ in batch], num_computed_tokens_cpu=np.array([c for _, c, _, _ in batch])
+    state = DeviceCacheRun(runner, module, layers, start, after, scope, args.hybrid)
+    steps = [state.step(batch) for batch in DEVICE_CACHE_STEPS]
+    result["attention_group"] = attention
+    result["vllm_ascend_own_capture_layer_ids"] = own_calls
+    result["vllm_ascend_capture_calls"] = result["vllm_ascend_capture_calls"]()
+    return steps
+
+
+@dataclass
+class DeviceCacheRun:
+    """vLLM 0.21.0's steps on the runner (``device_cache_steps``), and each request's reference rows so far."""
+
+    runner: Any
+    module: Any
+    layers: dict[int, Any]
+    start: list[Block]  # the runner's own statements at the top of execute_model
+    after: list[Block]  # ... and in sample_tokens
+    scope: dict[str, Any]
+    hybrid: bool
+    rows: dict[str, dict[int, list[Any]]] = field(default_factory=dict)  # request -> position -> MoE rows
+    sent: dict[str, int] = field(default_factory=dict)  # request -> positions the plugin should have shipped
+    requests: dict[str, Any] = field(default_factory=dict)
+    generator: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(7))
+
+    def step(self, batch: tuple[tuple[str, int, int, bool], ...]) -> dict[str, Any]:
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        for request, *_ in batch:  # a linear-attention state block first in the hybrid layout
+            blocks = ([7], ATTENTION_BLOCKS[request]) if self.hybrid else (ATTENTION_BLOCKS[request],)
+            self.requests.setdefault(request, SimpleNamespace(block_ids=blocks))
+        req_ids = [r for r, *_ in batch]
+        self.runner.requests = self.requests
+        self.runner.input_batch = SimpleNamespace(
+            req_ids=req_ids, num_computed_tokens_cpu=np.array([c for _, c, _, _ in batch])
         )
         num_tokens = sum(n for _, _, n, _ in batch)
         scheduler_output = SimpleNamespace(
@@ -528,53 +546,49 @@ def device_cache_steps(
             finished_req_ids=set(),
             scheduled_spec_decode_tokens={},
         )
-        step_scope = {**scope, "scheduler_output": scheduler_output}
+        scope = {**self.scope, "scheduler_output": scheduler_output}
         outputs: list[Any] = []
+        moe_columns = sorted(self.layers)
 
-        def execute_model(self: Any, output: Any, *a: Any, **k: Any) -> None:
-            for block in start:
-                run_block(block, module, step_scope)
-            forward = forward_layers(layers, num_tokens, generator)
+        def execute_model(runner: Any, output: Any, *a: Any, **k: Any) -> None:
+            for block in self.start:
+                run_block(block, self.module, scope)
+            forward = forward_layers(self.layers, num_tokens, self.generator)
             offset = 0
             for request, computed, scheduled, _ in batch:
                 for i in range(scheduled):
-                    rows.setdefault(request, {})[computed + i] = forward[offset + i][moe_columns].tolist()
+                    self.rows.setdefault(request, {})[computed + i] = forward[offset + i][moe_columns].tolist()
                 offset += scheduled
 
-        def sample_tokens(self: Any, *a: Any, **k: Any) -> Any:
-            req_ids = [r for r, *_ in batch]
-            step_scope.update(req_ids_output_copy=req_ids, routed_experts_dict=None)
-            for block in after:
-                run_block(block, module, step_scope)
+        def sample_tokens(runner: Any, *a: Any, **k: Any) -> Any:
+            scope.update(req_ids_output_copy=req_ids, routed_experts_dict=None)
+            for block in self.after:
+                run_block(block, self.module, scope)
             outputs.append(ModelRunnerOutput(
                 req_ids=req_ids,
                 req_id_to_index={r: i for i, r in enumerate(req_ids)},
                 sampled_token_ids=[[7] if samples else [] for *_, samples in batch],
-                routed_experts_dict=step_scope["routed_experts_dict"],
+                routed_experts_dict=scope["routed_experts_dict"],  # as the runner's statements left it
             ))  # fmt: skip
             return outputs[-1]
 
         wraps = [
-            call_through_class(runner, "execute_model", execute_model, scheduler_output),
-            call_through_class(runner, "sample_tokens", sample_tokens, None),
+            call_through_class(self.runner, "execute_model", execute_model, scheduler_output),
+            call_through_class(self.runner, "sample_tokens", sample_tokens, None),
         ]
         expected: dict[str, Any] = {}
         for request, computed, scheduled, samples in batch:
             if samples:
                 end = computed + scheduled
-                expected[request] = [rows[request][p] for p in range(sent.get(request, 0), end)]
-                sent[request] = end
+                expected[request] = [self.rows[request][p] for p in range(self.sent.get(request, 0), end)]
+                self.sent[request] = end
         shipped = outputs[0].routed_experts_dict or {}
-        steps.append({
+        return {
             "wraps": wraps,
             "expected": expected,
             "shipped": {r: np.asarray(a).astype(np.int64).tolist() for r, a in shipped.items()},
             "shipped_dtypes": sorted({str(np.asarray(a).dtype) for a in shipped.values()}),
-        })  # fmt: skip
-    result["attention_group"] = attention
-    result["vllm_ascend_own_capture_layer_ids"] = own_calls
-    result["vllm_ascend_capture_calls"] = result["vllm_ascend_capture_calls"]()
-    return steps
+        }
 
 
 def v2_steps(
