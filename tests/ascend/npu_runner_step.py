@@ -454,10 +454,12 @@ def step_v1(
 
 
 # vLLM 0.21.0 (device-cache): per step, each request's (id, positions computed before, positions scheduled, whether
-# it samples). Step 1: "a"'s prompt, the first chunk of "b"'s; step 2: "a" decodes, "b"'s last chunk, "c"'s prompt.
+# it samples). Step 1: "a"'s prompt, the first chunk of "b"'s; step 2: "c"'s prompt, "a" decodes, "b"'s last chunk
+# (its first chunk's rows read back from the store after "c" wrote its own: filed under another request's slots,
+# they would be "c"'s).
 DEVICE_CACHE_STEPS = (
     (("a", 0, 3, True), ("b", 0, 2, False)),
-    (("a", 3, 1, True), ("b", 2, 2, True), ("c", 0, 2, True)),
+    (("c", 0, 2, True), ("a", 3, 1, True), ("b", 2, 2, True)),
 )
 ATTENTION_BLOCKS = {"a": [2], "b": [5], "c": [1]}  # KV blocks of each request in the attention group
 
@@ -507,6 +509,7 @@ def device_cache_steps(
     state = DeviceCacheRun(runner, module, layers, start, after, scope, args.hybrid)
     steps = [state.step(batch) for batch in DEVICE_CACHE_STEPS]
     result["attention_group"] = attention
+    result["store_group"] = runner._vllm_ascend_routing_device_cache.group  # the KV group the plugin files rows by
     result["vllm_ascend_own_capture_layer_ids"] = own_calls
     result["vllm_ascend_capture_calls"] = result["vllm_ascend_capture_calls"]()
     return steps

@@ -142,7 +142,6 @@ def check_device_cache_steps(steps: dict[str, Any], hybrid: bool) -> None:
     # the runner's own statements were found in its source, so they really ran (each gated off by the plugin)
     assert steps["blocks"]["create"] and steps["blocks"]["start"] and steps["blocks"]["after"], steps["blocks"]
     assert steps["routed_experts_initialized"] is False
-    assert steps["attention_group"] == (1 if hybrid else 0)
     shipped_requests = 0
     for step in steps["steps"]:
         assert step["wraps"] == ["NPUModelRunner.execute_model", "NPUModelRunner.sample_tokens"]
@@ -150,6 +149,7 @@ def check_device_cache_steps(steps: dict[str, Any], hybrid: bool) -> None:
         assert step["shipped"] == step["expected"]  # chunked prefill: "b"'s first chunk ships with its last
         shipped_requests += len(step["shipped"])
     assert shipped_requests == 4
+    assert steps["store_group"] == steps["attention_group"] == (1 if hybrid else 0)  # the attention group's slots
     checked = steps["sentinel"]
     assert checked["steps_checked"] >= len(steps["steps"]) > 0 and checked["rows_checked"] > 0, checked
     assert checked["zero_rows"] == 0 and checked["invalid_ids"] == 0, checked
