@@ -206,9 +206,11 @@ CPU_SPEC_BROKEN: dict[str, str] = {
 # method binds monolithic kernels (the e2e releases run the comparison in their own suites).
 SEAMS_RELEASES: tuple[str, ...] = ("0.27.1",)
 # vllm-ascend releases whose real source the Ascend suite runs on in `make test`: one per MoE design and
-# routed-experts runner (layer/shm, layer/runner-output source-only, runner, router on V1, router on V2 only).
-# `make matrix-ascend` runs every ASCEND_RELEASES entry.
-ASCEND_TEST_RELEASES: tuple[str, ...] = ("0.20.2rc1", "0.23.0.post1", "0.26.0rc1", "0.27.1rc1", "0.30.0rc2")
+# routed-experts runner (layer/shm, layer/device-cache, layer/runner-output source-only, runner, router on V1,
+# router on V2 only). `make matrix-ascend` runs every ASCEND_RELEASES entry.
+ASCEND_TEST_RELEASES: tuple[str, ...] = (
+    "0.20.2rc1", "0.21.0rc1", "0.23.0.post1", "0.26.0rc1", "0.27.1rc1", "0.30.0rc2",
+)  # fmt: skip
 
 
 def ascend_test_pairs() -> tuple[str, ...]:
