@@ -110,6 +110,21 @@ def test_a_row_from_the_suite_outcomes(tmp_path: Path) -> None:
     assert row["ok"] is False and row["result"] == rows.FAIL and "1 failed" in row["tests"]
 
 
+def test_a_release_whose_vllm_refuses_async_scheduling(tmp_path: Path) -> None:
+    """vLLM 0.21.0 refuses routed experts with async scheduling: the row says so where the suite checked it."""
+    outcomes = {
+        "test_every_step_hands_off_the_exact_rows[v1-sync]": "passed",
+        "test_async_scheduling_is_refused": "passed",
+    }
+    entry = releases.ascend_release("0.21.0rc1")
+    main = ascend_matrix.outcomes(_junit(tmp_path / "m.xml", outcomes))
+    row = ascend_matrix.summarize(entry, main, main)
+    assert row["sync"] == "pass" and row["async_scheduling"] == "refused by vLLM with routed experts"
+    outcomes["test_async_scheduling_is_refused"] = "failed"
+    main = ascend_matrix.outcomes(_junit(tmp_path / "f.xml", outcomes))
+    assert ascend_matrix.summarize(entry, main, main)["async_scheduling"] == "FAIL"
+
+
 def test_the_vllm_ascend_table_is_rendered_after_vllms(tmp_path: Path) -> None:
     entry = releases.ascend_release("0.30.0rc2")
     passing = {"test_real_forward_records_the_router_top_k[a.M1-gate-off]": "passed"}
@@ -127,7 +142,7 @@ def test_the_vllm_ascend_table_is_rendered_after_vllms(tmp_path: Path) -> None:
 
 def test_every_release_table_entry_is_a_pypi_style_pair() -> None:
     seen = [entry.release for entry in releases.ASCEND_RELEASES]
-    assert seen[0] == "0.20.2rc1" and "0.30.0rc2" in seen and len(seen) == len(set(seen)) == 13
+    assert seen[0] == "0.20.2rc1" and "0.30.0rc2" in seen and len(seen) == len(set(seen)) == 14
     for entry in releases.ASCEND_RELEASES:
         assert entry.release.startswith(entry.vllm.rsplit(".", 1)[0])  # 0.26.0rc1 -> vLLM 0.26.x
         assert set(entry.runners) <= {"v1", "v2"} and entry.runners

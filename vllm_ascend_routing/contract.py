@@ -158,6 +158,20 @@ def check(
     return found
 
 
+def request_rows(output: Any, hf_config: Any, num_layers: int | None = None) -> np.ndarray | None:
+    """One ``RequestOutput``'s routed experts on the decoder-layer axis: ``CompletionOutput.routed_experts`` as
+    the release returns it, or, where the output also has ``prompt_routed_experts`` (vLLM 0.21.0 alone has that
+    field), its two arrays joined from token 0 and widened (:func:`from_device_cache`). ``None``: no rows."""
+    if not hasattr(output, "prompt_routed_experts"):
+        return output.outputs[0].routed_experts  # type: ignore[no-any-return]
+    prompt, generated = output.prompt_routed_experts, output.outputs[0].routed_experts
+    if prompt is None and generated is None:
+        return None
+    if num_layers is None:
+        num_layers = int(hf_config.num_hidden_layers)
+    return from_device_cache(prompt, generated, moe_layers(hf_config, num_layers), num_layers)
+
+
 def from_device_cache(
     prompt_rows: np.ndarray | None,
     generated_rows: np.ndarray | None,

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from vllm_ascend_routing import contract
+
 PROMPTS = (
     "The history of the printing press begins",
     "def fibonacci(n):",
@@ -110,7 +112,11 @@ def _check(
     outputs = engine.generate(prompts, [params] * len(prompts))
     model_config = engine.model_config
     num_layers = int(model_config.get_total_num_hidden_layers())
-    problems = plausibility(outputs, num_layers, print_fn)
+
+    def rows(output: Any) -> Any:  # from token 0, every decoder layer (vLLM 0.21.0: its two arrays joined)
+        return contract.request_rows(output, model_config.hf_text_config, num_layers)
+
+    problems = plausibility(outputs, num_layers, print_fn, rows)
     totals = engine.sentinel_totals()
     if totals is None:  # engine cores in processes of their own (DP): strict validation still ran on every array
         checked = "always-on check: counters not fetched from the DP engine cores (they log what they find)"
@@ -131,6 +137,7 @@ def _check(
         int(model_config.max_model_len),
         max_tokens,
         str(model_config.dtype).removeprefix("torch."),  # as resolved (a flag's "auto": the model's)
+        rows,
     )
     print_fn(
         f"  re-prefill oracle: {work.requests} requests, {work.prompt_tokens} prompt tokens "
@@ -150,13 +157,16 @@ def _check(
     return True, f"{len(outputs)} requests, {moe}, strict validation passed; {checked}; {result.summary()}", extra
 
 
-def plausibility(outputs: list[Any], num_layers: int, print_fn: Callable[[str], Any]) -> list[str]:
-    """Shape, all-zero rows and experts routed to, per layer (printed); the problems found."""
+def plausibility(
+    outputs: list[Any], num_layers: int, print_fn: Callable[[str], Any], rows: Callable[[Any], Any]
+) -> list[str]:
+    """Shape, all-zero rows and experts routed to, per layer (printed); the problems found. ``rows(output)``: the
+    request's rows from token 0 on the decoder-layer axis (``contract.request_rows``)."""
     layers = [LayerRows() for _ in range(num_layers)]
     problems: list[str] = []
     for index, output in enumerate(outputs):
         completion = output.outputs[0]
-        routed = completion.routed_experts
+        routed = rows(output)
         tokens = len(output.prompt_token_ids) + len(completion.token_ids) - 1  # the last token is never forwarded
         if routed is None:
             problems.append(f"request {index}: routed_experts is None")
@@ -165,10 +175,10 @@ def plausibility(outputs: list[Any], num_layers: int, print_fn: Callable[[str], 
         if array.ndim != 3 or array.shape[0] != tokens or array.shape[1] != num_layers:
             problems.append(f"request {index}: shape {array.shape}, expected ({tokens}, {num_layers}, top_k)")
             continue
-        for layer, rows in enumerate(array.transpose(1, 0, 2)):
-            layers[layer].rows += len(rows)
-            layers[layer].zero_rows += int(np.all(rows == 0, axis=-1).sum())
-            layers[layer].experts.update(int(e) for e in np.unique(rows))
+        for layer, layer_rows in enumerate(array.transpose(1, 0, 2)):
+            layers[layer].rows += len(layer_rows)
+            layers[layer].zero_rows += int(np.all(layer_rows == 0, axis=-1).sum())
+            layers[layer].experts.update(int(e) for e in np.unique(layer_rows))
     print_fn("  layer    rows  all-zero  experts routed to")
     for layer, seen in enumerate(layers):
         print_fn(f"  {layer:5d}  {seen.rows:6d}  {seen.zero_rows:8d}  {len(seen.experts):6d}")

@@ -152,11 +152,12 @@ class AscendRelease:
 
 
 _V1, _V2, _BOTH = ("v1",), ("v2",), ("v1", "v2")
-# Every vllm-ascend release on PyPI from 0.20.2rc1 (pre-releases are what NPU clusters run), but 0.21.0rc1: it
-# targets vLLM 0.21.0, whose ``reverted`` generation is refused. Model Runner V2 serves routed experts from vLLM
-# 0.28.0 on; vllm-ascend 0.30 refuses them on its V1 runner.
+# Every vllm-ascend release on PyPI from 0.20.2rc1 (pre-releases are what NPU clusters run); 0.21.0rc1 targets
+# vLLM 0.21.0 (device-cache, whose Model Runner V2 refuses routed experts). Model Runner V2 serves routed experts
+# from vLLM 0.28.0 on; vllm-ascend 0.30 refuses them on its V1 runner.
 ASCEND_RELEASES: tuple[AscendRelease, ...] = (
     AscendRelease("0.20.2rc1", "0.20.2", AscendDesign.LAYER, _V1),
+    AscendRelease("0.21.0rc1", "0.21.0", AscendDesign.LAYER, _V1),
     AscendRelease("0.22.1rc1", "0.22.1", AscendDesign.LAYER, _V1),
     AscendRelease("0.23.0rc1", "0.23.0", AscendDesign.LAYER, _V1),
     AscendRelease("0.23.0", "0.23.0", AscendDesign.LAYER, _V1),
@@ -205,9 +206,11 @@ CPU_SPEC_BROKEN: dict[str, str] = {
 # method binds monolithic kernels (the e2e releases run the comparison in their own suites).
 SEAMS_RELEASES: tuple[str, ...] = ("0.27.1",)
 # vllm-ascend releases whose real source the Ascend suite runs on in `make test`: one per MoE design and
-# routed-experts runner (layer/shm, layer/runner-output source-only, runner, router on V1, router on V2 only).
-# `make matrix-ascend` runs every ASCEND_RELEASES entry.
-ASCEND_TEST_RELEASES: tuple[str, ...] = ("0.20.2rc1", "0.23.0.post1", "0.26.0rc1", "0.27.1rc1", "0.30.0rc2")
+# routed-experts runner (layer/shm, layer/device-cache, layer/runner-output source-only, runner, router on V1,
+# router on V2 only). `make matrix-ascend` runs every ASCEND_RELEASES entry.
+ASCEND_TEST_RELEASES: tuple[str, ...] = (
+    "0.20.2rc1", "0.21.0rc1", "0.23.0.post1", "0.26.0rc1", "0.27.1rc1", "0.30.0rc2",
+)  # fmt: skip
 
 
 def ascend_test_pairs() -> tuple[str, ...]:

@@ -32,10 +32,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.ascend]
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVING = EXPECTED.runners if EXPECTED is not None else ()
+# vLLM 0.21.0 (device-cache) refuses routed experts with async scheduling (test_async_scheduling_is_refused).
+DEVICE_CACHE = EXPECTED is not None and get_api().generation is Generation.DEVICE_CACHE
 CASES = [
     (kind, mode, hybrid)
     for kind in SERVING
-    for mode in (("sync", "async") if kind == "v1" else ("async",))  # MRV2's output is always asynchronous
+    for mode in (("sync",) if DEVICE_CACHE else ("sync", "async") if kind == "v1" else ("async",))  # MRV2: async
     for hybrid in (False, True)
 ]
 
@@ -76,6 +78,10 @@ def test_the_release_is_in_the_release_table() -> None:
 def test_the_runner_is_patched_when_the_worker_imports_it(case: tuple[str, str, bool]) -> None:
     steps = run_step(*case)
     assert steps["imported_before_register"] is False
+    if DEVICE_CACHE:  # the plugin ships the rows itself; vLLM's capturer creation is the plugin's replacement
+        hooks = {"load_model", "initialize_kv_cache", "execute_model", "sample_tokens", "init_routed_experts_capturer"}
+        assert set(steps["hooked"]) == hooks
+        return
     assert {"load_model", "execute_model", "init_routed_experts_capturer"} <= set(steps["hooked"])
     assert "_bind_routed_experts_capturer" in steps["hooked"]  # the runner's own, or added for vLLM's binder
     assert "sample_tokens" not in steps["hooked"]  # runner-output / shm: vLLM's runner ships the rows itself
@@ -85,6 +91,9 @@ def test_the_runner_is_patched_when_the_worker_imports_it(case: tuple[str, str, 
 def test_every_step_hands_off_the_exact_rows(case: tuple[str, str, bool]) -> None:
     kind, mode, hybrid = case
     steps = run_step(*case)
+    if DEVICE_CACHE:
+        check_device_cache_steps(steps, hybrid)
+        return
     if hybrid and get_api().generation is Generation.SHM:  # vLLM 0.20.x: the snapshot cannot be re-taken
         assert "keys routed-experts rows by KV cache group 0's slots" in steps["refused"]
         return
@@ -124,6 +133,46 @@ def test_every_step_hands_off_the_exact_rows(case: tuple[str, str, bool]) -> Non
     assert checked["zero_rows"] == 0 and checked["invalid_ids"] == 0, checked
 
 
+def check_device_cache_steps(steps: dict[str, Any], hybrid: bool) -> None:
+    """vLLM 0.21.0: each sampling request's new rows (MoE layers only, int16) in the runner's own output."""
+    assert "refused" not in steps, steps.get("refused")
+    assert steps["workers_bound_layers"] == [steps["moe_layers"]]
+    assert steps["load_model_wraps"] == "NPUModelRunner.load_model"
+    assert steps["initialize_kv_cache_wraps"] == "NPUModelRunner.initialize_kv_cache"
+    # the runner's own statements were found in its source, so they really ran (each gated off by the plugin)
+    assert steps["blocks"]["create"] and steps["blocks"]["start"] and steps["blocks"]["after"], steps["blocks"]
+    assert steps["routed_experts_initialized"] is False
+    shipped_requests = 0
+    for step in steps["steps"]:
+        assert step["wraps"] == ["NPUModelRunner.execute_model", "NPUModelRunner.sample_tokens"]
+        assert step["shipped_dtypes"] == ["int16"]
+        assert step["shipped"] == step["expected"]  # chunked prefill: "b"'s first chunk ships with its last
+        shipped_requests += len(step["shipped"])
+    assert shipped_requests == 4
+    assert steps["store_group"] == steps["attention_group"] == (1 if hybrid else 0)  # the attention group's slots
+    checked = steps["sentinel"]
+    assert checked["steps_checked"] >= len(steps["steps"]) > 0 and checked["rows_checked"] > 0, checked
+    assert checked["zero_rows"] == 0 and checked["invalid_ids"] == 0, checked
+
+
+def test_async_scheduling_is_refused() -> None:
+    """vLLM 0.21.0 refuses routed experts with async scheduling (its config validation, on every platform); the
+    plugin's sample hook also refuses an output that cannot carry the rows rather than ship none."""
+    if not DEVICE_CACHE:  # the other generations serve it: their async cases run above
+        assert any(mode == "async" for _, mode, _ in CASES), CASES
+        return
+    from vllm.config import VllmConfig
+
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(
+            pipeline_parallel_size=1, prefill_context_parallel_size=1, decode_context_parallel_size=1
+        ),
+        scheduler_config=SimpleNamespace(async_scheduling=True),
+    )
+    with pytest.raises(ValueError, match="async scheduling"):
+        VllmConfig._validate_return_routed_experts(config)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_vllm_ascend_own_binder_and_capture_stay_off(case: tuple[str, str, bool]) -> None:
     steps = run_step(*case)
@@ -131,6 +180,12 @@ def test_vllm_ascend_own_binder_and_capture_stay_off(case: tuple[str, str, bool]
         return  # the hybrid shm case: refused before any capturer existed (asserted above)
     assert steps["vllm_ascend_binder_ran"] is False  # its per-layer capturer attribute was never set
     assert steps["vllm_ascend_capture_calls"] == 0  # vLLM's capturer capture (vllm-ascend patches it): never
+    if DEVICE_CACHE:
+        # vllm-ascend 0.21.0rc1's unquantized method captures into vLLM's global capturer itself, at the decoder
+        # layer id (here 0): that capturer is vLLM's no-op (never created), so nothing lands anywhere.
+        assert steps["capturer"] == "_RoutedExpertsCapturerNoop"
+        assert steps["vllm_ascend_own_capture_layer_ids"] == [0] * len(steps["steps"])
+        return
     if steps["vllm_ascend_capture_patch"]:  # loaded as vllm-ascend's worker loads it: its capture is installed
         assert steps["capturer_capture_module"] == "vllm_ascend.patch.worker.patch_routed_experts_capture"
     else:
@@ -155,6 +210,9 @@ def test_vllm_ascend_capture_patch_imported_first_as_verl_does() -> None:
     assert steps["capture_patch_first"] is True
     assert "refused" not in steps, steps.get("refused")
     assert steps["vllm_ascend_capture_calls"] == 0
+    if DEVICE_CACHE:  # its worker never loads the patch on vLLM 0.21.0; loaded anyway, nothing calls it
+        assert all(step["shipped"] == step["expected"] for step in steps["steps"])
+        return
     assert steps["capturer_capture_module"] == "vllm_ascend.patch.worker.patch_routed_experts_capture"
     assert all(
         step["shipped_rows"] == step["expected"] if "shipped_rows" in step else step["stored_rows"] == step["expected"]
@@ -175,6 +233,20 @@ def test_a_runner_that_cannot_serve_routed_experts_is_refused() -> None:
     if "v2" not in SERVING:  # vLLM's Model Runner V2 of this release has no routed-experts capture
         from vllm_ascend_routing.compat.runner_output import RunnerOutputAPI
 
+        if DEVICE_CACHE:  # vLLM 0.21.0's own V2 validation refuses routed experts
+            from vllm.config import VllmConfig
+
+            v2 = SimpleNamespace(
+                model_config=SimpleNamespace(has_inner_state=False, enable_return_routed_experts=True,
+                                             logits_processors=None),
+                parallel_config=SimpleNamespace(prefill_context_parallel_size=1, enable_dbo=False),
+                speculative_config=None,
+                cache_config=SimpleNamespace(kv_sharing_fast_prefill=False),
+                ec_transfer_config=None,
+            )  # fmt: skip
+            with pytest.raises(ValueError, match="routed experts capture"):
+                VllmConfig._validate_v2_model_runner(v2)  # type: ignore[arg-type]
+            return
         if get_api().generation is not Generation.RUNNER_OUTPUT:
             return  # 0.20.x: vllm-ascend's worker never builds Model Runner V2 with vLLM 0.20.2
         config = SimpleNamespace(model_config=SimpleNamespace(enable_return_routed_experts=True))

@@ -175,3 +175,37 @@ def test_validation_checks_the_whole_request_on_the_decoder_layer_axis(monkeypat
     validate.keep_whole_request(state, broken)
     with pytest.raises(validate.RoutingValidationError, match="layer 2 row 2: the same expert twice"):
         check(state)
+
+
+def test_an_output_that_cannot_carry_the_rows_is_refused() -> None:
+    """An async output (vLLM 0.21.0 refuses async scheduling with routed experts) has no routed_experts_dict: the
+    step is refused, never shipped without rows."""
+    runner, capture = FakeRunner(), prepared()
+    ready(runner, capture)
+    api = device_cache.DeviceCacheAPI()
+    scheduler_output = SimpleNamespace(
+        finished_req_ids=set(), num_scheduled_tokens={"a": 2}, total_num_scheduled_tokens=2
+    )
+    api.step_started(runner, capture, scheduler_output)
+    runner.input_batch.req_ids = ["a"]
+    runner.requests["a"] = SimpleNamespace(block_ids=([1],))
+    with pytest.raises(RuntimeError, match="has no routed_experts_dict"):
+        api.sample(runner, capture, lambda: SimpleNamespace(sampled_token_ids_cpu=None))
+
+
+def test_vllm_s_own_capturer_created_beside_the_plugin_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vllm-ascend 0.21.0rc1's MoE method captures into vLLM's global capturer itself: it must be the no-op."""
+    from vllm_ascend_routing import patching, runner_state
+
+    runner = FakeRunner()
+    runner.model = object()  # type: ignore[attr-defined]
+    runner_state.set_prepared(runner, prepared())
+    real = SimpleNamespace(get_device_cache=lambda: object())
+    noop = SimpleNamespace(get_device_cache=lambda: None)
+    init = device_cache._no_capturer(lambda self: None)
+    monkeypatch.setattr(patching, "resolve", lambda target: lambda: noop)
+    init(runner)
+    assert runner.routed_experts_initialized is False  # type: ignore[attr-defined]
+    monkeypatch.setattr(patching, "resolve", lambda target: lambda: real)
+    with pytest.raises(RuntimeError, match="own capturer"):
+        init(runner)

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.test_consistency_oracle import FAULTS, assert_clean, assert_fault_named
 from tests.harness import vllm_0_21_cases
 from vllm_ascend_routing.selfcheck import models, scenarios
 
@@ -54,6 +55,17 @@ def test_the_cases_happened(served: dict[str, Any]) -> None:
     assert served["abort"]["aborted_output"] is False  # LLMEngine: no output for an aborted request
     checked = served["sentinel"]
     assert checked["rows_checked"] > 0 and checked["zero_rows"] == 0 and checked["invalid_ids"] == 0, checked
+
+
+def test_the_oracle_passes_on_0_21s_arrays(served: dict[str, Any]) -> None:
+    """The re-prefill oracle (doctor --model's) on this engine, after its cases: each request's two arrays joined
+    (``contract.request_rows``), every generation row equal to its re-prefill row."""
+    assert_clean(served["oracle"])
+
+
+@pytest.mark.parametrize("name", FAULTS)
+def test_the_oracle_names_each_planted_fault(served: dict[str, Any], name: str) -> None:
+    assert_fault_named(served["oracle"], name)
 
 
 def test_vllm_alone(scenario: Any, served: dict[str, Any]) -> None:

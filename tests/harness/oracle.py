@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from tests.harness import routing_mutations
+from vllm_ascend_routing import contract
 from vllm_ascend_routing.selfcheck import consistency, reprefill
 
 NUM_REQUESTS = 8
@@ -36,6 +37,7 @@ def oracle_part(llm: Any) -> dict[str, Any]:
         int(config.get_vocab_size()),
         int(config.max_model_len),
         MAX_TOKENS,
+        lambda output: contract.request_rows(output, config.hf_text_config),
     )
     pairs = collected.pairs()
     clean = consistency.analyse(pairs, dtype)

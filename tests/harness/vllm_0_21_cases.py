@@ -8,7 +8,8 @@ Cases: ``batch`` (mixed prompts, the contract's arrays described), ``stop_string
 string the front-end finds), ``preemption`` (more concurrent generation than the KV cache holds; vLLM's
 preemption counter must move), ``chunked_prefill`` (a prompt over ``max_num_batched_tokens``),
 ``prefix_cache`` (that prompt again, its blocks from the prefix cache), ``abort`` (a request aborted mid-way
-beside two that finish: theirs exact, the aborted one's plugin state freed).
+beside two that finish: theirs exact, the aborted one's plugin state freed); then the re-prefill consistency
+oracle with its planted faults (``oracle.oracle_part``) on the same engine.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from tests.harness import oracle
 from vllm_ascend_routing.selfcheck import models, offline
 from vllm_ascend_routing.selfcheck.scenarios import LONG_PROMPT, MAX_BATCHED_TOKENS, model_dir
 
@@ -122,6 +124,7 @@ def run_device_cache(arch: str, mode: str) -> dict[str, Any]:
 
     out["abort"] = _abort(llm, reference, model, greedy)
     out["sentinel"] = offline.sentinel_totals(llm)
+    out["oracle"] = oracle.oracle_part(llm)  # the re-prefill oracle on the same engine, after the cases
     return out
 
 

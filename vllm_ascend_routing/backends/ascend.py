@@ -42,7 +42,8 @@ from vllm_ascend_routing.releases import Generation
 
 __all__ = ["PATCHES", "RoutingNotRecordedError", "bind", "handles"]
 
-_GENERATIONS = (Generation.SHM, Generation.RUNNER_OUTPUT)  # vllm-ascend's select_experts design
+# vllm-ascend's select_experts design (0.20.2rc1 on vLLM 0.20.2, 0.21.0rc1 on 0.21.0, then 0.22.1rc1 to 0.26.0rc1)
+_GENERATIONS = (Generation.SHM, Generation.DEVICE_CACHE, Generation.RUNNER_OUTPUT)
 # vllm-ascend's routing seam: one of these exists in every supported release (this module's or ascend_router's).
 ROUTING_SEAM = "vllm-ascend's routing seam"
 SELECTOR = Patch(

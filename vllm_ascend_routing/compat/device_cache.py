@@ -21,6 +21,11 @@ record nothing (the CPU MoE bypasses its copy). This adapter keeps that contract
   * the front-end (``RequestState.make_request_output``) joins a request's chunks and hands the whole array
     to vLLM's own split on the final output, whatever ended the request (stop string and abort included).
 
+On vllm-ascend 0.21.0rc1 (its NPU runner keeps vLLM 0.21.0's statements, gated on ``routed_experts_initialized``)
+the same hooks serve its V1 runner; its MoE method's own capture (into vLLM's global capturer, at the decoder
+layer id rather than vLLM's ``moe_layer_id``) finds vLLM's no-op there, and the ``ascend`` backend records every
+quant method's ``select_experts``.
+
 Layer axis: the ``j``-th MoE layer of the model in decoder order, ``len(moe layers)`` wide (DeepSeek/GLM:
 ``num_hidden_layers - first_k_dense_replace``), never the trailing all-zero columns vLLM 0.21.0 would add
 (``contract.moe_layers`` names the decoder layers; ``replay.from_device_cache`` widens it back).
@@ -45,6 +50,7 @@ from vllm_ascend_routing.compat._common import prepare_capture
 from vllm_ascend_routing.compat._runners import LOAD_MODEL, RUNNER_CLASSES
 from vllm_ascend_routing.compat.base import Generation, RunnerClass, RunnerHook
 from vllm_ascend_routing.patching import Patch
+from vllm_ascend_routing.releases import CAPTURER_MODULE
 from vllm_ascend_routing.runner_state import prepared_capture
 
 logger = get_logger(__name__)
@@ -81,7 +87,15 @@ OUTPUT_FIELD = Patch(
     _DEVICE_CACHE,
     action=patching.RELY,
 )
-PATCHES = (CAPTURER_INIT, MAKE_REQUEST_OUTPUT, OUTPUT_FIELD)
+GLOBAL_CAPTURER = Patch(
+    f"{CAPTURER_MODULE}:get_global_experts_capturer",
+    "stays vLLM's no-op (checked when vLLM would create it): vllm-ascend 0.21.0rc1's MoE method captures into it "
+    "itself, at the decoder layer id (not vLLM's moe_layer_id)",
+    _REMOVE,
+    _DEVICE_CACHE,
+    action=patching.RELY,
+)
+PATCHES = (CAPTURER_INIT, MAKE_REQUEST_OUTPUT, OUTPUT_FIELD, GLOBAL_CAPTURER)
 
 _STATE = "_vllm_ascend_routing_device_cache"  # runner attribute: its _Transport
 _CHUNKS = "_vllm_ascend_routing_chunks"  # front-end RequestState attribute: the chunks received
@@ -95,6 +109,14 @@ def _no_capturer(init: Callable[..., Any]) -> Callable[..., Any]:
             raise RuntimeError(
                 "vllm-ascend-routing: the runner's load_model hook did not run, so routed-experts capture was "
                 f"never bound ({type(self).__name__} is not supported on vLLM 0.21.0)."
+            )
+        # Code that captures into vLLM's process-wide capturer by itself (vllm-ascend 0.21.0rc1's MoE method, at
+        # the decoder layer id) must find the no-op there, whose device cache is None.
+        own = patching.resolve(GLOBAL_CAPTURER.target)()
+        if own is not None and own.get_device_cache() is not None:
+            raise RuntimeError(
+                f"vllm-ascend-routing: vLLM 0.21.0's own capturer ({type(own).__name__}) was created in this process "
+                "outside the plugin; its capture code would run beside the plugin's. Unset VLLM_ASCEND_ROUTING."
             )
         logger.info("routed experts: vLLM 0.21.0's capturer replaced by the plugin's transport")
 
@@ -174,10 +196,9 @@ class DeviceCacheAPI:
     generation = Generation.DEVICE_CACHE
     narrowed_by_expert_count = False  # vLLM 0.21.0's arrays are int16 whatever the expert count
     runner_hooks: tuple[RunnerHook, ...] = HOOKS
-    # vllm-ascend 0.21.0rc1's NPU runner keeps its own 0.21.0 capture code (not read here yet): refused on "npu".
-    runner_classes: Mapping[str, tuple[RunnerClass, ...]] = {
-        device: classes for device, classes in RUNNER_CLASSES.items() if device != "npu"
-    }
+    # vllm-ascend 0.21.0rc1's NPU runner (V1) overrides every hooked method and keeps vLLM 0.21.0's own statements,
+    # each gated on ``routed_experts_initialized`` (left False: vLLM's capturer is never created).
+    runner_classes: Mapping[str, tuple[RunnerClass, ...]] = RUNNER_CLASSES
     # The front-end joins the chunks: an engine without the plugin would return one step's rows as the array.
     rows_read_in_front_end = True
 
@@ -189,7 +210,10 @@ class DeviceCacheAPI:
         patching.replace(MAKE_REQUEST_OUTPUT, _joining)
 
     def install_ascend(self) -> None:
-        """Never called: the NPU platform is refused (``runner_classes`` has no "npu")."""
+        """Nothing to patch in vllm-ascend 0.21.0rc1: its runner's own routed-experts statements are gated on
+        ``routed_experts_initialized`` (False), and the capture its unquantized MoE method does itself (at the
+        decoder layer id, not vLLM's ``moe_layer_id``) goes to vLLM's global capturer, which stays vLLM's no-op
+        (``_no_capturer`` checks it); the ``ascend`` backend records every quant method instead."""
 
     def routing_shape(self, vllm_config: Any) -> tuple[int, int, int]:
         """``(num_hidden_layers, top_k, num_experts)`` of the capture buffer; the user's layer axis is
@@ -253,8 +277,13 @@ class DeviceCacheAPI:
             return sample_tokens()
         batch = _step_requests(runner, transport)
         output = sample_tokens()
-        if not batch or output is None or not hasattr(output, "routed_experts_dict"):
+        if not batch or output is None:
             return output
+        if not hasattr(output, "routed_experts_dict"):  # an async output: vLLM 0.21.0 refuses the combination
+            raise RuntimeError(
+                f"vllm-ascend-routing: the runner returned {type(output).__name__}, which has no routed_experts_dict "
+                "(vLLM 0.21.0 returns routed experts without async scheduling only); unset VLLM_ASCEND_ROUTING."
+            )
         num_tokens = batch[-1].start + batch[-1].scheduled
         if transport.host is None:
             rows = prepared.buffer[:num_tokens].numpy()

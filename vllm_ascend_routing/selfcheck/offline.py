@@ -96,15 +96,8 @@ def native_arrays(output: Any) -> tuple[np.ndarray | None, np.ndarray | None] | 
 
 def routed_rows(llm: Any, output: Any) -> np.ndarray | None:
     """The request's array in the layout of its release, vLLM 0.21.0's two arrays joined and widened to
-    every decoder layer (``contract.from_device_cache``), so every release is compared the same way."""
-    native = native_arrays(output)
-    if native is None:
-        return output.outputs[0].routed_experts  # type: ignore[no-any-return]
-    if native[0] is None and native[1] is None:
-        return None
-    hf_config = llm.llm_engine.model_config.hf_text_config
-    num_layers = int(hf_config.num_hidden_layers)
-    return contract.from_device_cache(*native, contract.moe_layers(hf_config, num_layers), num_layers)
+    every decoder layer (``contract.request_rows``), so every release is compared the same way."""
+    return contract.request_rows(output, llm.llm_engine.model_config.hf_text_config)
 
 
 def check(

@@ -35,6 +35,9 @@ SHARED_PREFIX = 272  # tokens: at least two full KV blocks of 128 (the CPU build
 LOW_TOKEN_ID = 100  # below it: special tokens in most vocabularies
 
 Generate = Callable[[list[dict[str, Any]], list[Any]], Sequence[Any]]
+# A request's rows from its ``RequestOutput``, from token 0 on the decoder-layer axis (``contract.request_rows``:
+# vLLM 0.21.0 returns the prompt's and the generated tokens' rows apart).
+Rows = Callable[[Any], Any]
 
 
 @dataclass
@@ -79,10 +82,11 @@ class Collected:
     generation: list[Any]
     reprefill: list[Any]
     work: Workload
+    rows: Rows
 
     def pairs(self) -> list[consistency.Pair]:
         return [
-            consistency.Pair(str(i), g.outputs[0].routed_experts, r.outputs[0].routed_experts)
+            consistency.Pair(str(i), self.rows(g), self.rows(r))
             for i, (g, r) in enumerate(zip(self.generation, self.reprefill, strict=True))
         ]
 
@@ -95,9 +99,10 @@ def run(
     max_model_len: int,
     max_tokens: int,
     dtype: str,
+    rows: Rows,
 ) -> tuple[consistency.Result, Workload]:
     """Generate, re-prefill (``collect``), analyse."""
-    collected = collect(generate, sampling_params, num_requests, vocab_size, max_model_len, max_tokens)
+    collected = collect(generate, sampling_params, num_requests, vocab_size, max_model_len, max_tokens, rows)
     return consistency.analyse(collected.pairs(), dtype), collected.work
 
 
@@ -108,9 +113,10 @@ def collect(
     vocab_size: int,
     max_model_len: int,
     max_tokens: int,
+    rows: Rows,
 ) -> Collected:
     """``generate(prompts, params)`` is the front end's (``LLM.generate``); ``sampling_params(n)`` makes greedy
-    params for ``n`` tokens."""
+    params for ``n`` tokens; ``rows(output)`` reads a request's rows (``contract.request_rows``)."""
     num_requests = max(2, num_requests)
     first = prompts(num_requests, vocab_size, max_model_len, max_tokens)
     lengths = output_lengths(num_requests, max_tokens)
@@ -143,4 +149,4 @@ def collect(
             f"the re-prefill was served {work.reprefill_cached_tokens} tokens from the prefix cache despite its "
             "cache salt: its rows are not an independent pass"
         )
-    return Collected(outputs, redone, work)
+    return Collected(outputs, redone, work, rows)
