@@ -16,8 +16,8 @@ Cost: on the CPU, an OR over the words of the step's rows read in place through 
 buffer, no device). On an accelerator the same reduction runs on the device into a three-number packet, copied
 to pinned host memory without blocking and read at a later step once its event has completed: no
 synchronisation is added, and a step whose previous packet is still in flight is not checked (a bypass zeroes
-rows every step: sampling loses nothing). The layers checked are the ones this worker bound, so models whose MoE layout the config
-does not tell (``contract.moe_layers``) are checked too.
+rows every step: sampling loses nothing). The layers checked are the ones this worker bound, so models whose
+MoE layout the config does not tell (``contract.moe_layers``) are checked too.
 """
 
 from __future__ import annotations
