@@ -18,17 +18,11 @@ from tests.fakes import FakeModel
 from vllm_ascend_routing.compat._common import bind_target_model
 from vllm_ascend_routing.ops._reference import record_topk_ids_reference
 
-# Eager mode on the CPU, per MoE layer per step (``ops.LayerRecorder.__call__``): the range check (one
-# reduction, its two bounds read on the host: CPU memory, nothing waited for) and the write into a view taken
-# at bind time. No op of the plugin's own (no dispatcher round trip into a Python kernel), no other allocation,
-# no copy.
-EAGER_CAPTURE_OPS = [
-    "aten::aminmax",
-    "aten::_local_scalar_dense",
-    "aten::_local_scalar_dense",
-    "aten::slice",
-    "aten::copy_",
-]
+# Eager mode on the CPU, per MoE layer per step (``ops.LayerRecorder.__call__``): the ids viewed as NumPy
+# (``Tensor.numpy`` dispatches one ``detach``, a view), then the range check (one NumPy reduction on CPU memory,
+# nothing waited for) and the write into a NumPy view taken at bind time, neither an ATen op. No op of the plugin's
+# own (no dispatcher round trip into a Python kernel), no allocation, no copy.
+EAGER_CAPTURE_OPS = ["aten::detach"]
 # Ops that make the host wait for the device (or read device data on the host).
 SYNCING = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique2", "equal", "is_nonzero"}
 
@@ -129,6 +123,12 @@ def test_capture_takes_the_op_where_the_host_kernel_does_not_serve() -> None:
         cpu(invalid)
     assert "vllm_ascend_routing::record_topk_ids" in log.ops
     assert cpu.buffer[:2, 1].tolist() == [[1, 2, -1, -1], [0, 0, 0, -1]] and int(errors) == 3
+    for dtype in (torch.int32, torch.int64):  # a negative id alone (every other in range): never written as is
+        with OpLog() as log:
+            cpu(torch.tensor([[3, -1, 5, 6]], dtype=dtype))
+        assert "vllm_ascend_routing::record_topk_ids" in log.ops
+        assert cpu.buffer[0, 1].tolist() == [3, -1, 5, 6]
+    assert int(errors) == 5
     with OpLog() as log, pytest.raises((RuntimeError, TypeError, ValueError)):
         cpu(torch.zeros(3, 4))  # float ids: the op refuses them
     assert "vllm_ascend_routing::record_topk_ids" in log.ops

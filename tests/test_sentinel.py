@@ -380,3 +380,18 @@ def test_an_event_recorded_before_the_copy_misses_zero_rows_on_the_gpu() -> None
 
     assert caught(Sentinel) == [True] * 5
     assert not all(caught(_EventFirst)), "an event recorded before the copy went unnoticed on this GPU"
+
+
+@pytest.mark.parametrize("top_k", [3, 6, 8])
+def test_wide_rows_count_as_zero_only_when_every_id_is_zero(top_k: int) -> None:
+    """The CPU check reads a row as whole words (8 ids of int16: two 64-bit words): a row whose first word is zero
+    but not its last is not an all-zero row; one that is zero throughout is."""
+    check = _sentinel(top_k=top_k, layers=(0, 1, 2, 3), strict=False)
+    check.buffer[:3] = torch.arange(1, top_k + 1, dtype=torch.int16)
+    check.buffer[0, 2, :-1] = 0  # only the last id set: not all zero
+    check.buffer[1, 3, 1:] = 0  # only the first id set: not all zero
+    check.buffer[2, 1] = 0  # all zero
+    check.after_forward(3, lambda: [])
+    assert sentinel.stats().zero_rows == 1
+    check.clear(3)
+    assert not check.buffer[:3].any() and check.buffer[3:].eq(0).all()

@@ -8,7 +8,7 @@ counted once in the caller's ``errors`` counter. Without ``num_experts`` nothing
 narrowed as ``Tensor.copy_`` narrows them.
 
 Who applies it: the PyTorch reference (``checked_tensor``), the host kernel (``checked_array``) and the eager
-direct write (``in_range`` on a batch's bounds, the op for anything else). The native kernels implement the
+direct write (the same unsigned-max test on its NumPy view, the op for anything else). The native kernels implement the
 same rule in C++ (``csrc/cuda/record_topk_ids_kernel.cuh``, ``csrc/ascend/op_kernel/record_topk_ids_kernel.cpp``);
 the kernel tests compare them with ``checked_array``.
 """
@@ -30,6 +30,8 @@ STORAGE_LIMIT = 32767
 # The id dtypes the op accepts, each with the unsigned NumPy type of its width (the one-reduction check).
 ID_DTYPES = (torch.int32, torch.int64)
 _UNSIGNED = {np.dtype(np.int32): np.uint32, np.dtype(np.int64): np.uint64}
+# The same, keyed by the torch dtype: the eager direct write looks a tensor's up before viewing it as NumPy.
+UNSIGNED_OF = {torch.int32: np.uint32, torch.int64: np.uint64}
 
 Ids = TypeVar("Ids", torch.Tensor, np.ndarray)
 
@@ -42,11 +44,6 @@ def id_limit(num_experts: int) -> int:
 def invalid_mask(ids: Ids, limit: int) -> Ids:
     """Elementwise: true where an id is invalid. The same expression for tensors and NumPy arrays."""
     return (ids < 0) | (ids >= limit)
-
-
-def in_range(low: float, high: float, limit: int) -> bool:
-    """Whether a batch whose smallest id is ``low`` and largest ``high`` holds only valid ids."""
-    return low >= 0 and high < limit
 
 
 def checked_tensor(ids: torch.Tensor, num_experts: int | None, errors: torch.Tensor | None) -> torch.Tensor:
