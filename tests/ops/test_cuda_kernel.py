@@ -7,12 +7,11 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from tests.ops.vectors import case_ids, make_case
-from vllm_ascend_routing.ops import record_topk_ids
+from tests.ops import gpu_cases
+from tests.ops.vectors import case_ids
 from vllm_ascend_routing.ops._native import native_backend
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,44 +47,17 @@ def cuda_native() -> None:
 def test_matches_oracle_on_gpu(
     cuda_native: None, n: int, k: int, id_dtype: torch.dtype, checked: bool, run_seed: int
 ) -> None:
-    case = make_case(n, k, id_dtype, checked, run_seed + n * 7 + k)
-    expected, bad = case.expected()
-    out = case.out.cuda()
-    errors = torch.zeros(1, dtype=torch.int64, device="cuda")
-    record_topk_ids(case.ids.cuda(), out, case.layer_id, case.num_experts, errors)
-    assert int(errors) == bad
-    np.testing.assert_array_equal(out.cpu().numpy(), expected)
+    gpu_cases.matches_oracle(n, k, id_dtype, checked, run_seed + n * 7 + k)
 
 
 @pytest.mark.cuda
 def test_cuda_graph_capture_and_replay(cuda_native: None) -> None:
-    ids = torch.zeros(64, 8, dtype=torch.int32, device="cuda")
-    out = torch.zeros(64, 4, 8, dtype=torch.int16, device="cuda")
-    errors = torch.zeros(1, dtype=torch.int64, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        record_topk_ids(ids, out, 2, 16, errors)  # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph):
-        record_topk_ids(ids, out, 2, 16, errors)
-    for step in range(3):
-        new = torch.randint(0, 20, (64, 8), dtype=torch.int32, device="cuda")
-        ids.copy_(new)  # replay reads the new ids from the captured address
-        errors.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        expected = torch.where(new >= 16, -1, new).to(torch.int16)
-        assert torch.equal(out[:, 2], expected), step
-        assert int(errors) == int((new >= 16).sum())
+    gpu_cases.graph_replays_new_ids()
 
 
 @pytest.mark.cuda
 def test_opcheck_on_gpu(cuda_native: None) -> None:
-    op = torch.ops.vllm_ascend_routing.record_topk_ids.default
-    ids = torch.randint(0, 8, (6, 2), dtype=torch.int32, device="cuda")
-    out = torch.zeros(8, 3, 2, dtype=torch.int16, device="cuda")
-    torch.library.opcheck(op, (ids, out, 1, 8, torch.zeros(1, dtype=torch.int32, device="cuda")))
+    gpu_cases.opcheck()
 
 
 @pytest.mark.cuda

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from tests.ops import gpu_cases
 from tests.ops.vectors import NUM_TOKENS, case_ids, make_case
 from vllm_ascend_routing import ops
-from vllm_ascend_routing.ops import _triton, record_topk_ids
+from vllm_ascend_routing.ops import _triton
 
 # The interpreter runs each program in NumPy: every shape but the largest token count.
 INTERPRETED = [case for case in case_ids() if case[0] < max(NUM_TOKENS)]
@@ -67,45 +68,16 @@ def cuda_triton() -> None:
 def test_matches_oracle_on_gpu(
     cuda_triton: None, n: int, k: int, id_dtype: torch.dtype, checked: bool, run_seed: int
 ) -> None:
-    case = make_case(n, k, id_dtype, checked, run_seed + n * 7 + k)
-    expected, bad = case.expected()
-    out = case.out.cuda()
-    errors = torch.zeros(1, dtype=torch.int64, device="cuda")
-    record_topk_ids(case.ids.cuda(), out, case.layer_id, case.num_experts, errors)
-    assert int(errors) == bad
-    np.testing.assert_array_equal(out.cpu().numpy(), expected)
+    gpu_cases.matches_oracle(n, k, id_dtype, checked, run_seed + n * 7 + k)
 
 
 @pytest.mark.cuda
 @pytest.mark.triton
 def test_cuda_graph_capture_and_replay(cuda_triton: None) -> None:
-    """Captured once (after a warm-up compiled the kernel), replayed with new ids and new token counts' worth of
-    invalid ids: each replay writes the step's ids and counts its invalid ones."""
-    ids = torch.zeros(64, 8, dtype=torch.int32, device="cuda")
-    out = torch.zeros(64, 4, 8, dtype=torch.int16, device="cuda")
-    errors = torch.zeros(1, dtype=torch.int64, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        record_topk_ids(ids, out, 2, 16, errors)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        record_topk_ids(ids, out, 2, 16, errors)
-    for step in range(3):
-        new = torch.randint(0, 20, (64, 8), dtype=torch.int32, device="cuda")
-        ids.copy_(new)
-        errors.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out[:, 2], torch.where(new >= 16, -1, new).to(torch.int16)), step
-        assert int(errors) == int((new >= 16).sum()), step
+    gpu_cases.graph_replays_new_ids()
 
 
 @pytest.mark.cuda
 @pytest.mark.triton
 def test_opcheck_on_gpu(cuda_triton: None) -> None:
-    op = torch.ops.vllm_ascend_routing.record_topk_ids.default
-    ids = torch.randint(0, 8, (6, 2), dtype=torch.int32, device="cuda")
-    out = torch.zeros(8, 3, 2, dtype=torch.int16, device="cuda")
-    torch.library.opcheck(op, (ids, out, 1, 8, torch.zeros(1, dtype=torch.int32, device="cuda")))
+    gpu_cases.opcheck()
