@@ -14,7 +14,7 @@ TRAINER_ENVS ?= trainer-0.16.1 trainer-0.19.2
 VENV          = $$($(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: dist gpu-check test venvs test-unit test-native test-static test-ascend test-trainer test-e2e test-spec test-contract test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-handoff bench-kernel bench-sentinel matrix matrix-ascend
+.PHONY: dist gpu-check test venvs test-unit test-native test-native-cpu test-static test-ascend test-trainer test-e2e test-spec test-contract test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-handoff bench-kernel bench-sentinel matrix matrix-ascend
 
 ## make dist: the sdist and the pure-Python py3-none-any wheel (version in the names) in dist/, for offline installs
 ## (pip install --no-index --no-deps dist/vllm_ascend_routing-*.whl); native kernels stay opt-in source builds
@@ -38,7 +38,7 @@ replay-check:
 LANES           ?= 2
 CHECK_LANE_E2E  ?= 0.23.0
 E2E_LANE_ASCEND ?= 0.30.0rc2
-CHECK_LANE = test-unit test-native test-static test-trainer test-spec test-contract \
+CHECK_LANE = test-unit test-native test-native-cpu test-static test-trainer test-spec test-contract \
 	$(addprefix ascend-,$(filter-out $(E2E_LANE_ASCEND),$(ASCEND_NAMES))) \
 	$(addprefix e2e-,$(filter $(CHECK_LANE_E2E),$(E2E_RELEASES)))
 E2E_LANE   = $(addprefix ascend-,$(filter $(E2E_LANE_ASCEND),$(ASCEND_NAMES))) \
@@ -174,6 +174,18 @@ build-cuda:
 ## bandwidth against a device copy; fails, never skips, where a part cannot run (scripts/gpu_check.py)
 gpu-check:
 	@$(PYTHON) scripts/gpu_check.py
+
+## make test-native-cpu: the native CPU kernel (VLLM_ASCEND_ROUTING_TARGET_DEVICE=cpu, csrc/cpu) built with the dev
+## environment's torch in a copy of the checkout (never into it: other stages import the checkout), then the op,
+## capture and always-on-check tests with the C++ kernel serving the CPU (VLLM_ASCEND_ROUTING_TEST_REQUIRE=native_cpu)
+test-native-cpu:
+	@py=$(call VENV,dev) && tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	git ls-files -z --cached --others --exclude-standard | tar --null --ignore-failed-read -T - -cf - | tar -C "$$tmp" -xf - && \
+	cd "$$tmp" && { VLLM_ASCEND_ROUTING_TARGET_DEVICE=cpu $$py setup.py -q build_ext --inplace >build.log 2>&1 || \
+		{ tail -40 build.log; echo "test-native-cpu: FAILED: the CPU kernel did not build"; exit 1; }; } && \
+	PYTHONPATH="$$tmp" $$py scripts/check_native.py cpu && VLLM_ASCEND_ROUTING_TEST_REQUIRE=native_cpu $$py -m pytest \
+		$(PYTEST_FLAGS) -p no:cacheprovider -m "not vllm and not cuda and not triton" tests/ops tests/test_hot_path.py \
+		tests/test_sentinel.py
 
 ## make test-native: build-cuda where nvcc exists (CI compiles the CUDA binding when it can); without nvcc it says
 ## SKIPPED (scripts/lanes.py shows the stage as skipped, not ok), or fails where VLLM_ASCEND_ROUTING_TEST_REQUIRE

@@ -5,12 +5,13 @@ The built package (wheel, or sdist made from a git checkout) carries ``vllm_asce
 checkout's commit (``versions.commit`` reads it; ``+dirty`` with uncommitted changes). It is written into the build
 directory only, never into the checkout.
 
-A native kernel is built only when ``VLLM_ASCEND_ROUTING_TARGET_DEVICE`` names one (``cuda`` or ``npu``;
+A native kernel is built only when ``VLLM_ASCEND_ROUTING_TARGET_DEVICE`` names one (``cpu``, ``cuda`` or ``npu``;
 read through ``vllm_ascend_routing/envs.py``, loaded by path). Then CMake builds the ``_C`` module against
 the installed torch (install with ``--no-build-isolation``); a missing toolchain fails the build with the
 fix in the message. Unset (the default), the package is pure Python and the PyTorch reference serves.
 """
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -108,7 +109,9 @@ class CMakeBuild(build_ext):
         if target == "cuda" and not os.environ.get("CUDACXX"):
             os.environ["CUDACXX"] = str(Path(_cuda_home()) / "bin" / "nvcc")
         output_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
-        build_dir = Path(self.build_temp).resolve()
+        # One CMake build tree per target and interpreter: a cache configured for another torch is never reused.
+        key = hashlib.sha256(sys.executable.encode()).hexdigest()[:8]
+        build_dir = Path(self.build_temp).resolve() / f"{target}-{key}"
         build_dir.mkdir(parents=True, exist_ok=True)
         configure = [
             cmake,
@@ -132,5 +135,5 @@ class CMakeBuild(build_ext):
 
 
 target = _envs().VLLM_ASCEND_ROUTING_TARGET_DEVICE
-ext_modules = [CMakeExtension("vllm_ascend_routing._C")] if target in ("cuda", "npu") else []
+ext_modules = [CMakeExtension("vllm_ascend_routing._C")] if target in ("cpu", "cuda", "npu") else []
 setup(ext_modules=ext_modules, cmdclass={"build_ext": CMakeBuild, "build_py": BuildPy, "sdist": Sdist})

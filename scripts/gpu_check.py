@@ -137,7 +137,7 @@ def usable_cmake() -> str | None:
 
 
 def nvcc_command(target_arch: str) -> list[str]:
-    """CMakeLists.txt's CUDA build as one nvcc call: module.cpp and the kernel, linked against torch."""
+    """CMakeLists.txt's CUDA build as one nvcc call: module.cpp, the CPU and CUDA kernels, linked against torch."""
     import torch
     from torch.utils import cpp_extension
 
@@ -158,9 +158,12 @@ def nvcc_command(target_arch: str) -> list[str]:
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         '-DVLLM_ASCEND_ROUTING_BACKEND="cuda"',
         f"-I{ROOT / 'csrc'}",
+        f"-I{ROOT / 'csrc' / 'cpu'}",
         f"-I{ROOT / 'csrc' / 'cuda'}",
         *(arg for path in includes for arg in ("-isystem", path)),
         str(ROOT / "csrc" / "module.cpp"),
+        str(ROOT / "csrc" / "cpu" / "record_topk_ids.cpp"),
+        str(ROOT / "csrc" / "cpu" / "record_rows_python.cpp"),
         str(ROOT / "csrc" / "cuda" / "record_topk_ids.cu"),
         f"-L{torch_lib}",
         f"-Xlinker=-rpath,{torch_lib}",

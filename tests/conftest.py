@@ -24,6 +24,10 @@ RESOURCES = {
     "ray": lambda: importlib.util.find_spec("ray") is not None,
     # Triton, for its kernel (ops/_triton.py): in its interpreter on the CPU, on a GPU through the op.
     "triton": lambda: importlib.util.find_spec("triton") is not None,
+    # A native build (vllm_ascend_routing._C): its C++ CPU kernel serves the CPU (make test-native builds one).
+    "native_cpu": lambda: _cpu_kernel() == "native",
+    # No native build and the reference not forced: the NumPy host kernel serves the CPU (every other suite).
+    "host_kernel": lambda: _cpu_kernel() == "host",
     # Trainer environments (verl + Megatron-Core, scripts/venv.py trainer-MCORE) for the trainer hand-off test.
     "trainer": lambda: bool(envs.VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS.split()),
     # verl itself, inside a trainer environment (make test-trainer): its RouterReplay next to the bridge.
@@ -37,6 +41,8 @@ RESOURCES = {
 SKIP_REASONS = {
     "ray": "ray not installed (scripts/venv.py RELEASE --with ray)",
     "triton": "triton not installed (the cuda-build environment has it: make test-native)",
+    "native_cpu": "no native build loaded (make test-native builds one: VLLM_ASCEND_ROUTING_TARGET_DEVICE=cpu)",
+    "host_kernel": "the CPU is not served by the host kernel here (a native build, or the reference forced)",
     "verl": "verl not installed (a trainer environment has it: make test-trainer)",
     "megatron": "megatron-core not installed (the dev and trainer environments pin it: make test-trainer)",
     "trainer": "no trainer environment given (VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS; make test-e2e sets it)",
@@ -49,6 +55,15 @@ def _real_torch_npu() -> bool:
     if stub is not None and getattr(stub, "VLLM_ASCEND_ROUTING_STUB", False) is True:
         return False
     return importlib.util.find_spec("torch_npu") is not None
+
+
+def _cpu_kernel() -> str:
+    """What serves the op on the CPU in this process: ``native``, ``host`` or ``reference``."""
+    from vllm_ascend_routing.ops import _library
+
+    if _library.NATIVE_RECORD_ROWS is not None:
+        return "native"
+    return "host" if _library.HOST_KERNEL else "reference"
 
 
 def _torch_has(device: str) -> bool:

@@ -16,13 +16,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.fakes import FakeModel
 from vllm_ascend_routing.compat._common import bind_target_model
+from vllm_ascend_routing.ops import _library
 from vllm_ascend_routing.ops._reference import record_topk_ids_reference
 
-# Eager mode on the CPU, per MoE layer per step (``ops.LayerRecorder.__call__``): the ids viewed as NumPy
-# (``Tensor.numpy`` dispatches one ``detach``, a view), then the range check (one NumPy reduction on CPU memory,
-# nothing waited for) and the write into a NumPy view taken at bind time, neither an ATen op. No op of the plugin's
-# own (no dispatcher round trip into a Python kernel), no allocation, no copy.
-EAGER_CAPTURE_OPS = ["aten::detach"]
+# Eager mode on the CPU, per MoE layer per step (``ops.LayerRecorder.__call__``). Without a native build: the ids
+# viewed as NumPy (``Tensor.numpy`` dispatches one ``detach``, a view), then the range check (one NumPy reduction on
+# CPU memory, nothing waited for) and the write into a NumPy view taken at bind time, neither an ATen op. With one
+# (make test-native): the C++ kernel's direct entry on the tensors themselves, no op at all. Either way no op of
+# the plugin's own (no dispatcher round trip into a Python kernel), no allocation, no copy.
+EAGER_CAPTURE_OPS = [] if _library.NATIVE_RECORD_ROWS is not None else ["aten::detach"]
 # Ops that make the host wait for the device (or read device data on the host).
 SYNCING = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique2", "equal", "is_nonzero"}
 
@@ -107,7 +109,6 @@ def test_capture_takes_the_op_where_the_host_kernel_does_not_serve() -> None:
     not accept, ``LayerCapture`` (its ``ops.LayerRecorder``) emits the op (which stores and counts invalid ids,
     or raises, as before)."""
     from vllm_ascend_routing.capture import LayerCapture
-    from vllm_ascend_routing.ops import _library
 
     errors = torch.zeros(1, dtype=torch.int64)
     meta = LayerCapture(torch.zeros(8, 2, 4, dtype=torch.int16, device="meta"), 1, 64, errors)
@@ -118,15 +119,22 @@ def test_capture_takes_the_op_where_the_host_kernel_does_not_serve() -> None:
     with OpLog() as log:
         cpu(ids)
     assert log.ops == EAGER_CAPTURE_OPS
-    invalid = torch.tensor([[1, 2, 64, -1], [0, 0, 0, 70000]])  # out of range: the op stores -1 and counts
+    # Out of range: stored as -1 and counted, by the op (NumPy direct write) or by the C++ direct entry itself.
+    native = _library.NATIVE_RECORD_ROWS is not None
+
+    def invalid_ids_took_their_path(ops: list[str]) -> bool:
+        return ops == EAGER_CAPTURE_OPS if native else "vllm_ascend_routing::record_topk_ids" in ops
+
+    invalid = torch.tensor([[1, 2, 64, -1], [0, 0, 0, 70000]])
     with OpLog() as log:
         cpu(invalid)
-    assert "vllm_ascend_routing::record_topk_ids" in log.ops
+    assert invalid_ids_took_their_path(log.ops)
     assert cpu.buffer[:2, 1].tolist() == [[1, 2, -1, -1], [0, 0, 0, -1]] and int(errors) == 3
     for dtype in (torch.int32, torch.int64):  # a negative id alone (every other in range): never written as is
+        lone_negative = torch.tensor([[3, -1, 5, 6]], dtype=dtype)
         with OpLog() as log:
-            cpu(torch.tensor([[3, -1, 5, 6]], dtype=dtype))
-        assert "vllm_ascend_routing::record_topk_ids" in log.ops
+            cpu(lone_negative)
+        assert invalid_ids_took_their_path(log.ops)
         assert cpu.buffer[0, 1].tolist() == [3, -1, 5, 6]
     assert int(errors) == 5
     with OpLog() as log, pytest.raises((RuntimeError, TypeError, ValueError)):
@@ -136,6 +144,7 @@ def test_capture_takes_the_op_where_the_host_kernel_does_not_serve() -> None:
         cpu(torch.zeros(9, 4, dtype=torch.int32))  # more tokens than rows: never a silent partial write
     with pytest.MonkeyPatch.context() as forced:  # VLLM_ASCEND_ROUTING_FORCE_REFERENCE=1
         forced.setattr(_library, "HOST_KERNEL", False)
+        forced.setattr(_library, "NATIVE_RECORD_ROWS", None)
         assert not LayerCapture(torch.zeros(8, 2, 4, dtype=torch.int16), 1, 64, errors).writes_directly
 
 

@@ -77,8 +77,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Use the PyTorch reference of record_topk_ids even where a native kernel is built.
     "VLLM_ASCEND_ROUTING_FORCE_REFERENCE": _bool("VLLM_ASCEND_ROUTING_FORCE_REFERENCE"),
     # ---- build (read by setup.py) ----
-    # Native kernel backend to build: "cuda", "npu", or "" (none: PyTorch reference only).
-    "VLLM_ASCEND_ROUTING_TARGET_DEVICE": _choice("VLLM_ASCEND_ROUTING_TARGET_DEVICE", "", ("", "empty", "cuda", "npu")),
+    # Native kernel backend to build: "cpu", "cuda", "npu" (each with the CPU kernel), or "" (none: pure Python).
+    "VLLM_ASCEND_ROUTING_TARGET_DEVICE": _choice(
+        "VLLM_ASCEND_ROUTING_TARGET_DEVICE", "", ("", "empty", "cpu", "cuda", "npu")
+    ),
     # ---- tooling (scripts/venv.py, tests, demo) ----
     # Where per-release virtual environments and downloaded wheels are cached.
     "VLLM_ASCEND_ROUTING_CACHE": lambda: os.path.expanduser(

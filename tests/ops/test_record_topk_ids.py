@@ -22,6 +22,7 @@ def run_op(case: Case, kernel: str = "dispatcher") -> int:
     return int(errors)
 
 
+@pytest.mark.host_kernel
 def test_cpu_tensors_dispatch_to_the_host_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _library.HOST_KERNEL
     seen: list[str] = []

@@ -3,8 +3,8 @@
 
 ``_id_rule`` is the invalid-id rule every Python path applies; ``_library`` defines the custom ops
 (``record_topk_ids``, and ``record_local_topk_ids`` for parallel layouts) with their fake kernels;
-``_reference`` and ``_host`` are their PyTorch and NumPy kernels, ``_native`` loads the optional CUDA /
-AscendC ones, ``_triton`` serves CUDA without them; ``_recorder`` binds the ops to one buffer layer and picks,
+``_reference`` and ``_host`` are their PyTorch and NumPy kernels, ``_native`` loads the optional C++ CPU, CUDA
+and AscendC ones, ``_triton`` serves CUDA without them; ``_recorder`` binds the ops to one buffer layer and picks,
 per call, the eager direct write or the op.
 """
 
@@ -66,11 +66,14 @@ def record_topk_ids(
 
 
 def kernel_backend() -> str:
-    """Which implementations serve ``record_topk_ids``: ``cuda``/``npu`` native, the host kernel on the CPU,
-    the PyTorch reference elsewhere."""
+    """Which implementations serve ``record_topk_ids``: the native build (``cpu``/``cuda``/``npu``), Triton on
+    CUDA, the C++ or host kernel on the CPU, the PyTorch reference elsewhere."""
     native = native_backend()
     served = [f"native-{native}"] if native else []
     if TRITON_KERNEL:
         served.append("triton on cuda")
-    served.append("host-numpy on cpu" if HOST_KERNEL else "pytorch-reference on cpu")
+    if native:
+        served.append("native-cpp on cpu")
+    else:
+        served.append("host-numpy on cpu" if HOST_KERNEL else "pytorch-reference on cpu")
     return ", ".join(served) + ", pytorch-reference elsewhere"

