@@ -11,7 +11,8 @@ For a machine with one NVIDIA GPU, PyTorch (a CUDA build), nvcc and pytest; no v
    kernel's CUDA tests (``tests/ops/test_triton_kernel.py``: what serves CUDA without a native build);
 2. builds the CUDA kernel into the checkout (``vllm_ascend_routing/_C*.so``) for this GPU's architecture only:
    through setup.py and CMake, as ``make build-cuda`` does, where CMake 3.27+ is at hand, else with one nvcc
-   command, and checks the build registers the kernel for CUDA (``scripts/check_native.py``'s check);
+   command, and checks the build registers its kernels for CUDA and the CPU (``scripts/check_native.py``'s check),
+   then runs the C++ CPU kernel's tests on this build (``tests/ops/test_cpu_kernel.py``, ``-m native_cpu``);
    ``--build-only`` runs the toolchain and these steps alone (no GPU needed: make test-native);
 3. runs every CUDA test of the native kernel (``pytest -m cuda``, ``VLLM_ASCEND_ROUTING_TEST_REQUIRE=cuda``: a
    missing GPU is a failure, never a skip): the kernel against the oracle of ``tests/ops/vectors.py`` for every
@@ -46,6 +47,7 @@ PACKAGE = ROOT / "vllm_ascend_routing"
 BUDGET_S = 8 * 60  # the whole check, build included
 TESTS = ("tests/ops", "tests/test_sentinel.py")
 TRITON_TESTS = ("tests/ops/test_triton_kernel.py",)
+CPU_KERNEL_TESTS = ("tests/ops/test_cpu_kernel.py",)
 
 
 class GpuCheckError(Exception):
@@ -186,7 +188,7 @@ def run_logged(command: list[str], env: dict[str, str], what: str) -> None:
 
 
 def registered() -> str:
-    """The checkout's build loads and registers its kernel for CUDA (check_native.py, run on the checkout)."""
+    """The checkout's build loads and registers its kernels for CUDA and the CPU (check_native.py, on the checkout)."""
     done = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "check_native.py"), "cuda"],
         cwd=ROOT,
@@ -219,7 +221,12 @@ def tests() -> str:
     return pytest_step("cuda and not triton", TESTS, "cuda")
 
 
-def pytest_step(marker: str, paths: tuple[str, ...], require: str) -> str:
+def cpu_kernel_tests() -> str:
+    """The C++ CPU kernel every native build carries (csrc/cpu), as this build compiled it, against the oracle."""
+    return pytest_step("native_cpu", CPU_KERNEL_TESTS, "native_cpu", kind="CPU-kernel")
+
+
+def pytest_step(marker: str, paths: tuple[str, ...], require: str, kind: str = "CUDA") -> str:
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as temp:
         report = Path(temp) / "junit.xml"
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker, "-rs"]
@@ -227,16 +234,16 @@ def pytest_step(marker: str, paths: tuple[str, ...], require: str) -> str:
         env = checkout_env(VLLM_ASCEND_ROUTING_TEST_REQUIRE=require)
         done = subprocess.run(command, cwd=ROOT, env=env, check=False)
         counts = junit_counts(report) if report.exists() else {}
-    return test_verdict(done.returncode, counts, f"pytest -m '{marker}' {' '.join(paths)}")
+    return test_verdict(done.returncode, counts, f"pytest -m '{marker}' {' '.join(paths)}", kind)
 
 
-def test_verdict(returncode: int, counts: dict[str, int], what: str = "pytest -m cuda") -> str:
+def test_verdict(returncode: int, counts: dict[str, int], what: str = "pytest -m cuda", kind: str = "CUDA") -> str:
     """Passed only if pytest passed and ran at least one test and skipped none."""
     if returncode != 0:
         raise GpuCheckError(f"{what} exited {returncode} ({counts or 'no report'})")
     if counts.get("skipped") or not counts.get("tests"):
         raise GpuCheckError(f"{what}: the tests did not all run: {counts}")
-    return f"{counts['tests']} CUDA tests passed, none skipped"
+    return f"{counts['tests']} {kind} tests passed, none skipped"
 
 
 def junit_counts(report: Path) -> dict[str, int]:
@@ -292,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     steps: list[tuple[str, Callable[[], str]]] = [("toolchain", toolchain)]
     if not args.build_only:
         steps += [("gpu", gpu), ("triton", triton_tests)]
-    steps += [("build", lambda: build(arch())), ("registered", registered)]
+    steps += [("build", lambda: build(arch())), ("registered", registered), ("cpu kernel", cpu_kernel_tests)]
     if not args.build_only:
         steps += [("tests", tests), ("bandwidth", bandwidth)]
     failed = None
