@@ -32,7 +32,7 @@ replay-check:
 
 ## make test: lint, then every environment made (make venvs), then the stages in two lanes at once
 ## (scripts/lanes.py: a vLLM engine on the CPU keeps about one core busy). The checks lane: unit tests (no vLLM),
-## the native build, the static and trainer suites, speculative decoding, the Ascend releases but E2E_LANE_ASCEND,
+## the native builds (CUDA, CPU), the static and trainer suites, speculative decoding, the Ascend releases but E2E_LANE_ASCEND,
 ## and the e2e release CHECK_LANE_E2E; the e2e lane: E2E_LANE_ASCEND and the other e2e releases (about an hour
 ## each here, the two lanes' work balanced). LANES=1 runs the lanes one after another.
 LANES           ?= 2

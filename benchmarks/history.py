@@ -30,16 +30,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-HISTORY = Path(__file__).resolve().parent / "results" / "history.jsonl"
+RESULTS = Path(__file__).resolve().parent / "results"
+HISTORY = RESULTS / "history.jsonl"
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def commit() -> str:
-    """``HEAD``'s commit, ``+dirty`` where tracked files differ from it; ``unknown`` outside a git checkout."""
+    """``HEAD``'s commit, ``+dirty`` where tracked files differ from it (the results this run has just written
+    excepted); ``unknown`` outside a git checkout."""
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     if head.returncode != 0:
         return "unknown"
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=ROOT).returncode != 0
+    results = f":(exclude){RESULTS.relative_to(ROOT).as_posix()}"
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".", results], cwd=ROOT).returncode != 0
     return head.stdout.strip()[:12] + ("+dirty" if dirty else "")
 
 

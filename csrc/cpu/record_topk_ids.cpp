@@ -23,8 +23,8 @@ void RecordTopkIdsCpu(const at::Tensor& topk_ids, const at::Tensor& out, int64_t
                   limit < 0 ? -1 : std::min(limit, kStorageLimit)};
   int16_t* layer = out.data_ptr<int16_t>() + layer_id * out.stride(1);
   const int64_t invalid = topk_ids.scalar_type() == at::kInt
-                              ? record_rows(topk_ids.data_ptr<int32_t>(), layer, rows)
-                              : record_rows(topk_ids.data_ptr<int64_t>(), layer, rows);
+                              ? RecordRows(topk_ids.data_ptr<int32_t>(), layer, rows)
+                              : RecordRows(topk_ids.data_ptr<int64_t>(), layer, rows);
   if (invalid == 0) return;
   if (errors.scalar_type() == at::kInt) {
     *errors.data_ptr<int32_t>() += static_cast<int32_t>(invalid);

@@ -8,7 +8,6 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
 namespace vllm_ascend_routing::cpu {
 
@@ -27,54 +26,9 @@ struct Rows {
   int64_t limit;
 };
 
-// `count` ids at unit stride; the loop the compiler vectorises (a compare, a select and a narrowing store).
-template <typename IdT>
-int64_t record_run(const IdT* src, int16_t* dst, int64_t count, int64_t limit) {
-  if (limit < 0) {
-    for (int64_t e = 0; e < count; ++e) dst[e] = static_cast<int16_t>(src[e]);
-    return 0;
-  }
-  using Unsigned = std::make_unsigned_t<IdT>;
-  const Unsigned bound = static_cast<Unsigned>(limit);
-  int64_t invalid = 0;
-  for (int64_t e = 0; e < count; ++e) {
-    const bool valid = static_cast<Unsigned>(src[e]) < bound;
-    invalid += !valid;
-    dst[e] = valid ? static_cast<int16_t>(src[e]) : kInvalidId;
-  }
-  return invalid;
-}
-
-// Writes the rows and returns how many ids were invalid (0 without a limit).
-template <typename IdT>
-int64_t record_rows(const IdT* ids, int16_t* out, const Rows& r) {
-  if (r.ids_slot_stride == 1 && r.out_slot_stride == 1) {
-    if (r.ids_row_stride == r.top_k && r.out_row_stride == r.top_k) {  // both dense: one run
-      return record_run(ids, out, r.num_tokens * r.top_k, r.limit);
-    }
-    int64_t invalid = 0;  // the capture buffer's layer view: a run of K ids per token
-    for (int64_t i = 0; i < r.num_tokens; ++i) {
-      invalid += record_run(ids + i * r.ids_row_stride, out + i * r.out_row_stride, r.top_k, r.limit);
-    }
-    return invalid;
-  }
-  using Unsigned = std::make_unsigned_t<IdT>;
-  const Unsigned bound = static_cast<Unsigned>(r.limit);
-  int64_t invalid = 0;
-  for (int64_t i = 0; i < r.num_tokens; ++i) {
-    for (int64_t k = 0; k < r.top_k; ++k) {
-      const IdT value = ids[i * r.ids_row_stride + k * r.ids_slot_stride];
-      int16_t& stored = out[i * r.out_row_stride + k * r.out_slot_stride];
-      if (r.limit < 0) {
-        stored = static_cast<int16_t>(value);
-        continue;
-      }
-      const bool valid = static_cast<Unsigned>(value) < bound;
-      invalid += !valid;
-      stored = valid ? static_cast<int16_t>(value) : kInvalidId;
-    }
-  }
-  return invalid;
-}
+// Writes the rows and returns how many ids were invalid (0 without a limit). Compiled once per x86 vector
+// width with a run-time choice (record_topk_ids_rows.cpp): the narrowing store vectorises only past SSE2.
+int64_t RecordRows(const int32_t* ids, int16_t* out, const Rows& rows);
+int64_t RecordRows(const int64_t* ids, int16_t* out, const Rows& rows);
 
 }  // namespace vllm_ascend_routing::cpu

@@ -44,6 +44,26 @@ def test_direct_entry_matches_oracle(
     assert int(errors) == 3 + bad
 
 
+@pytest.mark.parametrize("dense", [False, True], ids=["layer-of-buffer", "dense-out"])
+@pytest.mark.parametrize("checked", [True, False])
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+def test_every_top_k_and_layout_matches_oracle(
+    record_rows: RecordRows, dense: bool, checked: bool, id_dtype: torch.dtype, run_seed: int
+) -> None:
+    """The kernel compiles a loop per common top-k (1, 2, 4, 6, 8, 10, 16), one for any other, and one for a
+    dense ``out`` (a single layer): each against the oracle, with invalid ids when checked."""
+    for k in range(1, 18):
+        case = make_case(37, k, id_dtype, checked, run_seed + k)
+        if dense:  # one layer: out rows are contiguous runs of K
+            case = Case(case.ids, case.out[:, :1].contiguous(), 0, case.num_experts)
+        expected, bad = case.expected()
+        errors = torch.zeros(1, dtype=torch.int64)
+        limit = -1 if case.num_experts is None else case.num_experts
+        assert record_rows(case.ids, case.out, case.layer_id, limit, errors) is True
+        np.testing.assert_array_equal(case.out.numpy(), expected, err_msg=f"K={k}")
+        assert int(errors) == bad, f"K={k}"
+
+
 @pytest.mark.parametrize("entry", ["op", "direct"])
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
 def test_strided_ids_and_out(record_rows: RecordRows, entry: str, id_dtype: torch.dtype) -> None:
