@@ -6,13 +6,13 @@
     python scripts/workflow.py --check    # exit status 1 when the committed file is not what this writes (make lint)
 
 One job per entry of a matrix ``include:`` list, each running the existing make target(s) on ubuntu-latest: ``lint
-test-unit test-native test-native-cpu`` (the dev environment), ``e2e-RELEASE`` per ``E2E_RELEASES`` entry, ``ascend-RELEASE`` per
-``ASCEND_TEST_RELEASES`` entry, ``test-spec``, ``test-static``, ``test-contract`` and ``test-trainer``. The
-environments ``scripts/venv.py`` builds (``~/.cache/vllm_ascend_routing``) are cached per job, keyed by the release
-and the files that decide what they hold (pyproject.toml, scripts/venv.py, releases.py). Python 3.11, plus each Python
-a trainer environment needs (``scripts/venv.py`` ``TRAINER_ENVS``) in the jobs that build trainer environments
-(``test-trainer``, and ``e2e-%``, which hands vLLM's arrays to them). ``.ci/run`` (``make test``) stays the local
-entry point.
+test-unit test-native test-native-cpu`` (the dev environment), ``e2e-RELEASE`` per ``E2E_RELEASES`` entry,
+``ascend-RELEASE`` per ``ASCEND_TEST_RELEASES`` entry, ``test-spec``, ``test-static``, ``test-contract`` and
+``test-trainer``. The environments ``scripts/venv.py`` builds (``~/.cache/vllm_ascend_routing``) are cached per job,
+keyed by the release and the files that decide what they hold (pyproject.toml, scripts/venv.py, releases.py). Python
+3.11, plus each Python a trainer environment needs (``scripts/venv.py`` ``TRAINER_ENVS``) in the jobs that build
+trainer environments (``test-trainer``, and ``e2e-%``, which hands vLLM's arrays to them). ``.ci/run`` (``make
+test``) stays the local entry point.
 
 Plain standard library: the release table and scripts/venv.py are loaded by path, the YAML written by hand.
 """
@@ -51,7 +51,8 @@ def jobs(table: Any, extra_pythons: list[str]) -> list[dict[str, str]]:
     """The matrix entries: ``name`` (the job), ``make`` (its targets), ``cache`` (its cache key's release part),
     ``python`` (the Pythons set up, one a line, the default last)."""
     with_trainers = "\n".join([*extra_pythons, PYTHON])
-    entries = [{"name": "lint-unit-native", "make": "lint test-unit test-native test-native-cpu", "cache": "dev", "python": PYTHON}]
+    dev_targets = "lint test-unit test-native test-native-cpu"
+    entries = [{"name": "lint-unit-native", "make": dev_targets, "cache": "dev", "python": PYTHON}]
     entries += [
         {"name": f"e2e-{release}", "make": f"e2e-{release}", "cache": f"e2e-{release}", "python": with_trainers}
         for release in table.E2E_RELEASES
