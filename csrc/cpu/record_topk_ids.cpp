@@ -1,11 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // Torch binding of record_topk_ids for CPU tensors: what torch.compile'd graphs and the public op call on the
 // host. The eager capture calls the same kernel through record_rows_python.cpp, without the dispatcher.
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <functional>
 #include <optional>
 
 #include "record_topk_ids_checks.h"
@@ -13,29 +11,6 @@
 #include "record_topk_ids_rows.h"
 
 namespace vllm_ascend_routing::cpu {
-namespace {
-
-// A large batch (a long prefill) is split by rows over torch's intra-op threads, as Tensor.copy_ splits its
-// copy (same grain): one thread would leave a many-core host's bandwidth idle. A decode step stays on one.
-constexpr int64_t kParallelGrain = 32768;  // ids per thread, as torch's at::internal::GRAIN_SIZE
-
-template <typename IdT>
-int64_t record_parallel(const IdT* ids, int16_t* layer, const Rows& rows) {
-  if (rows.num_tokens * rows.top_k < kParallelGrain || at::get_num_threads() == 1) {
-    return RecordRows(ids, layer, rows);
-  }
-  const int64_t grain_rows = std::max<int64_t>(1, kParallelGrain / std::max<int64_t>(1, rows.top_k));
-  return at::parallel_reduce(
-      0, rows.num_tokens, grain_rows, int64_t{0},
-      [&](int64_t begin, int64_t end, int64_t counted) {
-        Rows part = rows;
-        part.num_tokens = end - begin;
-        return counted + RecordRows(ids + begin * rows.ids_row_stride, layer + begin * rows.out_row_stride, part);
-      },
-      std::plus<int64_t>());
-}
-
-}  // namespace
 
 void RecordTopkIdsCpu(const at::Tensor& topk_ids, const at::Tensor& out, int64_t layer_id, int64_t limit,
                       const at::Tensor& errors) {
@@ -47,8 +22,9 @@ void RecordTopkIdsCpu(const at::Tensor& topk_ids, const at::Tensor& out, int64_t
                   out.stride(2),
                   limit < 0 ? -1 : std::min(limit, kStorageLimit)};
   int16_t* layer = out.data_ptr<int16_t>() + layer_id * out.stride(1);
-  const int64_t invalid = topk_ids.scalar_type() == at::kInt ? record_parallel(topk_ids.data_ptr<int32_t>(), layer, rows)
-                                                             : record_parallel(topk_ids.data_ptr<int64_t>(), layer, rows);
+  const int64_t invalid = topk_ids.scalar_type() == at::kInt
+                              ? RecordRows(topk_ids.data_ptr<int32_t>(), layer, rows)
+                              : RecordRows(topk_ids.data_ptr<int64_t>(), layer, rows);
   if (invalid == 0) return;
   if (errors.scalar_type() == at::kInt) {
     *errors.data_ptr<int32_t>() += static_cast<int32_t>(invalid);
