@@ -24,7 +24,7 @@ RESOURCES = {
     "ray": lambda: importlib.util.find_spec("ray") is not None,
     # Triton, for its kernel (ops/_triton.py): in its interpreter on the CPU, on a GPU through the op.
     "triton": lambda: importlib.util.find_spec("triton") is not None,
-    # A native build (vllm_ascend_routing._C): its C++ CPU kernel serves the CPU (make test-native builds one).
+    # A native build (vllm_ascend_routing._C): its C++ CPU kernel serves the CPU (make test-native-cpu builds one).
     "native_cpu": lambda: _cpu_kernel() == "native",
     # No native build and the reference not forced: the NumPy host kernel serves the CPU (every other suite).
     "host_kernel": lambda: _cpu_kernel() == "host",
@@ -41,7 +41,7 @@ RESOURCES = {
 SKIP_REASONS = {
     "ray": "ray not installed (scripts/venv.py RELEASE --with ray)",
     "triton": "triton not installed (the cuda-build environment has it: make test-native)",
-    "native_cpu": "no native build loaded (make test-native builds one: VLLM_ASCEND_ROUTING_TARGET_DEVICE=cpu)",
+    "native_cpu": "no native build loaded (make test-native-cpu builds one: VLLM_ASCEND_ROUTING_TARGET_DEVICE=cpu)",
     "host_kernel": "the CPU is not served by the host kernel here (a native build, or the reference forced)",
     "verl": "verl not installed (a trainer environment has it: make test-trainer)",
     "megatron": "megatron-core not installed (the dev and trainer environments pin it: make test-trainer)",

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The native build's C++ CPU kernel (csrc/cpu): through the op's CPU key and through its direct entry
 (``_C.record_rows``, what the eager capture calls), against the oracle of ``tests/ops/vectors.py``. Runs where a
-native build is loaded (make test-native builds one; elsewhere these tests skip: the host kernel serves)."""
+native build is loaded (make test-native-cpu builds one; elsewhere these tests skip: the host kernel serves)."""
 
 from __future__ import annotations
 
