@@ -14,7 +14,7 @@ TRAINER_ENVS ?= trainer-0.16.1 trainer-0.19.2
 VENV          = $$($(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: dist gpu-check test venvs test-unit test-native test-native-cpu test-static test-ascend test-trainer test-e2e test-spec test-contract test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-handoff bench-kernel bench-sentinel matrix matrix-ascend
+.PHONY: dist gpu-check test venvs test-unit test-native test-native-cpu test-static test-ascend test-trainer test-e2e test-spec test-contract test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-handoff bench-kernel bench-compiled bench-sentinel matrix matrix-ascend
 
 ## make dist: the sdist and the pure-Python py3-none-any wheel (version in the names) in dist/, for offline installs
 ## (pip install --no-index --no-deps dist/vllm_ascend_routing-*.whl); native kernels stay opt-in source builds
@@ -236,6 +236,11 @@ bench-handoff:
 ## make bench-kernel: bytes/s of record_topk_ids next to a same-size memcpy, on every device present
 bench-kernel:
 	@py=$(call VENV,dev) && $$py benchmarks/kernel.py
+
+## make bench-compiled: the capture inside a torch.compile'd graph (CPU): the op against the same write as in-graph
+## ATen and against no capture; the calls of Inductor's generated code counted (does the op split a fusion?)
+bench-compiled:
+	@py=$(call VENV,dev) && $$py benchmarks/compiled_write.py
 
 ## make stress [RELEASE=0.23.0]: vllm serve + plugin, 300 requests from 64 clients, preemption, prefix hits,
 ## chunked prefill, aborts; every completed request exact (also in the suite, bounded: tests/e2e/test_stress.py)

@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """After a native build: the _C module loads and registers its kernels for the op's dispatch keys (the CPU
 kernel in every build, plus the device kernel of a cuda or npu build), and the eager capture takes the CPU
-kernel's direct entry.
+kernel's direct entry; it says whether the CPU kernel splits large batches over torch's threads.
 
     python scripts/check_native.py cpu|cuda|npu
 
@@ -40,7 +40,10 @@ def main() -> int:
             print(f"FAIL: no native {key} kernel registered for vllm_ascend_routing::record_topk_ids")
             return 1
         registered.append(lines[0])
-    print(f"OK: {active}; " + "; ".join(registered))
+    from vllm_ascend_routing import _C  # type: ignore[attr-defined]
+
+    split = "large batches split over torch's threads" if _C.CPU_PARALLEL else "serial (built without OpenMP)"
+    print(f"OK: {active}; " + "; ".join(registered) + f"; CPU kernel: {split}")
     return 0
 
 

@@ -156,6 +156,10 @@ def nvcc_command(target_arch: str) -> list[str]:
         "-std=c++20",
         "-Xcompiler",
         "-fPIC",
+        # As CMakeLists.txt: OpenMP compiled in, so the CPU kernel splits large batches over torch's threads (here the
+        # host compiler also links libgomp.so.1; torch loaded one of that name already, and the loader reuses it).
+        "-Xcompiler",
+        "-fopenmp",
         f"-gencode=arch=compute_{code},code=sm_{code}",
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         '-DVLLM_ASCEND_ROUTING_BACKEND="cuda"',

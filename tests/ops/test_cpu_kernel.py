@@ -83,6 +83,43 @@ def test_strided_ids_and_out(record_rows: RecordRows, entry: str, id_dtype: torc
     assert int(errors) == bad == 3
 
 
+def test_the_kernel_is_built_to_split_large_batches_over_torchs_threads() -> None:
+    """Compiled with OpenMP (csrc/CMakeLists.txt): without it ATen's parallel_reduce runs serially, and a long
+    prefill's write on a many-core host stays on one thread while ``copy_`` uses them all."""
+    from vllm_ascend_routing import _C  # type: ignore[attr-defined]
+
+    assert _C.CPU_PARALLEL == 1
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("entry", ["op", "direct"])
+def test_a_large_batch_split_over_threads_matches_oracle(
+    record_rows: RecordRows, entry: str, threads: int, run_seed: int
+) -> None:
+    """Past 32768 ids the rows are split into parts written by torch's threads, each part's invalid count
+    summed: an invalid id planted in every part, the rows strided, the same result at every thread count."""
+    n, k, grain_rows = 5 * 4096 + 17, 8, 4096  # five and a bit parts of 32768 ids at top-8
+    ids = torch.randint(0, 64, (n, k), generator=torch.Generator().manual_seed(run_seed))
+    planted = [(part * grain_rows + 3, part % k) for part in range(6)]
+    for row, slot in planted:
+        ids[row, slot] = -1 if row % 2 else 64
+    case = Case(ids, torch.full((n + 5, 3, k), POISON, dtype=torch.int16), layer_id=1, num_experts=64)
+    expected, bad = case.expected()
+    assert bad == len(planted)
+    errors = torch.zeros(1, dtype=torch.int64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        if entry == "op":
+            ops.record_topk_ids(case.ids, case.out, 1, 64, errors)
+        else:
+            assert record_rows(case.ids, case.out, 1, 64, errors) is True
+    finally:
+        torch.set_num_threads(before)
+    np.testing.assert_array_equal(case.out.numpy(), expected)
+    assert int(errors) == bad
+
+
 def test_the_storage_limit_caps_the_expert_count(record_rows: RecordRows) -> None:
     """More experts than int16 records: ids from 32767 on are invalid, as the rule says."""
     out, errors = torch.zeros(2, 1, 3, dtype=torch.int16), torch.zeros(1, dtype=torch.int64)
