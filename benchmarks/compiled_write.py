@@ -158,8 +158,8 @@ def main() -> int:
     with torch.no_grad():
         x = torch.randn(max(args.tokens), HIDDEN)
         for name, fn in compiled.items():  # the first call compiles: its generated code is counted
-            _, code = run_and_get_code(fn, x[: min(args.tokens)])
-            counted = ", ".join(f"{what} {count}" for what, count in sorted(kernel_calls(code).items()))
+            _, generated = run_and_get_code(fn, x[: min(args.tokens)])
+            counted = ", ".join(f"{what} {count}" for what, count in sorted(kernel_calls(generated).items()))
             print(f"{name:>17}: calls per forward: {counted}")
         for n in sorted(set(args.tokens)):
             want = reference_ids(Router(args.layers, None), x[:n]).to(OUT_DTYPE)

@@ -148,6 +148,39 @@ def test_capture_takes_the_op_where_the_host_kernel_does_not_serve() -> None:
         assert not LayerCapture(torch.zeros(8, 2, 4, dtype=torch.int16), 1, 64, errors).writes_directly
 
 
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+def test_a_long_prefill_is_written_by_torchs_threads(id_dtype: torch.dtype) -> None:
+    """From ``LARGE_BATCH_IDS`` ids on, the eager write without a native build checks and copies with ATen's
+    threaded ``aminmax`` and ``copy_`` (reading two bounds from CPU memory) instead of NumPy's single-threaded
+    calls; with one, the C++ direct entry (threaded itself). In range: exact; any invalid id, at either end of the
+    batch: the op, which stores it as -1 and counts it."""
+    from vllm_ascend_routing.capture import LayerCapture
+    from vllm_ascend_routing.ops._recorder import LARGE_BATCH_IDS
+
+    k = 8
+    tokens = LARGE_BATCH_IDS // k + 3
+    errors = torch.zeros(1, dtype=torch.int64)
+    cpu = LayerCapture(torch.zeros(tokens + 2, 3, k, dtype=torch.int16), 2, 64, errors)
+    ids = torch.randint(0, 64, (tokens, k), dtype=id_dtype, generator=torch.Generator().manual_seed(7))
+    with OpLog() as log:
+        cpu(ids)
+    native = _library.NATIVE_RECORD_ROWS is not None
+    large_ops = ["aten::detach", "aten::aminmax", *["aten::_local_scalar_dense"] * 2, "aten::slice", "aten::copy_"]
+    assert log.ops == ([] if native else large_ops), log.ops
+    assert torch.equal(cpu.buffer[:tokens, 2].to(id_dtype), ids) and not cpu.buffer[tokens:].any()
+    assert not cpu.buffer[:, :2].any() and int(errors) == 0
+    for row, slot, bad in ((0, 3, -1), (tokens - 1, 7, 64)):
+        planted = ids.clone()
+        planted[row, slot] = bad
+        with OpLog() as log:
+            cpu(planted)
+        assert native or "vllm_ascend_routing::record_topk_ids" in log.ops, log.ops
+        expected = planted.clone()
+        expected[row, slot] = -1
+        assert torch.equal(cpu.buffer[:tokens, 2].to(id_dtype), expected)
+    assert int(errors) == 2
+
+
 def test_reference_kernel_has_no_syncing_op_on_the_capture_path() -> None:
     buffer = torch.zeros(128, 4, 8, dtype=torch.int16)
     errors = torch.zeros(1, dtype=torch.int64)

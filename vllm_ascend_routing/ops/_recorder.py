@@ -15,6 +15,11 @@ from vllm_ascend_routing.ops._library import record_local_topk_ids_op, record_to
 from vllm_ascend_routing.ops._native import RecordRows
 from vllm_ascend_routing.parallel import RankLayout
 
+# From this many ids on (8192 tokens at top-8) the eager write without a native build checks and copies with ATen:
+# a long prefill's ids are then read and written by torch's threads, where NumPy's max and strided copy use one
+# thread (``make bench-kernel``: 65,536 tokens 315 against 759 us on 2 cores); below it NumPy's calls cost less.
+LARGE_BATCH_IDS = 65536
+
 
 def eager_view(out: torch.Tensor, layer_id: int) -> torch.Tensor | None:
     """``out[:, layer_id]`` (a `[R, K]` view) where eager code may write ids into it directly instead of
@@ -46,10 +51,12 @@ class LayerRecorder:
     _array: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
     _limit: int = field(default=0, init=False, repr=False, compare=False)
     _record_rows: RecordRows | None = field(default=None, init=False, repr=False, compare=False)
+    _view: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.layout is None:
             view = eager_view(self.out, self.layer_id)
+            object.__setattr__(self, "_view", view)
             object.__setattr__(self, "_array", None if view is None else view.numpy())
             object.__setattr__(self, "_limit", id_limit(self.num_experts))
             if view is not None:
@@ -69,8 +76,8 @@ class LayerRecorder:
         entry (``_C.record_rows``): one pass that checks, stores (invalid ids as -1) and counts into ``errors``,
         on the tensors themselves. Without one, in-range ids by NumPy: one
         reduction and one strided copy on zero-copy NumPy views (``benchmarks/kernel.py``: a NumPy call costs
-        about 1 us where an ATen call costs 1-5, and at large token counts NumPy's strided narrowing copy is
-        faster than ``copy_``'s). The check reads CPU memory: nothing to wait for. Viewed as unsigned, a
+        about 1 us where an ATen call costs 1-5); from ``LARGE_BATCH_IDS`` ids on by ATen's ``aminmax`` and
+        ``copy_``, which use torch's threads. The check reads CPU memory: nothing to wait for. Viewed as unsigned, a
         negative id is huge, so ``max < limit`` is ``0 <= id < limit`` for every id at once (as in
         ``_id_rule.checked_array``). More tokens than the buffer's rows raise; out-of-range ids go to the op,
         which stores them as invalid and counts them. Whenever ``torch.compile`` traces this
@@ -97,9 +104,17 @@ class LayerRecorder:
                             return
                         if n > array.shape[0]:  # never a silent partial write
                             raise RuntimeError(f"record_topk_ids: {n} tokens do not fit out's {array.shape[0]} rows")
-                        if ids.view(unsigned).max() < self._limit:
-                            array[:n] = ids  # NumPy's unsafe cast narrows like ``copy_`` and the op
-                            return
+                        if ids.size < LARGE_BATCH_IDS:
+                            if ids.view(unsigned).max() < self._limit:
+                                array[:n] = ids  # NumPy's unsafe cast narrows like ``copy_`` and the op
+                                return
+                        else:  # ATen's reduction and copy use torch's threads where NumPy's use one
+                            view = self._view
+                            assert view is not None  # taken with ``_array``
+                            low, high = torch.aminmax(topk_ids)
+                            if int(low) >= 0 and int(high) < self._limit:
+                                view[:n].copy_(topk_ids)
+                                return
         layout = self.layout
         if layout is None:
             record_topk_ids_op(topk_ids, self.out, self.layer_id, self.num_experts, self.errors)
