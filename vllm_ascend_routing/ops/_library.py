@@ -108,23 +108,26 @@ def check_arguments(
     layer_id: int,
     errors: torch.Tensor | None,
 ) -> None:
-    """Validate arguments; traceable by ``torch.compile`` (no data access, no closures over tensors).
+    """Validate arguments; traceable by ``torch.compile`` (no data access; messages formatted only on failure).
 
     Dtypes, ranks, ``K``, ``L`` and devices are static and raise ``ValueError``; the token count may be
     symbolic under compile, so its bound is a ``torch._check`` (a runtime assert, not a guard).
     """
 
-    def require(condition: bool, message: str) -> None:
-        if not condition:
-            raise ValueError(f"record_topk_ids: {message}")
+    def require(condition: bool, message: Callable[[], str]) -> None:
+        if not condition:  # the message made only then: traced (``ops/_in_graph``), shapes may be symbolic
+            raise ValueError(f"record_topk_ids: {message()}")
 
-    require(topk_ids.dim() == 2, f"topk_ids must be [N, K], got {tuple(topk_ids.shape)}")
-    require(topk_ids.dtype in ID_DTYPES, f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    require(out.dim() == 3, f"out must be [R, L, K], got {tuple(out.shape)}")
-    require(out.dtype == OUT_DTYPE, f"out must be int16, got {out.dtype}")
-    require(out.shape[2] == topk_ids.shape[1], f"top_k mismatch: topk_ids {topk_ids.shape[1]} vs out {out.shape[2]}")
-    require(0 <= layer_id < out.shape[1], f"layer_id {layer_id} not in [0, {out.shape[1]})")
-    require(topk_ids.device == out.device, "topk_ids and out must be on one device")
+    require(topk_ids.dim() == 2, lambda: f"topk_ids must be [N, K], got {tuple(topk_ids.shape)}")
+    require(topk_ids.dtype in ID_DTYPES, lambda: f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    require(out.dim() == 3, lambda: f"out must be [R, L, K], got {tuple(out.shape)}")
+    require(out.dtype == OUT_DTYPE, lambda: f"out must be int16, got {out.dtype}")
+    require(
+        out.shape[2] == topk_ids.shape[1],
+        lambda: f"top_k mismatch: topk_ids {topk_ids.shape[1]} vs out {out.shape[2]}",
+    )
+    require(0 <= layer_id < out.shape[1], lambda: f"layer_id {layer_id} not in [0, {out.shape[1]})")
+    require(topk_ids.device == out.device, lambda: "topk_ids and out must be on one device")
     torch._check(topk_ids.shape[0] <= out.shape[0], lambda: "record_topk_ids: tokens do not fit out's rows")
     if errors is not None:
-        require(errors.numel() == 1, "errors must have one element")
+        require(errors.numel() == 1, lambda: "errors must have one element")

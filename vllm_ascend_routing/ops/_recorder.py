@@ -11,6 +11,7 @@ import torch
 
 from vllm_ascend_routing.ops import _library
 from vllm_ascend_routing.ops._id_rule import UNSIGNED_OF, id_limit
+from vllm_ascend_routing.ops._in_graph import record_in_graph
 from vllm_ascend_routing.ops._library import record_local_topk_ids_op, record_topk_ids_op
 from vllm_ascend_routing.ops._native import RecordRows
 from vllm_ascend_routing.parallel import RankLayout
@@ -52,6 +53,9 @@ class LayerRecorder:
     _limit: int = field(default=0, init=False, repr=False, compare=False)
     _record_rows: RecordRows | None = field(default=None, init=False, repr=False, compare=False)
     _view: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    # Traced on the CPU without a native build: the write as ATen ops the compiler fuses (``_in_graph``), not the op
+    # (whose CPU kernel there is the Python host kernel).
+    _in_graph: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.layout is None:
@@ -61,6 +65,7 @@ class LayerRecorder:
             object.__setattr__(self, "_limit", id_limit(self.num_experts))
             if view is not None:
                 object.__setattr__(self, "_record_rows", _library.NATIVE_RECORD_ROWS)
+                object.__setattr__(self, "_in_graph", _library.HOST_KERNEL)
 
     @property
     def writes_directly(self) -> bool:
@@ -83,7 +88,9 @@ class LayerRecorder:
         which stores them as invalid and counts them. Whenever ``torch.compile`` traces this
         (``is_compiling()`` is a constant there), or the ids are not a plain tensor (fake/functional tensors
         of other tracers), the op is emitted: a custom op mutating ``out`` is what keeps the write in compiled
-        graphs and graph captures.
+        graphs and graph captures. Except traced on the CPU without a native build: there the same rule as
+        ATen ops (``_in_graph``), which Inductor fuses into the layer's own kernel instead of calling back
+        into the Python host kernel.
         """
         if not torch.compiler.is_compiling():
             array = self._array
@@ -115,6 +122,9 @@ class LayerRecorder:
                             if int(low) >= 0 and int(high) < self._limit:
                                 view[:n].copy_(topk_ids)
                                 return
+        elif self._in_graph:
+            record_in_graph(topk_ids, self.out, self.layer_id, self._limit, self.errors)
+            return
         layout = self.layout
         if layout is None:
             record_topk_ids_op(topk_ids, self.out, self.layer_id, self.num_experts, self.errors)
