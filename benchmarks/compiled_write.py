@@ -9,18 +9,21 @@ float32): per layer a gate matmul, softmax, top-k, renormalised weights and a po
 compiled as vLLM compiles (``dynamic=True``: a symbolic token count; every guard dropped), each layer's ids
 recorded into one ``[rows, layers, top_k]`` int16 buffer by one of:
   none              no capture: the base;
-  op                the plugin: ``LayerRecorder`` under trace emits the ``record_topk_ids`` custom op (the C++ CPU
-                    kernel with a native build, else the Python host kernel), which Inductor calls between its
-                    fused kernels;
-  inline            the same invalid-id rule written as in-graph ATen (``where``, a slice assignment into the
-                    buffer, ``errors +=``): what Inductor could fuse with the layer's other pointwise work;
-  inline-unchecked  the slice assignment alone (upstream vLLM's form, ``buffer[:n, layer] = ids``).
+  plugin            the plugin's ``LayerRecorder`` as traced: with a native build the ``record_topk_ids`` custom op
+                    (its C++ CPU kernel, called between Inductor's fused kernels); without one the same rule as
+                    ATen ops (``ops/_in_graph.py``: ``index_put_`` into the buffer, which Inductor fuses);
+  op                the custom op whatever the install (without a native build its CPU kernel is the Python host
+                    kernel, reached back through the dispatcher);
+  slice             the rule as a slice assignment (``buffer[:n, layer] = where(valid, ids, -1)``, ``errors +=``);
+  slice-unchecked   the slice assignment alone (upstream vLLM's form, ``buffer[:n, layer] = ids``).
 Before timing, every variant's buffer is compared with the ids of an eager run (a write the compiler dropped fails
 the run), and the calls of the code Inductor generated are counted per forward: its fused kernels, the ATen
 kernels it calls (matmul, top-k) and custom ops. The same fused kernels with and without the op mean the op splits
-no fusion: it is one more call per layer. Timing: every variant's compiled function in turn, the order rotated
-each round, the best block's per-call time (other work on a shared machine only ever adds time); printed per
-token count: µs per forward, the capture's cost per layer ((variant - none) / layers) and none/variant.
+no fusion: it is one more call per layer; the in-graph forms add no call at all (what they cost is in the fused
+kernels' loops: a slice assignment rewrites every row of the buffer, ``--rows`` shows it). Timing: every variant's
+compiled function in turn, the order rotated each round, the best block's per-call time (other work on a shared
+machine only ever adds time); printed per token count: µs per forward, the capture's cost per layer
+((variant - none) / layers) and none/variant.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 from vllm_ascend_routing.ops import OUT_DTYPE, LayerRecorder, kernel_backend
+from vllm_ascend_routing.ops._library import record_topk_ids_op
 
 HIDDEN, EXPERTS, TOP_K = 512, 64, 8
 INVALID_ID = -1
@@ -72,7 +76,11 @@ def plugin_capture(out: torch.Tensor, errors: torch.Tensor) -> Capture:
     return lambda layer, ids: recorders[layer](ids)
 
 
-def inline_capture(out: torch.Tensor, errors: torch.Tensor) -> Capture:
+def op_capture(out: torch.Tensor, errors: torch.Tensor) -> Capture:
+    return lambda layer, ids: record_topk_ids_op(ids, out, layer, EXPERTS, errors)
+
+
+def slice_capture(out: torch.Tensor, errors: torch.Tensor) -> Capture:
     def capture(layer: int, ids: torch.Tensor) -> None:
         valid = (ids >= 0) & (ids < EXPERTS)
         out[: ids.shape[0], layer] = torch.where(valid, ids, INVALID_ID).to(OUT_DTYPE)
@@ -81,7 +89,7 @@ def inline_capture(out: torch.Tensor, errors: torch.Tensor) -> Capture:
     return capture
 
 
-def unchecked_capture(out: torch.Tensor, errors: torch.Tensor) -> Capture:
+def unchecked_slice_capture(out: torch.Tensor, errors: torch.Tensor) -> Capture:
     def capture(layer: int, ids: torch.Tensor) -> None:
         out[: ids.shape[0], layer] = ids
 
@@ -90,9 +98,10 @@ def unchecked_capture(out: torch.Tensor, errors: torch.Tensor) -> Capture:
 
 VARIANTS: dict[str, Callable[[torch.Tensor, torch.Tensor], Capture] | None] = {
     "none": None,
-    "op": plugin_capture,
-    "inline": inline_capture,
-    "inline-unchecked": unchecked_capture,
+    "plugin": plugin_capture,
+    "op": op_capture,
+    "slice": slice_capture,
+    "slice-unchecked": unchecked_slice_capture,
 }
 
 
