@@ -11,8 +11,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 from tests.ops.vectors import POISON, Case
-from vllm_ascend_routing.ops import LayerRecorder
-from vllm_ascend_routing.ops import _library
+from vllm_ascend_routing.ops import LayerRecorder, _library
 
 pytestmark = pytest.mark.host_kernel
 
@@ -37,7 +36,7 @@ def test_compiled_capture_writes_in_graph(id_dtype: torch.dtype, run_seed: int) 
     for n in (17, 30, 0):
         x = torch.randn(n, num_experts, generator=generator)
         x[n // 2 : n // 2 + 1, 0] = 3.0  # at least one id out of range in every non-empty batch
-        expected = Case(torch.zeros(0, k, dtype=id_dtype), out.clone(), 0, num_experts).out.numpy().copy()
+        expected = out.numpy().copy()  # what the compiled call must leave: this start, the layers' rows rewritten
         bad = 0
         eager_x = x.clone()
         for layer in (0, 2):
