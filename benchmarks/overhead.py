@@ -155,6 +155,7 @@ def timed_rounds(args: argparse.Namespace, modes: list[str]) -> tuple[list[dict[
     (``--profile``)."""
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="overhead_cache_") as cache_root:
+        engines.prime_compile_cache(modes, args, cache_root)
         started = {mode: engines.Engine(mode, args, cache_root) for mode in modes}  # one after another
         try:
             for round_index in range(args.pairs):

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import sampling
-from overhead_engine import ARCH, KV_CACHE_BYTES, Engine, machine
+from overhead_engine import ARCH, KV_CACHE_BYTES, Engine, engine_method, machine
 
 
 def capture_memory(num_layers: int, top_k: int, num_experts: int, max_batched: int, kv_slots: int) -> dict[str, int]:
@@ -118,7 +118,6 @@ def summarize(
     memory = capture_memory(
         info.num_hidden_layers, info.top_k, info.num_experts, plugin_run["max_num_batched_tokens"], kv_slots
     )
-    engine = "multi-process" if args.multiprocess else "in-process"
     summary: dict[str, Any] = {
         "vllm": vllm_version,
         "machine": machine(),
@@ -127,7 +126,7 @@ def summarize(
             "model": ARCH,
             "requests": args.requests,
             "tokens": args.tokens,
-            "engine": f"one warmed {engine} engine per mode, batches alternated",
+            "engine": engine_method(args),
         },
         "runs": runs,
         "median_ratio_vs_off": {m: statistics.median(_paired(by_mode["off"], by_mode[m])) for m in others},

@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import history
-from overhead_engine import ARCH, Engine, machine, vllm_capture_records_on_cpu
+from overhead_engine import (
+    ARCH,
+    Engine,
+    engine_method,
+    machine,
+    prime_compile_cache,
+    vllm_capture_records_on_cpu,
+)
 from overhead_report import ratio_text
 
 
@@ -42,7 +49,7 @@ def versus_vllm(args: argparse.Namespace) -> None:
             "model": ARCH,
             "requests": args.requests,
             "tokens": args.tokens,
-            "engine": f"one warmed {engine} engine per mode, batches alternated",
+            "engine": engine_method(args),
         },
         "settings": {},
     }
@@ -54,6 +61,8 @@ def versus_vllm(args: argparse.Namespace) -> None:
         print(f"== {setting}", flush=True)
         with tempfile.TemporaryDirectory(prefix="overhead_cache_") as cache_root:
             engines: dict[str, Engine] = {}
+            if setting == "compiled":
+                prime_compile_cache(modes, args, cache_root)
             try:
                 for round_index in range(args.pairs):
                     order = orders[round_index % len(orders)]
