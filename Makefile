@@ -203,7 +203,8 @@ test-native:
 ## make bench VERSUS=1 RELEASE=0.30.0 [PAIRS=6] [FRESH=1]: plugin vs vLLM's own capture (0.30 only: 0.28-0.29
 ## refuse vLLM's own with their monolithic CPU experts), eager and compiled, every order of the engines in turn,
 ## with the A/A control (a second vLLM engine): per-round ratios and medians;
-## FRESH=1 starts new engine processes every round (a process's own speed then varies between rounds)
+## FRESH=1 starts new engine processes every round (a process's own speed then varies between rounds);
+## compiled engines load their graphs from a compile cache primed first (one throwaway engine per graph)
 RELEASE ?= $(DEMO_RELEASE)
 PROFILE ?=
 CONTROL ?=

@@ -37,6 +37,67 @@ def engine_cpu_seconds() -> float:
     return total
 
 
+def install_step_timer(worker: Any) -> None:
+    """Times each step of this worker's model runner (called through ``collective_rpc``): the runner's
+    ``execute_model`` and ``sample_tokens`` as the engine calls them (the plugin's runner hooks included), and the
+    model's forward inside (``_model_forward``: on the CPU the forward is synchronous, so its wall time is its
+    compute). Instance attributes wrap the bound methods, whatever class the runner is."""
+    runner = worker.model_runner
+    steps: list[list[float]] = []  # [scheduled tokens, execute_model s, forward s, sample_tokens s]
+    runner._bench_step_times = steps
+    execute_model, model_forward, sample_tokens = runner.execute_model, runner._model_forward, runner.sample_tokens
+
+    def timed_execute(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        steps.append([float(scheduler_output.total_num_scheduled_tokens), 0.0, 0.0, 0.0])
+        start = time.perf_counter()
+        try:
+            return execute_model(scheduler_output, *args, **kwargs)
+        finally:
+            steps[-1][1] = time.perf_counter() - start
+
+    def timed_forward(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return model_forward(*args, **kwargs)
+        finally:
+            if steps:
+                steps[-1][2] += time.perf_counter() - start
+
+    def timed_sample(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return sample_tokens(*args, **kwargs)
+        finally:
+            if steps:
+                steps[-1][3] += time.perf_counter() - start
+
+    runner.execute_model, runner._model_forward, runner.sample_tokens = timed_execute, timed_forward, timed_sample
+
+
+def take_step_times(worker: Any) -> list[list[float]]:
+    """The steps timed since the last call (``install_step_timer``), and a fresh start."""
+    steps: list[list[float]] = worker.model_runner._bench_step_times
+    taken = list(steps)
+    steps.clear()
+    return taken
+
+
+def step_split(steps: list[list[float]], tokens: int) -> dict[str, float]:
+    """Median microseconds of the steps that scheduled exactly ``tokens`` tokens (the full batch's decode steps):
+    the model's forward, and the rest of the step (``execute_model`` + ``sample_tokens`` - forward: the runner's
+    and the plugin's host work)."""
+    import statistics
+
+    chosen = [s for s in steps if int(s[0]) == tokens]
+    if not chosen:
+        return {"steps": 0}
+    return {
+        "steps": len(chosen),
+        "forward_us": statistics.median(s[2] for s in chosen) * 1e6,
+        "rest_us": statistics.median((s[1] + s[3] - s[2]) for s in chosen) * 1e6,
+    }
+
+
 def worker(mode: str, requests: int, tokens: int, eager: bool = False) -> None:
     """One engine, one mode: warm up, print READY, then time one batch per ``run`` line read from stdin."""
     from vllm import LLM, SamplingParams
@@ -67,6 +128,7 @@ def worker(mode: str, requests: int, tokens: int, eager: bool = False) -> None:
     # been compiled and every cache touched once (a smaller warm-up left the first timed batch slow).
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     config = llm.llm_engine.vllm_config
+    llm.collective_rpc(install_step_timer)
     print("OVERHEAD_READY", flush=True)
     for command in sys.stdin:
         if command.strip() != "run":
@@ -75,6 +137,7 @@ def worker(mode: str, requests: int, tokens: int, eager: bool = False) -> None:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         cpu_seconds = engine_cpu_seconds() - cpu_start
+        steps = [step for rank in llm.collective_rpc(take_step_times) for step in rank]
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
         routed = [o.outputs[0].routed_experts for o in outputs]
         result = {
@@ -88,6 +151,7 @@ def worker(mode: str, requests: int, tokens: int, eager: bool = False) -> None:
             "tokens_per_cpu_s": generated / cpu_seconds,
             "routing_bytes_per_token": None if routed[0] is None else int(routed[0][0].nbytes),
             "routing_dtype": None if routed[0] is None else str(routed[0].dtype),
+            "decode_step": step_split(steps, requests),
         }
         print("OVERHEAD_RESULT " + json.dumps(result), flush=True)
 
@@ -96,7 +160,8 @@ class Engine:
     """A warmed worker process for one mode; ``run()`` times one batch in it."""
 
     def __init__(self, mode: str, args: argparse.Namespace, cache_root: str, eager: bool = False) -> None:
-        env = dict(os.environ, VLLM_CACHE_ROOT=cache_root)
+        # Insecure serialization: the step timer is a function sent through collective_rpc (multi-process engine).
+        env = dict(os.environ, VLLM_CACHE_ROOT=cache_root, VLLM_ALLOW_INSECURE_SERIALIZATION="1")
         if not args.multiprocess:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         env.pop("VLLM_ASCEND_ROUTING", None)

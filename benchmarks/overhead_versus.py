@@ -88,6 +88,28 @@ def versus_vllm(args: argparse.Namespace) -> None:
                 ratios = [b[key] / a[key] for a, b in zip(by_mode["vllm"], by_mode[mode], strict=True)]
                 setting_summary[f"{mode}/vllm {label}"] = {"median": statistics.median(ratios), "rounds": ratios}
                 print(f"  {setting} {label} ratio {mode}/vllm: {ratio_text(ratios)}", flush=True)
+        for mode in modes[1:]:
+            # Where a throughput difference comes from: the full batch's decode steps, forward and the rest.
+            for part in ("forward_us", "rest_us"):
+                pairs = [
+                    (a["decode_step"][part], b["decode_step"][part])
+                    for a, b in zip(by_mode["vllm"], by_mode[mode], strict=True)
+                    if a["decode_step"]["steps"] and b["decode_step"]["steps"]
+                ]
+                if not pairs:
+                    continue
+                ratios = [b / a for a, b in pairs]
+                base_us, mode_us = (statistics.median(column) for column in zip(*pairs, strict=True))
+                setting_summary[f"{mode}/vllm decode-step {part}"] = {
+                    "median": statistics.median(ratios),
+                    "rounds": ratios,
+                    "us": {"vllm": base_us, mode: mode_us},
+                }
+                print(
+                    f"  {setting} decode step, {part[:-3]}, {mode}/vllm: {ratio_text(ratios)}; "
+                    f"{mode_us:.0f} vs {base_us:.0f} us",
+                    flush=True,
+                )
         summary["settings"][setting] = setting_summary
     out = args.out or Path(__file__).parent / "results" / f"versus-vllm-{vllm.__version__}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
