@@ -35,10 +35,9 @@ def versus_vllm(args: argparse.Namespace) -> None:
         )
     settings = ["eager", "compiled"] if args.compilation == "both" else [args.compilation]
     modes = ["vllm", "plugin"] + (["vllm-control"] if args.control else [])
-    engine = "multi-process" if args.multiprocess else "in-process"
     print(
-        f"vLLM {vllm.__version__}: plugin vs vLLM's own capture ({', '.join(settings)}), one warmed {engine} "
-        f"engine per mode, {args.pairs} rounds of {' / '.join(modes)} (each order of the modes in turn), "
+        f"vLLM {vllm.__version__}: plugin vs vLLM's own capture ({', '.join(settings)}), {engine_method(args)}, "
+        f"{args.pairs} rounds of {' / '.join(modes)} (each order of the modes in turn), "
         f"{args.requests} requests x {args.tokens} tokens, {ARCH}",
         flush=True,
     )
