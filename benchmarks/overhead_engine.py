@@ -55,22 +55,20 @@ def install_step_timer(worker: Any) -> None:
         finally:
             steps[-1][1] = time.perf_counter() - start
 
-    def timed_forward(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return model_forward(*args, **kwargs)
-        finally:
-            if steps:
-                steps[-1][2] += time.perf_counter() - start
+    def added_to_step(method: Any, column: int) -> Any:
+        """``method``, its time added to the current step's ``column``."""
 
-    def timed_sample(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return sample_tokens(*args, **kwargs)
-        finally:
-            if steps:
-                steps[-1][3] += time.perf_counter() - start
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                if steps:
+                    steps[-1][column] += time.perf_counter() - start
 
+        return timed
+
+    timed_forward, timed_sample = added_to_step(model_forward, 2), added_to_step(sample_tokens, 3)
     runner.execute_model, runner._model_forward, runner.sample_tokens = timed_execute, timed_forward, timed_sample
 
 
