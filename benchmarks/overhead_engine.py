@@ -223,9 +223,10 @@ def engine_method(args: argparse.Namespace) -> str:
 
 def prime_compile_cache(modes: list[str], args: argparse.Namespace, cache_root: str) -> None:
     """Start and close one engine per compiled graph among ``modes``, so that every timed engine loads its graph
-    from the cache, as a restarted server does. An engine that compiled its graph in its own process ran 1-6%
-    slower than one that loaded the same graph (the A/A controls, which loaded their baseline's, came out above 1
-    in every compiled run): timing one kind against the other measures that, not the capture."""
+    from the cache, as a restarted server does. Unprimed, the A/A control was the one engine that loaded its graph
+    (its twin had just compiled it) and it came out above 1 in all 11 compiled runs: a bias of the method, not noise.
+    Priming alone did not remove it (the control is also started last); with ``--fresh-engines`` (every order of
+    starts in turn) the A/A medians were 0.990-1.004 (docs/performance.md)."""
     for mode in dict.fromkeys(SAME_GRAPH_AS.get(mode, mode) for mode in modes):
         Engine(mode, args, cache_root).close()
 
