@@ -8,6 +8,7 @@ import argparse
 import functools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -84,8 +85,6 @@ def step_split(steps: list[list[float]], tokens: int) -> dict[str, float]:
     """Median microseconds of the steps that scheduled exactly ``tokens`` tokens (the full batch's decode steps):
     the model's forward, and the rest of the step (``execute_model`` + ``sample_tokens`` - forward: the runner's
     and the plugin's host work)."""
-    import statistics
-
     chosen = [s for s in steps if int(s[0]) == tokens]
     if not chosen:
         return {"steps": 0}
