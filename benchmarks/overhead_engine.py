@@ -99,7 +99,7 @@ def worker(mode: str, requests: int, tokens: int, eager: bool = False) -> None:
     """One engine, one mode: warm up, print READY, then time one batch per ``run`` line read from stdin."""
     from vllm import LLM, SamplingParams
 
-    from vllm_ascend_routing.selfcheck import models, scenarios
+    from vllm_ascend_routing.preflight import models, scenarios
 
     if mode == "unchecked":  # the plugin with its always-on check's per-step work removed (in-process engine)
         from vllm_ascend_routing.sentinel import Sentinel

@@ -106,7 +106,7 @@ def summarize(
     """The JSON summary of the timed rounds: median ratios to ``off`` (throughput and tokens per CPU-second),
     the plugin against vLLM's own path and against itself unchecked where those ran, the routing bytes per
     token, the capture's host memory and the long request's assembly time."""
-    from vllm_ascend_routing.selfcheck import models, scenarios
+    from vllm_ascend_routing.preflight import models, scenarios
 
     by_mode = {m: [r["tokens_per_s"] for r in runs if r["mode"] == m] for m in modes}
     cpu_by_mode = {m: [r["tokens_per_cpu_s"] for r in runs if r["mode"] == m] for m in modes}

@@ -107,7 +107,7 @@ def main() -> None:
     import vllm
     from vllm import LLM, SamplingParams
 
-    from vllm_ascend_routing.selfcheck import models, scenarios
+    from vllm_ascend_routing.preflight import models, scenarios
 
     model = models.build_tiny_moe(ARCH, scenarios.model_dir() / ARCH)
     llm = LLM(

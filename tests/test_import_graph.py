@@ -118,7 +118,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # the generations: each module the release table names, and what they share
     ("compat._common", *(span.adapter.removeprefix("vllm_ascend_routing.") for span in releases.implemented())),
     ("manifest", "integration", ""),  # wiring: collect, verify, install; register()
-    ("versions", "doctor", "model_check", "__main__", "selfcheck"),  # user-facing tools and their self-check
+    ("versions", "__main__", "preflight"),  # user-facing tools: doctor, its self-check and pre-flight
 )  # fmt: skip
 
 

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from tests import scripts
-from vllm_ascend_routing import doctor, releases
+from vllm_ascend_routing import releases
+from vllm_ascend_routing.preflight import doctor
 
 matrix = scripts.load("scripts/matrix.py", "_matrix_script")
 rows, runs, docs = matrix.rows, matrix.doctor, matrix.docs  # the modules the command line drives

@@ -379,12 +379,12 @@ def test_share_prompt_refuses_prompt_rows_that_differ() -> None:
 
 
 def test_runtime_modules_do_not_import_the_bridge() -> None:
-    """Importing the plugin and every runtime module (all but ``replay`` and ``selfcheck``, whose replay-check
+    """Importing the plugin and every runtime module (all but ``replay`` and ``preflight``, whose replay-check
     trainer replays through the bridge) leaves it out."""
     runtime = sorted(
         module.name
         for module in pkgutil.walk_packages(vllm_ascend_routing.__path__, "vllm_ascend_routing.")
-        if module.name != replay.__name__ and not module.name.startswith("vllm_ascend_routing.selfcheck")
+        if module.name != replay.__name__ and not module.name.startswith("vllm_ascend_routing.preflight")
     )
     assert "vllm_ascend_routing.validate" in runtime and "vllm_ascend_routing.integration" in runtime
     code = (

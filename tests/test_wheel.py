@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The runtime wheel holds the plugin and what its commands run (doctor, demo, replay-check: ``selfcheck``), and
+"""The runtime wheel holds the plugin and what its commands run (doctor, demo, replay-check: ``preflight``), and
 nothing of the test harness: no ``sitecustomize.py`` stand-in, no ``tests/`` or ``testing/`` path, no harness module.
 
 The wheel is built once from a copy of the checkout (the pure-Python build: ``VLLM_ASCEND_ROUTING_TARGET_DEVICE``
@@ -23,10 +23,10 @@ from tests.test_import_graph import imported_names
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = ROOT / "tests" / "harness"
 # What doctor, demo, replay-check and doctor --model run, beyond the plugin itself.
-COMMANDS = ["__main__", "doctor", "model_check", "versions"]
-SELFCHECK = ["__init__", "models", "reference", "compare", "offline", "scenarios", "replay_check", "trainer"]
-SELFCHECK += ["consistency", "reprefill", "engine_flags", "frontend"]  # doctor --model's oracle and engine flags
-# Split between the two: doctor's offline scenario is runtime (selfcheck), the test suite's others the harness's.
+COMMANDS = ["__main__", "versions"]
+PREFLIGHT = ["__init__", "doctor", "model_check", "models", "reference", "compare", "offline", "scenarios", "replay_check", "trainer"]
+PREFLIGHT += ["consistency", "reprefill", "engine_flags", "frontend"]  # doctor --model's oracle and engine flags
+# Split between the two: doctor's offline scenario is runtime (preflight), the test suite's others the harness's.
 SHARED_NAMES = {"scenarios"}
 # Not the build's inputs: caches, earlier builds, local models.
 NOT_SOURCES = shutil.ignore_patterns(
@@ -88,7 +88,7 @@ def test_no_stand_in_or_test_harness_in_the_wheel(unpacked: Path) -> None:
 
 def test_what_the_commands_run_is_in_the_wheel(unpacked: Path) -> None:
     expected = [f"vllm_ascend_routing/{name}.py" for name in COMMANDS]
-    expected += [f"vllm_ascend_routing/selfcheck/{name}.py" for name in SELFCHECK]
+    expected += [f"vllm_ascend_routing/preflight/{name}.py" for name in PREFLIGHT]
     expected.append("vllm_ascend_routing/py.typed")
     assert [name for name in expected if name not in files(unpacked)] == []
     (entry_points,) = unpacked.glob("*.dist-info/entry_points.txt")

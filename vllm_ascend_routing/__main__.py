@@ -13,7 +13,7 @@ def demo(arch: str, prompts: int, mode: str) -> int:
     """Run vLLM with the plugin on a tiny MoE; print shapes, the match rate and the expert load."""
     os.environ["VLLM_ASCEND_ROUTING"] = "1"  # before vLLM is imported: the plugin loads with it
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm_ascend_routing.selfcheck import models, scenarios
+    from vllm_ascend_routing.preflight import models, scenarios
 
     result = scenarios.run_offline(arch, mode, prompts)
     info = models.build_tiny_moe(arch, scenarios.model_dir() / arch)
@@ -113,17 +113,17 @@ def main() -> None:
         help="the trainer's precision (vLLM runs float32)",
     )
     argv = sys.argv[1:]
-    # doctor --model PATH -- ENGINE FLAGS: what follows the first "--" is vLLM's (selfcheck.engine_flags)
+    # doctor --model PATH -- ENGINE FLAGS: what follows the first "--" is vLLM's (preflight.engine_flags)
     engine_flags = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if engine_flags and (args.command != "doctor" or args.model is None):
         parser.error("engine flags after -- are for doctor --model PATH only")
     if args.command == "replay-check":
-        from vllm_ascend_routing.selfcheck import replay_check
+        from vllm_ascend_routing.preflight import replay_check
 
         sys.exit(replay_check.run(args.arch, args.prompts, args.max_tokens, args.mode, args.dtype))
     if args.command == "doctor":
-        from vllm_ascend_routing import doctor
+        from vllm_ascend_routing.preflight import doctor
 
         options = {
             "tensor_parallel_size": args.tensor_parallel_size,

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.harness import data_parallel, scenarios
-from vllm_ascend_routing.selfcheck import models
+from vllm_ascend_routing.preflight import models
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 

@@ -11,7 +11,7 @@ import pytest
 
 from tests.e2e.test_consistency_oracle import FAULTS, assert_clean, assert_fault_named
 from tests.harness import vllm_0_21_cases
-from vllm_ascend_routing.selfcheck import models, scenarios
+from vllm_ascend_routing.preflight import models, scenarios
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.contract]
 

@@ -26,7 +26,7 @@ import pytest
 
 from tests.harness import distributed, scenarios
 from vllm_ascend_routing import releases
-from vllm_ascend_routing.selfcheck import models
+from vllm_ascend_routing.preflight import models
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 

@@ -14,7 +14,7 @@ import pytest
 
 from tests.harness import scenarios
 from tests.harness.cpu_moe_choice import CpuMoeKernel, vllm_cpu_moe_kernel
-from vllm_ascend_routing.selfcheck import models
+from vllm_ascend_routing.preflight import models
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 

@@ -2,7 +2,7 @@
 """TEST-ONLY harness: the scenarios the end-to-end tests run in subprocesses (serving, speculative decoding, data
 parallel, distributed, stress, bypass, trainer hand-off), the stand-ins they put on engine processes'
 ``PYTHONPATH`` (the ``*_standin/sitecustomize.py`` folders) and the CPU-kernel probe. None of it is in the
-installed package (the wheel holds only what doctor, demo and replay-check run: ``vllm_ascend_routing.selfcheck``),
+installed package (the wheel holds only what doctor, demo and replay-check run: ``vllm_ascend_routing.preflight``),
 so every process it starts gets the checkout root on ``PYTHONPATH`` (``pythonpath``) to import ``tests.harness``.
 """
 

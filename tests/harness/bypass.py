@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_ascend_routing.selfcheck import models, offline
+from vllm_ascend_routing.preflight import models, offline
 
 REMOVED_LAYER = 1  # the layer whose hook the removed-hook engine never installs
 

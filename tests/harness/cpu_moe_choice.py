@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from vllm_ascend_routing.selfcheck import models
+from vllm_ascend_routing.preflight import models
 
 CPU_MOE_MODULE = "vllm.model_executor.layers.fused_moe.cpu_fused_moe"
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from tests.harness import pythonpath
 from tests.harness.server import Server, free_port, post
-from vllm_ascend_routing.selfcheck import models, offline
+from vllm_ascend_routing.preflight import models, offline
 
 STANDIN = Path(__file__).with_name("dp_standin")
 MAX_BATCHED_TOKENS = 128

@@ -50,7 +50,7 @@ from typing import Any
 
 from tests.harness import pythonpath
 from tests.harness.server import free_port
-from vllm_ascend_routing.selfcheck import models, offline
+from vllm_ascend_routing.preflight import models, offline
 
 STANDIN = Path(__file__).with_name("ray_standin")
 TENSOR_PARALLEL = 2

@@ -17,7 +17,7 @@ import numpy as np
 
 from tests.harness import routing_mutations
 from vllm_ascend_routing import contract
-from vllm_ascend_routing.selfcheck import consistency, reprefill
+from vllm_ascend_routing.preflight import consistency, reprefill
 
 NUM_REQUESTS = 8
 MAX_TOKENS = 12

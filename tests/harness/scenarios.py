@@ -7,7 +7,7 @@
 
 (from the checkout root, or with it on ``PYTHONPATH``: the harness is not part of the installed package).
 
-``offline`` is doctor's and demo's scenario (``vllm_ascend_routing.selfcheck.scenarios.run_offline``): a batch of
+``offline`` is doctor's and demo's scenario (``vllm_ascend_routing.preflight.scenarios.run_offline``): a batch of
 mixed-length prompts (``batch``), a repeat of the first prompt served from the prefix cache (``prefix_repeat``),
 and a prompt longer than ``max_num_batched_tokens`` (``chunked_prefill``), every returned row compared with the
 transformers reference; the e2e suite's compiled run adds the re-prefill consistency oracle (``oracle.py``).
@@ -32,10 +32,10 @@ from tests.harness.data_parallel import run_data_parallel
 from tests.harness.server import Server, post
 from tests.harness.vllm_0_21_cases import run_device_cache
 from vllm_ascend_routing import validate
-from vllm_ascend_routing.selfcheck import models, offline
+from vllm_ascend_routing.preflight import models, offline
 
 # doctor's scenario and its constants, re-exported: tests and benchmarks name them through this module.
-from vllm_ascend_routing.selfcheck.scenarios import (
+from vllm_ascend_routing.preflight.scenarios import (
     LONG_PROMPT,
     MAX_BATCHED_TOKENS,
     MAX_TOKENS,

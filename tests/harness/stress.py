@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from tests.harness.server import Server
-from vllm_ascend_routing.selfcheck import models, offline
+from vllm_ascend_routing.preflight import models, offline
 
 MAX_BATCHED_TOKENS = 128
 KV_CACHE_BYTES = 2 * 1024 * 1024  # ~1,360 tokens of the tiny model (10 CPU blocks): long decodes preempt

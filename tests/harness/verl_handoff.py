@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_ascend_routing.selfcheck import models, offline
+from vllm_ascend_routing.preflight import models, offline
 
 # The models the hand-off covers: uint8 with a dense middle layer, and uint16 (288 experts, dense layer 0).
 ARCHITECTURES = ("qwen3_moe_dense", "qwen3_moe_wide")

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from tests.harness import oracle
-from vllm_ascend_routing.selfcheck import models, offline
-from vllm_ascend_routing.selfcheck.scenarios import LONG_PROMPT, MAX_BATCHED_TOKENS, model_dir
+from vllm_ascend_routing.preflight import models, offline
+from vllm_ascend_routing.preflight.scenarios import LONG_PROMPT, MAX_BATCHED_TOKENS, model_dir
 
 BLOCK_SIZE = 32
 NUM_BLOCKS = 24  # 768 KV tokens: one long request fits, eight long generations at once do not (preemption)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from vllm_ascend_routing.selfcheck import replay_check
+from vllm_ascend_routing.preflight import replay_check
 
 
 def mode(agreement: float, mean_abs: float, k3: float) -> dict[str, Any]:

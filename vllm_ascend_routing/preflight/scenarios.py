@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_ascend_routing.selfcheck import models, offline
+from vllm_ascend_routing.preflight import models, offline
 
 MAX_BATCHED_TOKENS = 128
 LONG_PROMPT = 300  # > MAX_BATCHED_TOKENS: prefilled in three chunks

@@ -44,7 +44,7 @@ class Frontend:
         """The workers' always-on check counters; ``None`` where the engine cores are out of reach (AsyncLLM)."""
         if self.kind != "LLM":
             return None
-        from vllm_ascend_routing.selfcheck import offline
+        from vllm_ascend_routing.preflight import offline
 
         return offline.sentinel_totals(self.engine)
 

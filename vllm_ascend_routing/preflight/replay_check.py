@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_ascend_routing.selfcheck import models
+from vllm_ascend_routing.preflight import models
 
 TITLE = "vllm-ascend-routing replay-check"
 VERDICT = TITLE + ": "  # prefix of the last line
@@ -45,7 +45,7 @@ def sample_with_vllm(arch: str, num_prompts: int, max_tokens: int, mode: str) ->
     os.environ.setdefault("VLLM_ASCEND_ROUTING_VALIDATE", "strict")
     from vllm import SamplingParams
 
-    from vllm_ascend_routing.selfcheck import offline, scenarios
+    from vllm_ascend_routing.preflight import offline, scenarios
 
     model = models.build_tiny_moe(arch, scenarios.model_dir() / arch)
     llm = offline.make_llm(model, enforce_eager=(mode == "eager"))
@@ -70,7 +70,7 @@ def compare(model_path: Any, samples: list[Sample], dtype: str) -> dict[str, Any
     import transformers
 
     from vllm_ascend_routing import replay
-    from vllm_ascend_routing.selfcheck.trainer import Mismatch, TrainerModel
+    from vllm_ascend_routing.preflight.trainer import Mismatch, TrainerModel
 
     config = transformers.AutoConfig.from_pretrained(str(model_path))
     moe = replay.moe_layers(config)  # what a trainer reads: the config, not the checkpoint's modules

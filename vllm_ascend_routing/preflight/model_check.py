@@ -1,13 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """``doctor --model PATH [-- ENGINE FLAGS]``: the plugin on the user's own model and layout, every check switched on.
 
-The engine is built from the flags the user runs ``vllm serve`` with (``selfcheck.engine_flags``: vLLM's own
+The engine is built from the flags the user runs ``vllm serve`` with (``preflight.engine_flags``: vLLM's own
 parser; ``--tensor-parallel-size`` of doctor itself still works). No reference exists for an arbitrary model, so
 this proves what can be proven without one: vLLM with the plugin starts on that layout, every returned array
 passes strict validation (shape ``[prompt + output - 1, num_hidden_layers, top_k]``, vLLM's dtype, ids in
 range), the always-on check sees no all-zero row of a bound MoE layer and no invalid id on any worker (where the
-workers' counters can be fetched), and the re-prefill consistency oracle (``selfcheck.reprefill``,
-``selfcheck.consistency``) finds every generation row equal to the same token's row of an independent re-prefill,
+workers' counters can be fetched), and the re-prefill consistency oracle (``preflight.reprefill``,
+``preflight.consistency``) finds every generation row equal to the same token's row of an independent re-prefill,
 per layer, naming the structural fault where not. Prints, per hidden layer, the rows returned, the all-zero rows
 and how many distinct experts were routed to, then the oracle's per-layer table.
 """
@@ -62,8 +62,8 @@ def run(
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from vllm import SamplingParams
 
-    from vllm_ascend_routing.selfcheck import engine_flags as flags_module
-    from vllm_ascend_routing.selfcheck import frontend, offline
+    from vllm_ascend_routing.preflight import engine_flags as flags_module
+    from vllm_ascend_routing.preflight import frontend, offline
 
     flags = list(engine_flags or [])
     given = flags_module.parse(path, flags)
@@ -105,7 +105,7 @@ def _check(
     print_fn: Callable[[str], Any],
     sampling_params: Any,
 ) -> tuple[bool, str, dict[str, Any]]:
-    from vllm_ascend_routing.selfcheck import reprefill
+    from vllm_ascend_routing.preflight import reprefill
 
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(num_prompts)]
     params = sampling_params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from vllm_ascend_routing.selfcheck import frontend
+from vllm_ascend_routing.preflight import frontend
 
 
 class FakeAsyncLLM:

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_ascend_routing.selfcheck import consistency
+from vllm_ascend_routing.preflight import consistency
 
 # (prompt tokens, output tokens) of the first wave, scaled to the model's context: short and long prompts, one-token
 # and long outputs.

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from vllm_ascend_routing.selfcheck.compare import TIE_EPS, compare
+from vllm_ascend_routing.preflight.compare import TIE_EPS, compare
 
 
 def reference() -> np.ndarray:
@@ -84,7 +84,7 @@ def test_later_layers_of_a_tied_token_follow_the_tie_only() -> None:
 def test_low_precision_engines_get_their_dtypes_rounding_and_no_more() -> None:
     """Planted near-ties against the float32 reference: a bfloat16 engine may flip a boundary gap of a few
     bfloat16 roundoffs (counted), a float32 engine may not, and no dtype excuses a gap beyond its rule."""
-    from vllm_ascend_routing.selfcheck.compare import ROUNDOFF, TIE_ULPS, tie_tolerance
+    from vllm_ascend_routing.preflight.compare import ROUNDOFF, TIE_ULPS, tie_tolerance
 
     ref = reference()
     bf16_gap = 4 * ROUNDOFF["bfloat16"]  # 0.0156: four bfloat16 roundoffs below the chosen expert's logit 1.0

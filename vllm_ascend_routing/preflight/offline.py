@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 
 from vllm_ascend_routing import contract
-from vllm_ascend_routing.selfcheck.compare import Match, compare
-from vllm_ascend_routing.selfcheck.models import TinyMoE
-from vllm_ascend_routing.selfcheck.reference import RouterReference
+from vllm_ascend_routing.preflight.compare import Match, compare
+from vllm_ascend_routing.preflight.models import TinyMoE
+from vllm_ascend_routing.preflight.reference import RouterReference
 
 KV_CACHE_BYTES = 64 * 1024 * 1024
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from vllm_ascend_routing.replay import INVALID, Aligned, MegatronReplay, align, to_megatron
-from vllm_ascend_routing.selfcheck import models, scenarios
-from vllm_ascend_routing.selfcheck.trainer import Mismatch, TrainerModel
+from vllm_ascend_routing.preflight import models, scenarios
+from vllm_ascend_routing.preflight.trainer import Mismatch, TrainerModel
 
 RESPONSE = 24
 

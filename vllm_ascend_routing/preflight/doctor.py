@@ -227,7 +227,7 @@ def self_check(num_prompts: int, mode: str, dtype: str = "float32") -> dict[str,
     os.environ["VLLM_ASCEND_ROUTING"] = "1"  # before the engine starts: the plugin loads with vLLM
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_ASCEND_ROUTING_VALIDATE", "1")  # each returned array contract-checked too
-    from vllm_ascend_routing.selfcheck import scenarios
+    from vllm_ascend_routing.preflight import scenarios
 
     result = scenarios.run_offline(self_check_model(dtype), mode, num_prompts, dtype=dtype)
     capture, capture_problems = capture_report()
@@ -286,12 +286,12 @@ def self_check_model(dtype: str) -> str:
 
 
 def resolve_dtype(dtype: str) -> str:
-    """``auto``: the platform's choice (``selfcheck.offline.platform_dtype``); anything else as given."""
+    """``auto``: the platform's choice (``preflight.offline.platform_dtype``); anything else as given."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
     if dtype != "auto":
         return dtype
-    from vllm_ascend_routing.selfcheck import offline
+    from vllm_ascend_routing.preflight import offline
 
     return offline.platform_dtype()
 
@@ -409,8 +409,8 @@ def run(
         verified = f"static: {patches['verified']}/{patches['total']} targets verified"
         return _end(report, print_fn, "surface", None, f"PASS ({verified})")
     if model is not None:
-        from vllm_ascend_routing import model_check
-        from vllm_ascend_routing.selfcheck.engine_flags import EngineFlagsError
+        from vllm_ascend_routing.preflight import model_check
+        from vllm_ascend_routing.preflight.engine_flags import EngineFlagsError
 
         try:
             ok, detail, extra = model_check.run(

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from tests.harness import routing_mutations
-from vllm_ascend_routing.selfcheck import consistency
-from vllm_ascend_routing.selfcheck.consistency import Pair
+from vllm_ascend_routing.preflight import consistency
+from vllm_ascend_routing.preflight.consistency import Pair
 
 LAYERS, EXPERTS, TOP_K = 4, 16, 2
 DENSE = 0  # layer 0 is dense: all zero in both passes

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from vllm_ascend_routing import doctor
+from vllm_ascend_routing.preflight import doctor
 from vllm_ascend_routing.compat import UnsupportedVllmError
 
 
@@ -100,7 +100,7 @@ def test_doctor_in_bfloat16_passes_with_its_flips_counted(tmp_path: Path) -> Non
 def test_doctor_checks_a_users_own_model(tmp_path: Path) -> None:
     """``doctor --model PATH``: strict validation and the always-on check on a model the user names (here an
     e2e model with a dense layer), per-layer rows: the dense layer's all zero, every MoE layer's none."""
-    from vllm_ascend_routing.selfcheck import models
+    from vllm_ascend_routing.preflight import models
 
     on_the_newest_generation_only("--model")
     model = models.build_tiny_moe("qwen3_moe_dense", tmp_path / "model")
