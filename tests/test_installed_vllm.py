@@ -11,9 +11,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from vllm_ascend_routing import _cpu_compat, doctor, integration, manifest
+from vllm_ascend_routing import _cpu_compat, integration, manifest
 from vllm_ascend_routing.compat import UnsupportedVllmError, get_api
 from vllm_ascend_routing.patching import RELY, Patch, resolve
+from vllm_ascend_routing.preflight import doctor
 from vllm_ascend_routing.releases import generation_of
 
 pytestmark = pytest.mark.vllm

@@ -269,7 +269,8 @@ def test_the_step_hook_clears_before_and_checks_after_the_forward() -> None:
 
 
 def test_doctor_reports_the_sentinel_counters(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm_ascend_routing import doctor, runner_state
+    from vllm_ascend_routing import runner_state
+    from vllm_ascend_routing.preflight import doctor
 
     prepared = capture.PreparedCapture.bound(torch.zeros(4, 3, 2, dtype=torch.int16), torch.zeros(1), 8, (0, 2))
     monkeypatch.setattr(runner_state, "captures_in_process", lambda: [prepared])

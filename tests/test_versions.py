@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_doctor import fake_environment, fake_targets
-from vllm_ascend_routing import __version__, doctor, versions
+from tests.preflight.test_doctor import fake_environment, fake_targets
+from vllm_ascend_routing import __version__, versions
+from vllm_ascend_routing.preflight import doctor
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 HARNESS = ROOT / "tests" / "harness"
 # What doctor, demo, replay-check and doctor --model run, beyond the plugin itself.
 COMMANDS = ["__main__", "versions"]
-PREFLIGHT = ["__init__", "doctor", "model_check", "models", "reference", "compare", "offline", "scenarios", "replay_check", "trainer"]
+PREFLIGHT = ["__init__", "doctor", "model_check", "models", "reference", "compare", "offline", "scenarios"]
+PREFLIGHT += ["replay_check", "trainer"]
 PREFLIGHT += ["consistency", "reprefill", "engine_flags", "frontend"]  # doctor --model's oracle and engine flags
 # Split between the two: doctor's offline scenario is runtime (preflight), the test suite's others the harness's.
 SHARED_NAMES = {"scenarios"}

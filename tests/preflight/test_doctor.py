@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from vllm_ascend_routing.preflight import doctor
 from vllm_ascend_routing.compat import UnsupportedVllmError
+from vllm_ascend_routing.preflight import doctor
 
 
 def test_report_lists_every_setting_with_its_effective_value(

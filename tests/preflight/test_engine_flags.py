@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 
 from vllm_ascend_routing import __main__ as cli
-from vllm_ascend_routing.preflight import doctor
-from vllm_ascend_routing.preflight import engine_flags
+from vllm_ascend_routing.preflight import doctor, engine_flags
 
 
 def test_what_follows_the_separator_goes_to_doctor_as_engine_flags(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -66,7 +65,7 @@ def test_vllms_parser_reads_the_flags_a_user_serves_with() -> None:
 
 
 def test_flags_vllm_refuses_are_a_clear_fail_of_doctor(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tests.test_doctor import fake_environment, fake_targets
+    from tests.preflight.test_doctor import fake_environment, fake_targets
     from vllm_ascend_routing.preflight import model_check
 
     def refused(*args: Any, **kwargs: Any) -> Any:

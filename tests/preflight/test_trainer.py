@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_ascend_routing.replay import INVALID, Aligned, MegatronReplay, align, to_megatron
 from vllm_ascend_routing.preflight import models, scenarios
 from vllm_ascend_routing.preflight.trainer import Mismatch, TrainerModel
+from vllm_ascend_routing.replay import INVALID, Aligned, MegatronReplay, align, to_megatron
 
 RESPONSE = 24
 
