@@ -14,7 +14,7 @@ TRAINER_ENVS ?= trainer-0.16.1 trainer-0.19.2
 VENV          = $$($(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: dist gpu-check test venvs test-unit test-native test-native-cpu test-static test-ascend test-trainer test-e2e test-spec test-contract test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-handoff bench-kernel bench-compiled bench-sentinel matrix matrix-ascend
+.PHONY: dist gpu-check test venvs test-unit test-native test-native-cpu test-static test-ascend test-trainer test-e2e test-spec test-contract test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-output bench-handoff bench-kernel bench-compiled bench-sentinel matrix matrix-ascend
 
 ## make dist: the sdist and the pure-Python py3-none-any wheel (version in the names) in dist/, for offline installs
 ## (pip install --no-index --no-deps dist/vllm_ascend_routing-*.whl); native kernels stay opt-in source builds
@@ -227,6 +227,12 @@ bench-check:
 ## make bench-sentinel: per-step cost of the always-on check next to the capture's, on every device present
 bench-sentinel:
 	@py=$(call VENV,dev) && $$py benchmarks/sentinel.py
+
+## make bench-output [RELEASE=0.30.0]: bytes returned per request and throughput with routed experts on, off, opted
+## out and omitted (prefix-cached rows), through vllm serve and AsyncLLM, at DeepSeek-V3-sized rows (58 MoE layers x
+## top-8), multi-turn; ratios in one run, written to benchmarks/results/output-vllm-RELEASE.json
+bench-output:
+	@py=$(call VENV,$(RELEASE)) && PYTHONPATH=$(CURDIR) $$py benchmarks/output.py
 
 ## make bench-handoff [LONG=1]: host memory and time of the replay bridge (align + to_megatron) before and after
 ## the narrow bridge, as ratios to vLLM's bytes, on DeepSeek-V3, Qwen3-235B and Kimi-K2 shapes (4k, 32k; LONG: 128k),

@@ -322,17 +322,29 @@ def test_conversation_keeps_each_row_once_and_rebuilds_the_whole() -> None:
     np.testing.assert_array_equal(packed.layer(1)[:-1].numpy(), full[:, 2])
 
 
-def test_conversation_refuses_a_turn_asked_from_elsewhere() -> None:
+def test_conversation_refuses_a_turn_missing_rows() -> None:
     full, lengths = conversation_rows(2)
     conversation = replay.Conversation()
     (c0, o0), (c1, o1) = lengths
     conversation.add_turn(full[: c0 + o0 - 1], c0, o0, 0)
-    with pytest.raises(
-        ValueError, match=r"prompt_start=0, but 9 rows are held: ask with conversation.prompt_start \(9\)"
-    ):
-        conversation.add_turn(full[: c1 + o1 - 1], c1, o1, 0)  # verl's agent loop: every row again
+    with pytest.raises(ValueError, match=r"start at token 11, but 9 rows are held: the rows of tokens 9..10"):
+        conversation.add_turn(full[11 : c1 + o1 - 1], c1, o1, 11)
     with pytest.raises(ValueError, match="a turn of 3 context tokens after a conversation of 10"):
         conversation.add_turn(full[:2], 3, 1, 0)
+
+
+@pytest.mark.parametrize("start", [0, 4, 8, 9])
+def test_conversation_keeps_the_held_rows_where_a_turn_resends_some(start: int) -> None:
+    """A turn whose rows start before the rows held (every row again, as verl's agent loop asks; or the prefix
+    cache's omission, which starts at a KV block): the held rows stay, the re-sent ones are dropped."""
+    full, lengths = conversation_rows(2, seed=3)
+    conversation = replay.Conversation()
+    (c0, o0), (c1, o1) = lengths
+    conversation.add_turn(full[: c0 + o0 - 1], c0, o0, 0)
+    resent = full[start : c1 + o1 - 1].copy()
+    resent[: 9 - start] = 0  # re-sent rows that differ from the held ones (another batch): the held rows win
+    assert conversation.add_turn(resent, c1, o1, start) == c1 + o1 - 1 - 9
+    np.testing.assert_array_equal(np.concatenate(conversation.aligned().parts), full)
 
 
 def test_conversation_on_0_20_int32_drops_the_rows_held() -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from types import ModuleType
 
-from vllm_ascend_routing import _cpu_compat, manifest, ops, peers, validate
+from vllm_ascend_routing import _cpu_compat, manifest, ops, output, peers, validate
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing._post_import import when_imported
 from vllm_ascend_routing.compat import UnsupportedVllmError, get_api, vllm_version
@@ -48,6 +48,7 @@ def install() -> None:
         apply_mixin(cls, api)
     api.install()
     validate.install()
+    output.install(api, vllm_version())
     peers.install(api.routed_experts_requested)
     if device == "npu":
         for runner in runners:

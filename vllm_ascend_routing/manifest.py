@@ -20,7 +20,9 @@ from types import ModuleType
 
 from vllm_ascend_routing import _cpu_compat, envs, peers, releases, runner_mixin, validate
 from vllm_ascend_routing.backends import ascend, ascend_router, cpu_moe, zero_expert_router
+from vllm_ascend_routing.compat import _aux_requests
 from vllm_ascend_routing.compat.base import CaptureAPI, Generation, UnsupportedVllmError
+from vllm_ascend_routing.output import engine, frontend, serving, weights
 from vllm_ascend_routing.patching import RELY, REPLACE, VALIDATION, Patch, problem, resolve
 
 __all__ = ["Finding", "Patch", "all_patches", "check", "counted", "patches_for", "verify"]
@@ -45,6 +47,11 @@ _DECLARING = (
     _cpu_compat,
     validate,
     peers,
+    weights,
+    engine,
+    frontend,
+    serving,
+    _aux_requests,
 )
 
 

@@ -577,7 +577,9 @@ class Conversation:
     """A multi-turn conversation's rows, each token's received once.
 
     Each turn re-sends the whole context; ask vLLM 0.22+ for the new rows only with
-    ``SamplingParams(routed_experts_prompt_start=conversation.prompt_start)`` and :meth:`add_turn` the array:
+    ``SamplingParams(routed_experts_prompt_start=conversation.prompt_start)`` (or, with this plugin, the
+    per-request ``routed_experts_omit``: ``conversation.prompt_start`` or ``"cached"``; then pass the start it
+    reports, ``routed_experts_info["first_token"]``) and :meth:`add_turn` the array:
 
         conversation = Conversation()
         for turn in turns:
@@ -587,9 +589,10 @@ class Conversation:
         sample = conversation.aligned()   # the whole conversation, for to_megatron
 
     A token's row is the one recorded by the turn that first forwarded it (the turn that sampled it, for
-    a response token), which is what that turn's log-probs came from. vLLM 0.20.x (int32 arrays) has no
-    ``prompt_start`` and returns every row every turn: pass ``prompt_start=0``; the rows already held are
-    dropped here (what vLLM sends is not reduced, what the trainer keeps and ships is).
+    a response token), which is what that turn's log-probs came from: a turn whose rows start before the rows
+    held (``"cached"`` starts at a KV block's first token) has its re-sent rows dropped. vLLM 0.20.x (int32
+    arrays) has no ``prompt_start`` and returns every row every turn: pass ``prompt_start=0``; the rows already
+    held are dropped here (what vLLM sends is not reduced, what the trainer keeps and ships is).
     """
 
     def __init__(self) -> None:
@@ -606,9 +609,9 @@ class Conversation:
         added.
 
         Raises:
-            ValueError: the array breaks :func:`align`'s contract, ``prompt_start`` is not the rows held (a
-                0.22+ turn asked from elsewhere), the context is shorter than the conversation so far, or the
-                dtype or layers changed.
+            ValueError: the array breaks :func:`align`'s contract, ``prompt_start`` is past the rows held (a
+                0.22+ turn missing rows), the context is shorter than the conversation so far, or the dtype or
+                layers changed.
         """
         held = self.prompt_start
         if prompt_len < self._num_tokens:
@@ -622,12 +625,13 @@ class Conversation:
         if self._parts and (rows.dtype != self._parts[0].dtype or rows.shape[1:] != self._parts[0].shape[1:]):
             raise ValueError(f"a turn of {rows.dtype} {rows.shape[1:]} rows after {self._parts[0].dtype} ones")
         if contract.takes_prompt_start:
-            if prompt_start != held:
+            if prompt_start > held:
                 raise ValueError(
-                    f"a turn asked with routed_experts_prompt_start={prompt_start}, but {held} rows are held: ask "
-                    f"with conversation.prompt_start ({held})"
+                    f"a turn whose rows start at token {prompt_start}, but {held} rows are held: the rows of tokens "
+                    f"{held}..{prompt_start - 1} were neither held nor sent; ask with at most "
+                    f"conversation.prompt_start ({held})"
                 )
-            new = rows
+            new = rows[held - prompt_start :]  # rows re-sent (prefix-cache omission starts at a block) are held
         else:
             new = rows[held:]  # 0.20.x: every row from token 0 again; keep the new ones
         self._parts.append(new)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_ascend_routing import patching, peers, runner_state, sentinel
 from vllm_ascend_routing.compat.base import RunnerClass, RunnerHook
+from vllm_ascend_routing.output import weights
 from vllm_ascend_routing.patching import RELY, Patch
 from vllm_ascend_routing.releases import Generation
 
@@ -86,7 +87,10 @@ class RoutingCaptureRunnerMixin:
     def load_model(self, api: CaptureAPI, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         if not runner_state.has_prepared(self):  # once per model, even if a subclass nests calls
-            runner_state.set_prepared(self, api.prepare(self.model, self.vllm_config, self.device))
+            prepared = api.prepare(self.model, self.vllm_config, self.device)
+            runner_state.set_prepared(self, prepared)
+            if prepared is not None:
+                weights.track(self)  # the weight version each step's rows are written under
         return result
 
     def execute_model(

@@ -173,6 +173,12 @@ def install() -> None:
     logger.info("vllm-ascend-routing validation mode on (%s)", mode)
 
 
+def rows_start(state: Any, start: int) -> None:
+    """The request's rows start at token ``start``: the engine moved its first row (a per-request option, e.g.
+    ``routed_experts_omit="cached"``, ``output.engine``); its array is checked against that start."""
+    setattr(state, _PROMPT_START, int(start))
+
+
 def _recording_config(init: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(init)
     def engine_init(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.harness import distributed, oracle, verl_handoff
+from tests.harness import distributed, oracle, output_features, verl_handoff
 from tests.harness.bypass import run_bypass
 from tests.harness.data_parallel import run_data_parallel
 from tests.harness.server import Server, post
@@ -48,6 +48,8 @@ from vllm_ascend_routing.preflight.scenarios import (
 # The offline runs that also run the re-prefill consistency oracle (tests/harness/oracle.py): the e2e suite's compiled
 # run (tests/e2e/test_routed_experts.py RUNS), one per release.
 ORACLE_RUNS = {("qwen3_moe_dense", "compiled", 1)}
+# The offline runs that also run the output features' checks (tests/harness/output_features.py): one per release.
+OUTPUT_RUNS = {("qwen3_moe", "eager", 1)}
 SPEC_MAX_TOKENS = [5, 9, 14, 23, 31, 40]  # uneven: requests stop inside accepted draft runs
 # Draft slots per sequence must fit max_num_batched_tokens (vLLM's check on some releases).
 SPEC_MAX_SEQS = 16
@@ -155,6 +157,8 @@ def run_serve(arch: str, num_prompts: int, spec: str = "none", k: int = 3) -> di
         "--max-num-batched-tokens",
         str(MAX_BATCHED_TOKENS),
         "--enforce-eager",
+        "--enable-prefix-caching",
+        *output_features.server_args(),
     ]
     config = speculative_config(model, spec, k)
     if config is None:
@@ -186,7 +190,17 @@ def run_serve(arch: str, num_prompts: int, spec: str = "none", k: int = 3) -> di
         result["output_ids"] = [c.output_ids for c in completions]
         metrics = server.metrics()
         result["spec_decode"] = {key: int(metrics.get(f"{name}_total", 0)) for key, name in SPEC_COUNTERS.items()}
-        return {"arch": arch, "spec": spec, "serve": result}
+        out: dict[str, Any] = {"arch": arch, "spec": spec, "serve": result}
+        if config is None:  # the output features over HTTP (tests/harness/output_features.py), same server
+            out["output"] = output_features.serve_part(server.url, model, reference)
+        return out
+
+
+def _after(parts: list[Any]) -> Any:
+    def after(llm: Any) -> dict[str, Any]:
+        return {key: value for part in parts for key, value in part(llm).items()}
+
+    return after
 
 
 def main() -> None:
@@ -226,9 +240,15 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.scenario == "offline":
-        # The re-prefill oracle (clean and each planted fault) on one engine per release: the compiled one.
-        after = oracle.oracle_part if (args.arch, args.mode, args.tp) in ORACLE_RUNS else None
-        result = run_offline(args.arch, args.mode, args.prompts, args.tp, after=after)
+        # The re-prefill oracle (clean and each planted fault) on one engine per release, the compiled one; the
+        # output features on another.
+        run = (args.arch, args.mode, args.tp)
+        parts = [
+            part
+            for runs, part in ((ORACLE_RUNS, oracle.oracle_part), (OUTPUT_RUNS, output_features.output_part))
+            if run in runs
+        ]
+        result = run_offline(args.arch, args.mode, args.prompts, args.tp, after=_after(parts) if parts else None)
     elif args.scenario == "data-parallel":
         result = run_data_parallel(args.arch, args.layout, args.mode, args.ep)
     elif args.scenario == "distributed":

@@ -30,10 +30,16 @@ def post(url: str, body: dict[str, Any]) -> Any:
 
 
 class Server:
-    """``with Server(model_dir, extra_args) as server: server.url ...`` (float32, seed 0, routed experts on)."""
+    """``with Server(model_dir, extra_args) as server: server.url ...`` (float32, seed 0, routed experts on unless
+    ``routed_experts=False``)."""
 
     def __init__(
-        self, model: Path, extra_args: list[str], startup_timeout: float = 300.0, env: dict[str, str] | None = None
+        self,
+        model: Path,
+        extra_args: list[str],
+        startup_timeout: float = 300.0,
+        env: dict[str, str] | None = None,
+        routed_experts: bool = True,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -49,7 +55,7 @@ class Server:
             str(self.port),
             "--dtype",
             "float32",
-            "--enable-return-routed-experts",
+            *(["--enable-return-routed-experts"] if routed_experts else []),
             "--seed",
             "0",
             *extra_args,

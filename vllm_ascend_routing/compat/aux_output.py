@@ -31,6 +31,7 @@ import torch
 from vllm_ascend_routing import patching
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import PreparedCapture
+from vllm_ascend_routing.compat import _aux_requests
 from vllm_ascend_routing.compat._common import attach_buffer, prepare_capture
 from vllm_ascend_routing.compat._runners import LOAD_MODEL, RUNNER_CLASSES
 from vllm_ascend_routing.compat.base import Generation, RunnerClass, RunnerHook, UnsupportedVllmError
@@ -152,6 +153,7 @@ class AuxOutputAPI:
     def install(self) -> None:
         patching.replace(BINDER, lambda _: _attach_prepared_buffer)
         patching.replace(CONFIG_CHECK, _accept_v1_runner_on_cpu)
+        _aux_requests.install()  # per-request options on the connector's scheduler side
 
     def install_ascend(self) -> None:
         """Nothing beyond the runner hooks: Ascend is out-of-tree, so vLLM's check already lets its runner

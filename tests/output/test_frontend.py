@@ -1,0 +1,112 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The front end: options refused per request where the engine cannot honour them; records attached to outputs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from vllm_ascend_routing import validate
+from vllm_ascend_routing.output import engine, frontend, options
+from vllm_ascend_routing.releases import Generation
+
+OPT_OUT = options.RequestOptions(returns=False)
+OPT_IN = options.RequestOptions(returns=True)
+
+
+def test_true_on_an_engine_without_the_flag_is_refused_for_that_request() -> None:
+    with pytest.raises(options.RequestOptionError, match="started without --enable-return-routed-experts"):
+        frontend.check(OPT_IN, Generation.RUNNER_OUTPUT, serves=True, engine_returns=False)
+    frontend.check(OPT_OUT, Generation.RUNNER_OUTPUT, serves=True, engine_returns=False)  # nothing to opt out of
+    frontend.check(OPT_IN, Generation.AUX_OUTPUT, serves=True, engine_returns=True)
+    frontend.check(options.NONE, Generation.SHM, serves=False, engine_returns=True)  # asks nothing: vLLM as usual
+
+
+@pytest.mark.parametrize("generation", [Generation.SHM, Generation.DEVICE_CACHE])
+def test_any_option_on_vllm_0_20_and_0_21_is_refused_for_that_request(generation: Generation) -> None:
+    with pytest.raises(options.RequestOptionError, match=f"need vLLM 0.22 or later.*\\({generation.value}\\)"):
+        frontend.check(OPT_OUT, generation, serves=False, engine_returns=True)
+
+
+class Processor:
+    """vLLM's InputProcessor as the hook sees it: it copies the params onto the request it returns."""
+
+    vllm_config = object()
+
+    def process_inputs(self, request_id: str, prompt: Any, params: Any) -> Any:
+        copied = SimpleNamespace(**vars(params))
+        return SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], sampling_params=copied)
+
+
+@pytest.fixture
+def processor(monkeypatch: pytest.MonkeyPatch) -> Processor:
+    from vllm_ascend_routing import compat
+
+    monkeypatch.setattr(compat, "get_api", lambda: SimpleNamespace(routed_experts_requested=lambda config: True))
+    hooked = type("HookedProcessor", (Processor,), {})
+    hooked.process_inputs = frontend._checking(Processor.process_inputs, Generation.RUNNER_OUTPUT, True)  # type: ignore[method-assign]
+    return hooked()
+
+
+def params(extra_args: dict[str, Any] | None, start: int = 0) -> Any:
+    return SimpleNamespace(extra_args=extra_args, routed_experts_prompt_start=start)
+
+
+def test_omit_before_a_token_becomes_the_prompt_start_of_vllms_copy(processor: Processor) -> None:
+    mine = params({"routed_experts_omit": 7}, start=3)
+    request = processor.process_inputs("r", {"prompt_token_ids": list(range(10))}, mine)
+    assert request.sampling_params.routed_experts_prompt_start == 7 and mine.routed_experts_prompt_start == 3
+    later = processor.process_inputs("r", {"prompt_token_ids": list(range(10))}, params({"routed_experts_omit": 2}, 5))
+    assert later.sampling_params.routed_experts_prompt_start == 5  # the caller's own start, when later, stays
+
+
+def test_omit_past_the_prompt_and_malformed_options_are_refused(processor: Processor) -> None:
+    with pytest.raises(options.RequestOptionError, match="past the prompt's 10 tokens"):
+        processor.process_inputs("r", {"prompt_token_ids": list(range(10))}, params({"routed_experts_omit": 11}))
+    with pytest.raises(ValueError, match="expected true or false"):
+        processor.process_inputs("r", {"prompt_token_ids": [1]}, params({"return_routed_experts": "x"}))
+
+
+class State:
+    """A front-end RequestState: its id, its parent (n > 1) and vLLM's builder of the request's output."""
+
+    def __init__(self, request_id: str, parent: Any = None) -> None:
+        self.request_id, self.parent_req = request_id, parent
+
+    def _new_request_output(self, external_req_id: str, outputs: list[Any], finished: bool) -> list[Any]:
+        return outputs
+
+
+def completion(routed: np.ndarray | None, finished: bool = True) -> Any:
+    return SimpleNamespace(routed_experts=routed, finish_reason="length" if finished else None)
+
+
+def test_records_travel_out_of_kv_transfer_params_onto_the_finished_output() -> None:
+    record = {"first_token": 2, "cached": 1, "loaded": 0, "weight_version": {"first": 1, "last": 1, "cached_from": 1}}
+    single, sample = State("a"), State("b-1", parent=object())
+    processor = SimpleNamespace(request_states={"a": single, "b-1": sample})
+    outputs = [
+        SimpleNamespace(request_id="a", kv_transfer_params={engine.RECORD_KEY: record}),
+        SimpleNamespace(request_id="b-1", kv_transfer_params={engine.RECORD_KEY: record, "remote": 1}),
+        SimpleNamespace(request_id="c", kv_transfer_params=None),
+    ]
+    frontend._taking_records(lambda self, outs: outs)(processor, outputs)
+    assert outputs[0].kv_transfer_params is None and outputs[1].kv_transfer_params == {"remote": 1}
+    assert getattr(single, validate._PROMPT_START) == 2  # validation mode checks the rows from the moved start
+
+    attach = frontend.functools.partial(frontend._attach, generation="runner-output", vllm="0.30.0")
+    routed = np.zeros((6, 3, 2), np.uint8)
+    finished, streaming = completion(routed), completion(None, finished=False)
+    frontend._recording(State._new_request_output, attach)(single, "a", [finished], True)
+    assert finished.routed_experts_info["rows"] == 6 and finished.routed_experts_info["computed"] == 5
+    frontend._recording(State._new_request_output, attach)(State("d"), "d", [streaming], False)
+    assert not hasattr(streaming, "routed_experts_info")  # only finished outputs carry it
+    child = completion(routed)
+    frontend._recording_samples(lambda self, request_id, output: ([output], True), attach)(None, "b-1", child)
+    assert child.routed_experts_info["first_token"] == 2
+    opted_out = completion(None)
+    frontend._recording(State._new_request_output, attach)(State("e"), "e", [opted_out], True)
+    assert opted_out.routed_experts_info is None  # no array, no record (and the attribute always exists)

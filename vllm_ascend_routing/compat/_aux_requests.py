@@ -1,0 +1,69 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Per-request routed-experts options on vLLM 0.31+'s AuxOutput connector (generation ``aux-output``), scheduler side.
+
+The scheduler-side connector tells the worker, per scheduled request, the first token whose rows it must emit
+(``AuxOutputConnectorMetadata.requests``), computed from ``routed_experts_prompt_start`` when the metadata is built,
+in ``schedule()``: before the scheduler's ``update_from_output`` of that step. So a request's first row is decided
+here, on its first scheduling (``output.engine.first_scheduled``), and an opted-out request's emit start is put
+out of reach: its worker state still captures and publishes its blocks (other requests' prefix hits read them),
+but never emits, materialises or ships a row of it; ``take_output`` then has nothing to take for it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from vllm_ascend_routing import patching
+from vllm_ascend_routing.output import engine
+from vllm_ascend_routing.patching import Patch
+from vllm_ascend_routing.releases import Generation
+
+_CONNECTOR = "vllm.distributed.aux_output_connector.connector:AuxOutputSchedulerConnector"
+_KEEP = "never while per-request routed-experts options exist"
+BUILD_CONNECTOR_META = Patch(
+    f"{_CONNECTOR}.build_connector_meta",
+    "a request's first row decided before the worker's emit start is computed; opted-out requests never emit",
+    _KEEP,
+    (Generation.AUX_OUTPUT,),
+    ("self", "scheduler_output", "requests"),
+)
+TAKE_OUTPUT = Patch(
+    f"{_CONNECTOR}.take_output",
+    "an opted-out request has no rows to take",
+    _KEEP,
+    (Generation.AUX_OUTPUT,),
+    ("self", "request", "output"),
+)
+PATCHES = (BUILD_CONNECTOR_META, TAKE_OUTPUT)
+NEVER = 2**62  # an emit start no request reaches: the worker emits no row for it
+
+
+def install() -> None:
+    patching.replace(BUILD_CONNECTOR_META, _building)
+    patching.replace(TAKE_OUTPUT, _taking)
+
+
+def _building(build_connector_meta: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(build_connector_meta)
+    def wrapper(self: Any, scheduler_output: Any, requests: Any, *args: Any, **kwargs: Any) -> Any:
+        scheduled = scheduler_output.num_scheduled_tokens
+        for request_id in engine.selecting & scheduled.keys():
+            engine.first_scheduled(requests[request_id])
+        metadata = build_connector_meta(self, scheduler_output, requests, *args, **kwargs)
+        for request_id in engine.opted_out & metadata.requests.keys():
+            metadata.requests[request_id] = NEVER
+        return metadata
+
+    return wrapper
+
+
+def _taking(take_output: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(take_output)
+    def wrapper(self: Any, request: Any, output: Any, *args: Any, **kwargs: Any) -> Any:
+        if request.request_id in engine.opted_out:
+            return None
+        return take_output(self, request, output, *args, **kwargs)
+
+    return wrapper

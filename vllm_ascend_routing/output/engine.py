@@ -1,0 +1,273 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The engine core's side of the per-request options and of the provenance record (vLLM 0.22+).
+
+In the scheduler, for engines that return routed experts:
+  * ``add_request``: the request's options (``output.options``) are read once;
+  * ``update_from_output``: the step's weight version is taken from its ``ModelRunnerOutput``
+    (``output.weights``); each request scheduled for the first time gets its bookkeeping (the prompt tokens
+    served from the local prefix cache, the version of its first forward) and its first row decided
+    (``select``): ``routed_experts_prompt_start`` on the engine core's copy of its sampling parameters, which is
+    where vLLM's own transport starts the rows (0.22-0.30: the slot-buffer read at prefill completion; 0.31+:
+    the AuxOutput connector's emit start). An opted-out request's first row is past its prompt, so vLLM reads no
+    prompt rows for it, and its decode rows never leave this process (dropped from its outputs);
+  * ``_free_request``: a finished request's record (first row, cached and loaded rows, weight versions) goes to
+    the front end with its last output, under ``RECORD_KEY`` in ``kv_transfer_params``, which the front end
+    removes again (``output.frontend``): vLLM's array is never touched;
+  * ``reset_prefix_cache``: rows served from the prefix cache afterwards were computed at or after the next
+    step's version (``cached_from``).
+
+The generation modules add what their transport needs on top (``compat/_aux_requests.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_ascend_routing import patching
+from vllm_ascend_routing._logging import get_logger
+from vllm_ascend_routing.compat._requests import local_cached_tokens
+from vllm_ascend_routing.output import options, weights
+from vllm_ascend_routing.patching import Patch
+from vllm_ascend_routing.releases import Generation
+
+logger = get_logger(__name__)
+
+RECORD_KEY = "vllm_ascend_routing.routed_experts_info"  # in an output's kv_transfer_params, engine -> front end
+_GENERATIONS = (Generation.RUNNER_OUTPUT, Generation.AUX_OUTPUT)
+_KEEP = "never while per-request routed-experts options exist"
+_SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
+ADD_REQUEST = Patch(
+    f"{_SCHEDULER}.add_request",
+    "read a request's routed-experts options once",
+    _KEEP,
+    _GENERATIONS,
+    ("self", "request"),
+)
+UPDATE_FROM_OUTPUT = Patch(
+    f"{_SCHEDULER}.update_from_output",
+    "the step's weight version; a new request's first row; opted-out rows dropped; records to the front end",
+    _KEEP,
+    _GENERATIONS,
+    ("self", "scheduler_output", "model_runner_output"),
+)
+FREE_REQUEST = Patch(
+    f"{_SCHEDULER}._free_request", "a finished request's provenance record", _KEEP, _GENERATIONS, ("self", "request")
+)
+RESET_PREFIX_CACHE = Patch(
+    f"{_SCHEDULER}.reset_prefix_cache", "rows cached from now on are of a newer version", _KEEP, _GENERATIONS, ("self",)
+)
+PATCHES = (ADD_REQUEST, UPDATE_FROM_OUTPUT, FREE_REQUEST, RESET_PREFIX_CACHE)
+
+_REQUEST = "_vllm_ascend_routing_output"  # engine-core Request attribute: its RequestState
+_SCHEDULER_STATE = "_vllm_ascend_routing_output"  # Scheduler attribute: its EngineState
+_UNSET = object()
+
+# Requests (by id) whose first row this engine moves or whose rows it drops, and those opted out: the generation
+# modules' scheduler-side hooks act on these only (``compat/_aux_requests.py``).
+selecting: set[str] = set()
+opted_out: set[str] = set()
+
+
+@dataclass
+class RequestState:
+    """What the engine core keeps per request for its options and its record."""
+
+    options: options.RequestOptions = options.NONE
+    scheduled: bool = False
+    cached: int = 0  # prompt tokens served from the local prefix cache at the first scheduling
+    loaded: int = 0  # rows loaded through a KV connector (``record_loaded``)
+    first_token: int | None = None  # the token of the first row, once decided (``select``)
+    first_version: Any = _UNSET  # the weight version of the request's first forward
+
+
+@dataclass
+class EngineState:
+    """Per scheduler: whether it returns routed experts, the current step's weight version, pending records."""
+
+    enabled: bool
+    version: int | None = None
+    cached_from: int | None = None  # rows cached since the last prefix-cache reset: computed at this version or later
+    cached_from_pending: bool = True
+    updating: bool = False
+    records: dict[str, dict[str, Any]] = field(default_factory=dict)
+    dropped: set[str] = field(default_factory=set)  # opted-out requests that finished in this update
+
+    def step(self, version: int | None) -> None:
+        self.version = version
+        if self.cached_from_pending:
+            self.cached_from, self.cached_from_pending = version, False
+
+
+def install() -> None:
+    patching.replace(ADD_REQUEST, _adding)
+    patching.replace(UPDATE_FROM_OUTPUT, _updating)
+    patching.replace(FREE_REQUEST, _freeing)
+    patching.replace(RESET_PREFIX_CACHE, _resetting)
+
+
+def record_loaded(request: Any, rows: int) -> None:
+    """For KV-connector (P/D) code in the engine core: ``rows`` of this request's returned rows were loaded through
+    a KV connector rather than computed here or served from the local prefix cache. The record reports them as
+    ``loaded`` (and not as ``computed``); call it before the request finishes."""
+    state_of(request).loaded = int(rows)
+
+
+def state_of(request: Any) -> RequestState:
+    state: RequestState | None = getattr(request, _REQUEST, None)
+    if state is None:
+        state = RequestState()
+        setattr(request, _REQUEST, state)
+    return state
+
+
+def first_scheduled(request: Any) -> int:
+    """At the request's first scheduling (idempotent): note the prompt tokens the local prefix cache served, then
+    decide its first row (``select``); returns that token."""
+    state = state_of(request)
+    if not state.scheduled:
+        state.scheduled = True
+        state.cached = local_cached_tokens(request)
+    return select(request, state)
+
+
+def select(request: Any, state: RequestState) -> int:
+    """The token of the request's first row: ``routed_experts_prompt_start``, moved past the prompt for an opted-out
+    request and past the prefix-cached tokens for ``routed_experts_omit="cached"``. Where it moves, the engine core's
+    request gets its own copy of the sampling parameters with that start (vLLM's transport reads it there)."""
+    if state.first_token is not None:
+        return state.first_token
+    params = request.sampling_params
+    start = int(getattr(params, "routed_experts_prompt_start", 0) or 0)
+    if state.options.opted_out:
+        start = int(request.num_prompt_tokens)
+    elif state.options.omit_cached:
+        start = max(start, min(state.cached, int(request.num_prompt_tokens)))
+    if start != int(params.routed_experts_prompt_start or 0):
+        params = copy.copy(params)  # never the front end's object (in-process engines share it) nor a sibling's
+        params.routed_experts_prompt_start = start
+        request.sampling_params = params
+    state.first_token = start
+    return start
+
+
+def _engine_state(scheduler: Any) -> EngineState:
+    state: EngineState | None = getattr(scheduler, _SCHEDULER_STATE, None)
+    if state is None:
+        from vllm_ascend_routing.compat import get_api
+
+        state = EngineState(get_api().routed_experts_requested(scheduler.vllm_config))
+        setattr(scheduler, _SCHEDULER_STATE, state)
+    return state
+
+
+def _adding(add_request: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(add_request)
+    def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        if _engine_state(self).enabled and getattr(request, "sampling_params", None) is not None:
+            try:
+                found = options.of(request.sampling_params)
+            except options.RequestOptionError as error:  # the front end refuses these; a front end without it
+                logger.error("request %s: %s; its routed experts are returned as usual", request.request_id, error)
+                found = options.NONE
+            if found is not options.NONE:
+                state_of(request).options = found
+                if found.selects_rows:
+                    selecting.add(request.request_id)
+                if found.opted_out:
+                    opted_out.add(request.request_id)
+        return add_request(self, request, *args, **kwargs)
+
+    return wrapper
+
+
+def _updating(update_from_output: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(update_from_output)
+    def wrapper(self: Any, scheduler_output: Any, model_runner_output: Any, *args: Any, **kwargs: Any) -> Any:
+        state = _engine_state(self)
+        if not state.enabled:
+            return update_from_output(self, scheduler_output, model_runner_output, *args, **kwargs)
+        version = getattr(model_runner_output, weights.VERSION, None)
+        state.step(version)
+        for new in scheduler_output.scheduled_new_reqs:  # first (or resumed) scheduling: before vLLM reads the rows
+            request = self.requests.get(new.req_id)
+            if request is not None:
+                first_scheduled(request)
+                request_state = state_of(request)
+                if request_state.first_version is _UNSET:
+                    request_state.first_version = version
+        state.updating = True
+        try:
+            outputs = update_from_output(self, scheduler_output, model_runner_output, *args, **kwargs)
+        finally:
+            state.updating = False
+        if state.records or state.dropped or opted_out:
+            _finish(outputs, state)
+        return outputs
+
+    return wrapper
+
+
+def _finish(outputs: dict[int, Any], state: EngineState) -> None:
+    """Drop opted-out requests' rows from this step's outputs; send finished requests' records with them."""
+    for engine_outputs in outputs.values():
+        for output in engine_outputs.outputs:
+            request_id = output.request_id
+            if request_id in opted_out or request_id in state.dropped:
+                output.routed_experts = None
+            record = state.records.pop(request_id, None)
+            if record is not None:
+                output.kv_transfer_params = {**(output.kv_transfer_params or {}), RECORD_KEY: record}
+    state.records.clear()
+    state.dropped.clear()
+
+
+def _freeing(free_request: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(free_request)
+    def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        state = _engine_state(self)
+        if state.enabled:
+            request_id = request.request_id
+            selecting.discard(request_id)
+            if request_id in opted_out:
+                opted_out.discard(request_id)
+                state.dropped.add(request_id)
+            elif state.updating:  # finished with an output this step (aborts have none)
+                state.records[request_id] = engine_record(request, state)
+        return free_request(self, request, *args, **kwargs)
+
+    return wrapper
+
+
+def engine_record(request: Any, engine: EngineState) -> dict[str, Any]:
+    """The engine core's part of a finished request's record (``output.provenance`` completes it)."""
+    state = state_of(request)
+    first = state.first_token
+    if first is None:
+        first = int(getattr(request.sampling_params, "routed_experts_prompt_start", 0) or 0)
+    cached = max(0, state.cached - first)
+    first_version = None if state.first_version is _UNSET else state.first_version
+    return {
+        "first_token": first,
+        "cached": cached,
+        "loaded": state.loaded,
+        "weight_version": {
+            "first": first_version,
+            "last": engine.version,
+            "cached_from": engine.cached_from if cached else None,
+        },
+    }
+
+
+def _resetting(reset_prefix_cache: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(reset_prefix_cache)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        reset = reset_prefix_cache(self, *args, **kwargs)
+        if reset:
+            _engine_state(self).cached_from_pending = True
+        return reset
+
+    return wrapper
