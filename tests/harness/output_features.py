@@ -314,13 +314,15 @@ def serve_part(url: str, model: models.TinyMoE, reference: Any) -> dict[str, Any
         "info": chat_rows[-1].get("routed_experts_info") if chat_rows else None,
     }
     generate = {
+        "model": name,
         "token_ids": prompt,
         "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
     }
     try:
         generated = post(f"{url}/inference/v1/generate", generate)["choices"][0]
     except OSError as error:  # HTTPError 404: no generate endpoint in this release
-        result["generate"] = {"error": str(error)}
+        body = error.read().decode(errors="replace")[:500] if hasattr(error, "read") else ""
+        result["generate"] = {"error": f"{error}: {body}"}
         return result
     generate_chunks = stream(f"{url}/inference/v1/generate", generate)
     generate_rows = [

@@ -1,0 +1,63 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vLLM 0.31+'s connector, scheduler side: a request's first row decided before the worker's emit start is
+computed, and an opted-out request given an emit start the worker never reaches (no row of it emitted, read back
+from the block store or shipped), with nothing to take."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from vllm_ascend_routing.compat import _aux_requests
+from vllm_ascend_routing.output import engine
+
+
+def request(request_id: str, extra_args: dict[str, Any] | None, cached: int = 0) -> Any:
+    request = SimpleNamespace(
+        request_id=request_id,
+        sampling_params=SimpleNamespace(extra_args=extra_args, routed_experts_prompt_start=0),
+        num_prompt_tokens=300,
+        prefill_stats=SimpleNamespace(num_local_cached_tokens=cached),
+    )
+    engine.state_of(request).options = engine.options.of(request.sampling_params)
+    return request
+
+
+class Connector:
+    """vLLM's AuxOutputSchedulerConnector as the hooks see it: the emit start from the prompt start, and every
+    scheduled request's rows to take."""
+
+    def build_connector_meta(self, scheduler_output: Any, requests: dict[str, Any]) -> Any:
+        starts = {
+            r: requests[r].sampling_params.routed_experts_prompt_start for r in scheduler_output.num_scheduled_tokens
+        }
+        return SimpleNamespace(requests=starts)
+
+    def take_output(self, request: Any, output: dict[str, Any]) -> Any:
+        return output[request.request_id]  # vLLM asserts the worker emitted the request's rows
+
+
+@pytest.fixture
+def connector(monkeypatch: pytest.MonkeyPatch) -> Connector:
+    monkeypatch.setattr(engine, "selecting", {"out", "cached"})
+    monkeypatch.setattr(engine, "opted_out", {"out"})
+    hooked = type("Hooked", (Connector,), {})
+    hooked.build_connector_meta = _aux_requests._building(Connector.build_connector_meta)  # type: ignore[method-assign]
+    hooked.take_output = _aux_requests._taking(Connector.take_output)  # type: ignore[method-assign]
+    return hooked()
+
+
+def test_opted_out_requests_never_emit_and_have_nothing_to_take(connector: Connector) -> None:
+    requests = {
+        "out": request("out", {"return_routed_experts": False}),
+        "cached": request("cached", {"routed_experts_omit": "cached"}, cached=256),
+        "plain": request("plain", None, cached=256),
+    }
+    metadata = connector.build_connector_meta(
+        SimpleNamespace(num_scheduled_tokens=dict.fromkeys(requests, 1)), requests
+    )
+    assert metadata.requests == {"out": _aux_requests.NEVER, "cached": 256, "plain": 0}
+    assert connector.take_output(requests["out"], {}) is None  # the worker emitted nothing for it
+    assert connector.take_output(requests["plain"], {"plain": "rows"}) == "rows"
