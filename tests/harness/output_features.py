@@ -313,7 +313,7 @@ def serve_part(url: str, model: models.TinyMoE, reference: Any) -> dict[str, Any
         "same_as_completion": bool(chat_rows) and np.array_equal(decode(chat_rows[-1]["routed_experts"]), routed),
         "info": chat_rows[-1].get("routed_experts_info") if chat_rows else None,
     }
-    generate = {
+    generate: dict[str, Any] = {
         "model": name,
         "token_ids": prompt,
         "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
@@ -321,8 +321,8 @@ def serve_part(url: str, model: models.TinyMoE, reference: Any) -> dict[str, Any
     try:
         generated = post(f"{url}/inference/v1/generate", generate)["choices"][0]
     except OSError as error:  # HTTPError 404: no generate endpoint in this release
-        body = error.read().decode(errors="replace")[:500] if hasattr(error, "read") else ""
-        result["generate"] = {"error": f"{error}: {body}"}
+        reason = error.read().decode(errors="replace")[:500] if hasattr(error, "read") else ""
+        result["generate"] = {"error": f"{error}: {reason}"}
         return result
     generate_chunks = stream(f"{url}/inference/v1/generate", generate)
     generate_rows = [
