@@ -49,7 +49,7 @@ def needs_options(generation: str) -> None:
 def test_opted_out_requests_in_a_mixed_batch(scenario: Any, generation: str) -> None:
     needs_options(generation)
     mixed = offline(scenario)["mixed"]
-    assert [part["asked"] for part in mixed].count({"return_routed_experts": False}) == 4
+    assert [part["asked"] for part in mixed].count({"return_routed_experts": False}) == 2
     for part in mixed:
         if part["asked"] == {"return_routed_experts": False}:
             assert part["rows"] is None and part["info"] is None, part
@@ -57,7 +57,7 @@ def test_opted_out_requests_in_a_mixed_batch(scenario: Any, generation: str) -> 
             exact(part)
             assert part["info"]["first_token"] == 0 and part["info"]["generation"] == generation
     rows = sum(part["matched"] for part in mixed if part["rows"])
-    print(f"{generation}: mixed batch, 4 opted out (no rows), 4 exact: {rows}/{rows} rows")
+    print(f"{generation}: mixed batch of 8, 2 opted out (no rows), 6 exact: {rows}/{rows} rows")
 
 
 def test_an_opted_out_requests_blocks_serve_exact_rows_to_a_later_request(scenario: Any, generation: str) -> None:
@@ -133,7 +133,8 @@ def test_http_records_and_opt_out(scenario: Any, generation: str) -> None:
 @pytest.mark.parametrize("endpoint", ["completion_stream", "chat_stream", "generate_stream"])
 def test_streamed_choices_carry_the_rows_in_their_final_chunk(scenario: Any, generation: str, endpoint: str) -> None:
     result = serve(scenario, generation)
-    assert "error" not in result.get("generate", {}), result.get("generate")  # every release here serves it
+    if endpoint == "generate_stream":
+        assert "error" not in result["generate"], result["generate"]  # every release here serves it
     part = result[endpoint]
     assert part["chunks_with_rows"] == 1 and part["rows_in_finishing_chunk"], part
     same = part.get("same_as_non_streamed", part.get("same_as_completion"))

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import pytest
 
 from vllm_ascend_routing.output import serving
 
@@ -92,3 +93,34 @@ def test_encode_is_vllms_non_streamed_encoding() -> None:
     buffer = io.BytesIO()
     np.save(buffer, ROUTED, allow_pickle=False)
     assert serving.encode(ROUTED) == base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def test_non_streamed_choices_get_the_record_whatever_their_model_allows() -> None:
+    pydantic = pytest.importorskip("pydantic")
+
+    class Choice(pydantic.BaseModel):  # vLLM's generate endpoint: no extra fields
+        index: int
+        routed_experts: str | None = None
+
+    class Response(pydantic.BaseModel):
+        id: str
+        choices: list[Choice]
+
+    class OpenChoice(Choice):  # vLLM's OpenAI models: extra fields allowed
+        model_config = pydantic.ConfigDict(extra="allow")
+
+    class OpenResponse(pydantic.BaseModel):
+        choices: list[OpenChoice]
+
+    infos = {1: INFO}
+    served = serving._with_infos(Response(id="x", choices=[Choice(index=0), Choice(index=1)]), infos)
+    assert isinstance(served, Response)  # vLLM's router checks the response type
+    assert served.model_dump()["choices"] == [
+        {"index": 0, "routed_experts": None},
+        {"index": 1, "routed_experts": None, "routed_experts_info": INFO},
+    ]
+    assert json.loads(served.model_dump_json())["choices"][1]["routed_experts_info"] == INFO
+    opened = serving._with_infos(OpenResponse(choices=[OpenChoice(index=1)]), infos)
+    assert opened.model_dump()["choices"][0]["routed_experts_info"] == INFO
+    plain = Response(id="y", choices=[Choice(index=0)])
+    assert serving._with_infos(plain, {0: None}) is plain  # nothing to add: vLLM's object as it was

@@ -170,20 +170,55 @@ def _rows_chunk(last: str, pending: dict[int, Any]) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
 
-def _set_info(choice: Any, output: Any) -> None:
-    info = getattr(output, INFO, None)
-    if info is not None:
-        setattr(choice, INFO, info)  # vLLM's response models allow extra fields
+def _with_infos(response: Any, infos: dict[int, Any]) -> Any:
+    """``response`` with ``routed_experts_info`` in each choice that has one (``infos``: by choice index)."""
+    infos = {index: info for index, info in infos.items() if info is not None}
+    if not infos:
+        return response
+    try:
+        for choice in getattr(response, "choices", None) or ():
+            if getattr(choice, "index", None) in infos:
+                setattr(choice, INFO, infos[choice.index])  # vLLM's OpenAI response models allow extra fields
+        return response
+    except ValueError:  # one that does not (the generate endpoint's): the record joins it when it is dumped
+        response_type: Any = type(response)
+        return _dumped_with_infos(response_type)(response, infos)
+
+
+@functools.cache
+def _dumped_with_infos(response_type: Any) -> Callable[[Any, dict[int, Any]], Any]:
+    """A subclass of the pydantic ``response_type`` whose dumps add ``routed_experts_info`` to its choices (vLLM's
+    routers serve ``response.model_dump()``), and the function turning a response into one."""
+    from pydantic import PrivateAttr
+
+    def model_dump(self: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        dumped: dict[str, Any] = response_type.model_dump(self, *args, **kwargs)
+        for choice in dumped.get("choices") or ():
+            if choice.get("index") in self._routed_experts_infos:
+                choice[INFO] = self._routed_experts_infos[choice["index"]]
+        return dumped
+
+    def model_dump_json(self: Any, *args: Any, **kwargs: Any) -> str:
+        return json.dumps(model_dump(self, *args, mode="json", **kwargs), separators=(",", ":"))
+
+    namespace = {"_routed_experts_infos": PrivateAttr(default_factory=dict), "model_dump": model_dump}
+    dumping: Any = type(response_type.__name__, (response_type,), {**namespace, "model_dump_json": model_dump_json})
+
+    def convert(response: Any, infos: dict[int, Any]) -> Any:
+        fields = {name: getattr(response, name) for name in type(response).model_fields}
+        converted = dumping.model_construct(_fields_set=set(response.model_fields_set), **fields)
+        converted._routed_experts_infos = infos
+        return converted
+
+    return convert
 
 
 def _completion_choices(method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     def wrapper(self: Any, final_res_batch: Any, *args: Any, **kwargs: Any) -> Any:
         response = method(self, final_res_batch, *args, **kwargs)
-        outputs = [output for result in final_res_batch for output in result.outputs]
-        for choice, output in zip(getattr(response, "choices", ()), outputs, strict=False):
-            _set_info(choice, output)
-        return response
+        outputs = [output for result in final_res_batch for output in result.outputs]  # choice i is output i
+        return _with_infos(response, {index: getattr(out, INFO, None) for index, out in enumerate(outputs)})
 
     return wrapper
 
@@ -197,10 +232,6 @@ def _full_choices(method: Callable[..., Any]) -> Callable[..., Any]:
         pending: dict[int, Any] = {}
         bound.arguments["result_generator"] = _watching(bound.arguments["result_generator"], pending, False, 1)
         response = await method(*bound.args, **bound.kwargs)
-        for choice in getattr(response, "choices", None) or ():
-            output = pending.get(int(getattr(choice, "index", -1)))
-            if output is not None:
-                _set_info(choice, output)
-        return response
+        return _with_infos(response, {index: getattr(out, INFO, None) for index, out in pending.items()})
 
     return wrapper
