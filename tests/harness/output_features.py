@@ -18,6 +18,7 @@ eager run of every e2e release), every returned row compared with the transforme
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,14 @@ RELOAD_AFTER_STEPS = 4  # the prefill (two chunks) and two decode steps run on t
 
 
 def output_part(llm: Any) -> dict[str, Any]:
+    """The offline checks on ``llm``'s engine; ``seconds``: what they add to the scenario."""
+    start = time.monotonic()
+    result = _output_part(llm)
+    result["output"]["seconds"] = round(time.monotonic() - start, 1)
+    return result
+
+
+def _output_part(llm: Any) -> dict[str, Any]:
     from vllm_ascend_routing.compat import get_api
     from vllm_ascend_routing.output import engine
 
@@ -244,7 +253,15 @@ def stream(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def serve_part(url: str, model: models.TinyMoE, reference: Any) -> dict[str, Any]:
-    """The output features through the OpenAI server and vLLM's generate endpoint, every array checked."""
+    """The output features through the OpenAI server and vLLM's generate endpoint, every array checked;
+    ``seconds``: what they add to the scenario."""
+    start = time.monotonic()
+    result = _serve_part(url, model, reference)
+    result["seconds"] = round(time.monotonic() - start, 1)
+    return result
+
+
+def _serve_part(url: str, model: models.TinyMoE, reference: Any) -> dict[str, Any]:
     from tests.harness.server import post
 
     def verdict(prompt: list[int], token_ids: list[int], routed: np.ndarray | None, first: int = 0) -> dict[str, Any]:
