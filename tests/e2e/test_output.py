@@ -38,7 +38,7 @@ def test_options_refused_per_request_where_the_engine_cannot_honour_them(scenari
         assert "need vLLM 0.22 or later" in refused["any_option"], refused
         return
     assert "return_routed_experts='maybe': expected true or false" in refused["malformed"], refused
-    assert "routed_experts_omit=4: past the prompt's 3 tokens" in refused["omit_past_prompt"], refused
+    assert "routed_experts_omit=4: past the last of the prompt's 3 tokens" in refused["omit_past_prompt"], refused
 
 
 def needs_options(generation: str) -> None:

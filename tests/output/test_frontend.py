@@ -64,8 +64,10 @@ def test_omit_before_a_token_becomes_the_prompt_start_of_vllms_copy(processor: P
 
 
 def test_omit_past_the_prompt_and_malformed_options_are_refused(processor: Processor) -> None:
-    with pytest.raises(options.RequestOptionError, match="past the prompt's 10 tokens"):
-        processor.process_inputs("r", {"prompt_token_ids": list(range(10))}, params({"routed_experts_omit": 11}))
+    with pytest.raises(options.RequestOptionError, match="past the last of the prompt's 10 tokens.*at most 9"):
+        processor.process_inputs("r", {"prompt_token_ids": list(range(10))}, params({"routed_experts_omit": 10}))
+    request = processor.process_inputs("r", {"prompt_token_ids": list(range(10))}, params({"routed_experts_omit": 9}))
+    assert request.sampling_params.routed_experts_prompt_start == 9
     with pytest.raises(ValueError, match="expected true or false"):
         processor.process_inputs("r", {"prompt_token_ids": [1]}, params({"return_routed_experts": "x"}))
 

@@ -8,8 +8,8 @@ In the scheduler, for engines that return routed experts:
     served from the local prefix cache, the version of its first forward) and its first row decided
     (``select``): ``routed_experts_prompt_start`` on the engine core's copy of its sampling parameters, which is
     where vLLM's own transport starts the rows (0.22-0.30: the slot-buffer read at prefill completion; 0.31+:
-    the AuxOutput connector's emit start). An opted-out request's first row is past its prompt, so vLLM reads no
-    prompt rows for it, and its decode rows never leave this process (dropped from its outputs);
+    the AuxOutput connector's emit start). An opted-out request's first row is its last prompt token's, so vLLM
+    reads one prompt row for it (not the prompt's), and its rows never leave this process (dropped from its outputs);
   * ``_free_request``: a finished request's record (first row, cached and loaded rows, weight versions) goes to
     the front end with its last output, under ``RECORD_KEY`` in ``kv_transfer_params``, which the front end
     removes again (``output.frontend``): vLLM's array is never touched;
@@ -142,10 +142,11 @@ def select(request: Any, state: RequestState) -> int:
         return state.first_token
     params = request.sampling_params
     start = int(getattr(params, "routed_experts_prompt_start", 0) or 0)
+    last = int(request.num_prompt_tokens) - 1  # the latest start every 0.22+ scheduler takes (0.22-0.27 assert it)
     if state.options.opted_out:
-        start = int(request.num_prompt_tokens)
+        start = last  # one prompt row is read (the last prompt token's), dropped with the rest (``_finish``)
     elif state.options.omit_cached:
-        start = max(start, min(state.cached, int(request.num_prompt_tokens)))
+        start = max(start, min(state.cached, last))
     if start != int(params.routed_experts_prompt_start or 0):
         params = copy.copy(params)  # never the front end's object (in-process engines share it) nor a sibling's
         params.routed_experts_prompt_start = start

@@ -100,10 +100,10 @@ def _checking(process_inputs: Callable[..., Any], generation: Generation, serves
         request = process_inputs(self, request_id, prompt, params, *args, **kwargs)
         if found.omit_before:
             prompt_len = len(request.prompt_token_ids) if request.prompt_token_ids is not None else None
-            if prompt_len is not None and found.omit_before > prompt_len:
+            if prompt_len is not None and found.omit_before >= prompt_len:
                 raise options.RequestOptionError(
-                    f"{options.OMIT}={found.omit_before}: past the prompt's {prompt_len} tokens (rows before a token "
-                    "of the prompt can be omitted)"
+                    f"{options.OMIT}={found.omit_before}: past the last of the prompt's {prompt_len} tokens (rows "
+                    f"before a token of the prompt can be omitted: at most {prompt_len - 1})"
                 )
             params = request.sampling_params  # vLLM's copy for this request
             params.routed_experts_prompt_start = max(int(params.routed_experts_prompt_start or 0), found.omit_before)
