@@ -33,7 +33,9 @@ def exact(part: dict[str, Any]) -> None:
 
 
 def test_options_refused_per_request_where_the_engine_cannot_honour_them(scenario: Any, generation: str) -> None:
-    refused = offline(scenario)["refused"]
+    result = offline(scenario)
+    print(f"{generation}: the output checks added {result['seconds']} s to the offline engine's scenario")
+    refused = result["refused"]
     if generation not in SERVES:
         assert "need vLLM 0.22 or later" in refused["any_option"], refused
         return
@@ -119,6 +121,7 @@ def serve(scenario: Any, generation: str) -> dict[str, Any]:
 
 def test_http_records_and_opt_out(scenario: Any, generation: str) -> None:
     result = serve(scenario, generation)
+    print(f"{generation}: the output checks added {result['seconds']} s to the serve scenario")
     completion = result["completion"]
     assert completion["ok"] and completion["rows"] == completion["matched"] > 0, completion
     assert completion["info"]["rows"] == completion["shape"][0] and completion["info"]["first_token"] == 0
