@@ -91,6 +91,7 @@ def test_each_sample_of_an_n_2_request_has_its_record(scenario: Any, generation:
     assert len(samples) == 2
     for part in samples:
         exact(part)
+    print(f"{generation}: n=2 samples {sum(p['matched'] for p in samples)}/{sum(p['rows'] for p in samples)} exact")
 
 
 def test_a_request_straddling_a_weight_update_says_so(scenario: Any, generation: str) -> None:
@@ -131,6 +132,10 @@ def test_http_records_and_opt_out(scenario: Any, generation: str) -> None:
     omitted = result["omit_cached"]
     assert omitted["ok"] and omitted["rows"] == omitted["matched"] > 0, omitted
     assert omitted["info"]["first_token"] > 0 and omitted["info"]["cached"] == 0, omitted
+    print(
+        f"{generation} HTTP: completion {completion['matched']}/{completion['rows']} rows exact, "
+        f"omit cached {omitted['matched']}/{omitted['rows']} from token {omitted['info']['first_token']}"
+    )
 
 
 @pytest.mark.parametrize("endpoint", ["completion_stream", "chat_stream", "generate_stream"])
@@ -145,5 +150,6 @@ def test_streamed_choices_carry_the_rows_in_their_final_chunk(scenario: Any, gen
     assert part["info"] == result["completion"]["info"], part
     if endpoint == "completion_stream":
         assert part["ok"] and part["rows"] == part["matched"] > 0 and part["chunks"] > 2, part
+        print(f"{generation} streamed completion: {part['matched']}/{part['rows']} rows exact in its final chunk")
     if endpoint == "generate_stream":
         assert result["generate"]["same_as_completion"] and result["generate"]["info"] == part["info"]
