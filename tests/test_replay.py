@@ -398,3 +398,11 @@ def test_runtime_modules_do_not_import_the_bridge() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_row_contracts_are_the_release_tables() -> None:
+    """The bridge's dtype -> row convention is read from the release table, not declared again."""
+    from vllm_ascend_routing import releases
+
+    table = {np.dtype(d): (text, takes) for d, (text, takes) in releases.row_contracts().items()}
+    assert {d: tuple(c) for d, c in replay.ROW_CONTRACTS.items()} == table

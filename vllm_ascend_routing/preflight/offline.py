@@ -88,10 +88,9 @@ def generate(
 
 
 def native_arrays(output: Any) -> tuple[np.ndarray | None, np.ndarray | None] | None:
-    """vLLM 0.21.0's two arrays as it returned them (prompt's, generated tokens'); ``None`` on other releases."""
-    if not hasattr(output, "prompt_routed_experts"):  # a field vLLM 0.21.0 alone has
-        return None
-    return output.prompt_routed_experts, output.outputs[0].routed_experts
+    """vLLM 0.21.0's two arrays as it returned them (prompt's, generated tokens'); ``None`` on other releases
+    (``contract.prompt_rows_apart``)."""
+    return contract.prompt_rows_apart(output)
 
 
 def routed_rows(llm: Any, output: Any) -> np.ndarray | None:

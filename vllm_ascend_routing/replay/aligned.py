@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from vllm_ascend_routing import releases
 from vllm_ascend_routing.contract import Violation
 from vllm_ascend_routing.contract import check as _check
 
@@ -27,13 +28,21 @@ class RowContract(NamedTuple):
 
 
 # The array's dtype is part of vLLM's documented contract, one per generation (the plugin returns each
-# generation's own): 0.20.x's shm array is int32, 0.22+'s uint8 up to 256 experts and uint16 above. A
-# converted array has lost it, so its row convention can no longer be told and is refused.
+# generation's own): 0.20.x's shm array is int32, 0.22+'s uint8 up to 256 experts and uint16 above (the release
+# table's ``row_dtypes``). A converted array has lost it, so its row convention can no longer be told and is refused.
 ROW_CONTRACTS: dict[np.dtype[Any], RowContract] = {
-    np.dtype(np.int32): RowContract("vLLM 0.20.x", takes_prompt_start=False),
-    np.dtype(np.uint8): RowContract("vLLM 0.22+", takes_prompt_start=True),
-    np.dtype(np.uint16): RowContract("vLLM 0.22+", takes_prompt_start=True),
+    np.dtype(dtype): RowContract(text, takes_prompt_start=takes)
+    for dtype, (text, takes) in releases.row_contracts().items()
 }
+
+
+def _arrays(takes_prompt_start: bool) -> tuple[str, str]:
+    """``("vLLM 0.22+", "uint8/uint16")``: the releases and dtypes whose rows start at ``prompt_start`` (or not)."""
+    dtypes = [dtype for dtype, c in ROW_CONTRACTS.items() if c.takes_prompt_start is takes_prompt_start]
+    return ", ".join(dict.fromkeys(ROW_CONTRACTS[d].releases for d in dtypes)), "/".join(d.name for d in dtypes)
+
+
+_FROM_START, _FROM_TOKEN_0 = _arrays(True), _arrays(False)
 
 
 class Aligned(NamedTuple):
@@ -78,9 +87,9 @@ class Aligned(NamedTuple):
 
 # Where the token axis comes from, for the messages that refuse a misaligned one.
 CONVENTION = (
-    "row t must be token t of prompt + output: vLLM 0.22+ returns T-1-prompt_start rows starting at token "
+    f"row t must be token t of prompt + output: {_FROM_START[0]} returns T-1-prompt_start rows starting at token "
     "routed_experts_prompt_start (verl and NeMo RL assume 0 and place row 0 at the first prompt token), "
-    "vLLM 0.20.x T-1 rows from token 0; the last token has no row"
+    f"{_FROM_TOKEN_0[0]} T-1 rows from token 0; the last token has no row"
 )
 
 
@@ -117,8 +126,9 @@ def align(routed: np.ndarray, prompt_len: int, output_len: int, prompt_start: in
         raise ValueError(f"prompt_start={prompt_start} outside [0, {num_tokens}) for {num_tokens} tokens")
     new_rows = num_tokens - 1 - prompt_start
     expected = (
-        f"vLLM 0.20.x: int32 with T-1 = {num_tokens - 1} rows, or vLLM 0.22+: uint8/uint16 with "
-        f"T-1-prompt_start = {new_rows} rows (T = {prompt_len} prompt + {output_len} output tokens)"
+        f"{_FROM_TOKEN_0[0]}: {_FROM_TOKEN_0[1]} with T-1 = {num_tokens - 1} rows, or {_FROM_START[0]}: "
+        f"{_FROM_START[1]} with T-1-prompt_start = {new_rows} rows (T = {prompt_len} prompt + {output_len} output "
+        "tokens)"
     )
     if routed.ndim != 3:
         raise ValueError(f"routed_experts of shape {routed.shape}: expected [rows, num_layers, top_k]; {expected}")
@@ -289,7 +299,7 @@ class Conversation:
                 )
             new = rows
         else:
-            new = rows[held:]  # 0.20.x: every row from token 0 again; keep the new ones
+            new = rows[held:]  # rows from token 0 (0.20.x): every row again; keep the new ones
         self._parts.append(new)
         self._num_tokens = prompt_len + output_len
         return len(new)
