@@ -14,7 +14,7 @@ TRAINER_ENVS ?= trainer-0.16.1 trainer-0.19.2
 VENV          = $$($(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: dist gpu-check test venvs test-unit test-native test-native-cpu test-static test-ascend test-trainer test-e2e test-spec test-contract test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-handoff bench-kernel bench-compiled bench-sentinel matrix matrix-ascend
+.PHONY: dist gpu-check house test venvs test-unit test-native test-native-cpu test-static test-ascend test-trainer test-e2e test-spec test-contract test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-handoff bench-kernel bench-compiled bench-sentinel matrix matrix-ascend
 
 ## make dist: the sdist and the pure-Python py3-none-any wheel (version in the names) in dist/, for offline installs
 ## (pip install --no-index --no-deps dist/vllm_ascend_routing-*.whl); native kernels stay opt-in source builds
@@ -217,6 +217,11 @@ bench:
 	if [ -n "$(PROFILE)" ]; then $$py -m pip install -q py-spy; fi && \
 	$$py benchmarks/overhead.py $(if $(VERSUS),--versus-vllm --control $(if $(FRESH),--fresh-engines),$(if \
 		$(PROFILE),--profile) $(if $(CONTROL),--control) $(if $(SENTINEL),--sentinel)) $(if $(PAIRS),--pairs $(PAIRS))
+
+## make house: per layer of tests/test_import_graph.py's LAYERS its modules and their lines, the largest module, the
+## imports running up the layers and the import cycles (scripts/house.py; SUMMARY=1: one line per layer)
+house:
+	@$(PYTHON) scripts/house.py $(if $(SUMMARY),--summary)
 
 ## make bench-check [RELEASE=0.30.0]: the newest recorded make bench run (benchmarks/results/history.jsonl: each run's
 ## medians, commit and A/A noise band) against the one before it on the same release, machine type and workload;
