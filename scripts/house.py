@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The package's house, measured: per layer of ``tests/test_import_graph.py``'s ``LAYERS`` (the table itself,
 imported), its modules and their line counts; then the largest module, the modules over the house limit, the
-imports running up the layers, and the import cycles.
+imports running up the layers, the backends importing ``compat`` (the two axes), and the import cycles.
 
     python3 scripts/house.py [--root CHECKOUT] [--summary]
 
@@ -23,6 +23,7 @@ from types import ModuleType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "vllm_ascend_routing"
 LIMIT = 500  # lines per module (docs/development.md, "no module over 500 lines")
 
 
@@ -54,6 +55,7 @@ class House:
     layers: tuple[tuple[str, ...], ...]  # LAYERS' members
     modules: list[list[tuple[str, int]]]  # per layer: (module, lines)
     upward: list[str]  # the imports running up the layers
+    across: list[str]  # backends/ importing compat/ (the two axes)
     cycles: list[list[str]]
 
     @property
@@ -77,7 +79,13 @@ def measure(table: Any) -> House:
         for target in targets
         if table.layer_of(target) > table.layer_of(module)
     )
-    return House(tuple(table.LAYERS), modules, upward, table.cycles(graph))
+    across = sorted(
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        for target in targets
+        if module.startswith(f"{PACKAGE}.backends") and target.startswith(f"{PACKAGE}.compat")
+    )
+    return House(tuple(table.LAYERS), modules, upward, across, table.cycles(graph))
 
 
 def short(module: str) -> str:
@@ -106,6 +114,8 @@ def report(root: Path, summary: bool) -> list[str]:
     )
     out.append(f"imports running up the layers: {len(house.upward)}")
     out += [f"    {line}" for line in house.upward]
+    out.append(f"backends importing compat: {len(house.across)}")
+    out += [f"    {line}" for line in house.across]
     out.append(f"import cycles: {len(house.cycles)}")
     out += [f"    {' <-> '.join(cycle)}" for cycle in house.cycles]
     return out
