@@ -436,14 +436,15 @@ class Options:
     engine_wrapper: tuple[str, ...] = ()
     stop_first: bool = True
     fork: bool = True  # runs in children of a fork server (engine and ``fresh`` mutations never)
+    preload: tuple[str, ...] = PRELOAD  # what the fork server imports once
 
 
-def venv_python(root: Path, venv: str, options: Options) -> str:
+def venv_python(venv: str, options: Options) -> str:
     if venv == DEV and options.python:
         return options.python
     done = subprocess.run(
-        [sys.executable, str(root / "scripts" / "venv.py"), venv, "--print"],
-        cwd=root,
+        [sys.executable, str(ROOT / "scripts" / "venv.py"), venv, "--print"],
+        cwd=ROOT,
         capture_output=True,
         text=True,
     )
@@ -467,7 +468,7 @@ class _Runner:
 
     def __init__(self, root: Path, scratch: Path, mutations: list[Mutation], options: Options) -> None:
         self.scratch, self.options = scratch, options
-        self.pythons = {venv: venv_python(root, venv, options) for venv in sorted({m.venv for m in mutations})}
+        self.pythons = {venv: venv_python(venv, options) for venv in sorted({m.venv for m in mutations})}
         self.servers: dict[str, ForkServer] = {}
 
     def forked(self, mutation: Mutation) -> bool:
@@ -477,7 +478,8 @@ class _Runner:
         server = None
         if self.forked(mutation):
             if mutation.venv not in self.servers:
-                self.servers[mutation.venv] = ForkServer(self.pythons[mutation.venv], self.scratch)
+                python = self.pythons[mutation.venv]
+                self.servers[mutation.venv] = ForkServer(python, self.scratch, self.options.preload)
             server = self.servers[mutation.venv]
         return run_tests(
             self.pythons[mutation.venv],
@@ -604,9 +606,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--every-catcher", action="store_true", help="run every test of a mutation (no -x)")
     parser.add_argument("--no-fork", action="store_true", help="a new process per run (no fork server)")
+    parser.add_argument("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)  # the runner's own tests
     args = parser.parse_args(argv)
     if args.list:
-        for mutation in load_catalogue(ROOT):
+        for mutation in load_catalogue(args.root):
             lane = "fast" if mutation.fast else f"full ({mutation.venv}{', engine' if mutation.engine else ''})"
             print(f"{mutation.name:<40} {lane:<22} {mutation.file}: {mutation.claim}")
         return 0
@@ -620,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     started = time.monotonic()
     try:
-        outcomes = run_lane(ROOT, options, say=lambda line: print(line, flush=True))
+        outcomes = run_lane(args.root, options, say=lambda line: print(line, flush=True))
     except CatalogueError as exc:
         print(f"mutate: {exc}", file=sys.stderr)
         return 2
