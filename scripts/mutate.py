@@ -21,42 +21,40 @@ at least one of its tests fail: a survivor is a missing test, a ``find`` no long
 a catalogue to update. Every catalogued mutation's patch is checked to apply, the ones not run included.
 
 Standard library only; pytest runs in each mutation's venv (``--python`` for the dev one: the python given,
-else ``scripts/venv.py dev --print``).
+else ``scripts/venv.py dev --print``). The catalogue and the scratch copy: ``mutate_catalogue.py``; running pytest
+(fresh, or forked from a server that imported torch once): ``mutate_run.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import queue
-import re
 import shlex
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # the package supports Python 3.10; its tooling (this script) wants 3.11, or tomli installed
-    import tomli as tomllib
+# The two halves of the lane beside this file (scripts/ is no package).
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mutate_catalogue import (  # noqa: E402
+    DEV,
+    ROOT,
+    CatalogueError,
+    Mutation,
+    apply_problem,
+    load_catalogue,
+    missing_tests,
+    mutated,
+    scratch_copy,
+)
+from mutate_run import PRELOAD, ForkServer, RunResult, run_tests  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-CATALOGUE = Path("tests") / "mutations"
-DEV = "dev"
-DEFAULT_TIMEOUT = 300  # seconds for one mutation's tests (a fast one takes seconds)
-REQUIRED = {"name": str, "file": str, "find": str, "replace": str, "claim": str, "tests": list, "fast": bool}
-OPTIONAL = {"venv": str, "engine": bool, "pending": bool, "environment": dict, "timeout": int, "fresh": bool}
-NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+__all__ = ["CatalogueError", "load_catalogue", "missing_tests", "mutated", "scratch_copy"]  # used by its tests
 
 # Verdicts; only CAUGHT, PENDING and NOT_RUN pass.
 CAUGHT = "caught"
@@ -66,31 +64,6 @@ PENDING = "pending test"
 NOT_RUN = "not run"
 ERROR = "ERROR"
 PASSING = (CAUGHT, PENDING, NOT_RUN)
-
-
-class CatalogueError(ValueError):
-    """The catalogue itself is malformed: a missing key, a duplicate name, a fast mutation needing vLLM."""
-
-
-@dataclass(frozen=True)
-class Mutation:
-    name: str
-    file: str  # relative to the checkout root
-    find: str  # occurs exactly once in ``file``
-    replace: str
-    claim: str  # what users rely on that this breaks
-    tests: tuple[str, ...]  # pytest node ids or files, relative to the root
-    fast: bool  # runs in make test (dev venv, no engine)
-    venv: str = DEV
-    engine: bool = False
-    pending: bool = False  # its test file may not exist yet: "pending test" while it does not
-    environment: tuple[tuple[str, str], ...] = ()  # variables set for its test run
-    timeout: int = DEFAULT_TIMEOUT
-    fresh: bool = False  # run in a new process, not a fork of one that imported torch already
-    source: str = ""  # the catalogue file it comes from
-
-    def test_files(self) -> list[str]:
-        return sorted({test.split("::", 1)[0] for test in self.tests})
 
 
 @dataclass
@@ -106,311 +79,7 @@ class Outcome:
         return self.verdict in PASSING
 
 
-@dataclass(frozen=True)
-class TestRun:
-    returncode: int
-    failed: tuple[str, ...]  # node ids reported FAILED or ERROR
-    counts: dict[str, int]  # passed / failed / skipped / error ... from pytest's summary line
-    seconds: float
-    output: str
-
-    @property
-    def timed_out(self) -> bool:
-        return self.returncode == -9
-
-
-# ---- the catalogue ----
-
-
-def load_catalogue(root: Path = ROOT) -> list[Mutation]:
-    """Every ``[[mutation]]`` of ``root/tests/mutations/*.toml``, checked; raises ``CatalogueError``."""
-    folder = root / CATALOGUE
-    files = sorted(folder.glob("*.toml"))
-    if not files:
-        raise CatalogueError(f"no catalogue: {folder}/*.toml holds no file")
-    found: list[Mutation] = []
-    for path in files:
-        with open(path, "rb") as handle:
-            try:
-                data = tomllib.load(handle)
-            except tomllib.TOMLDecodeError as exc:
-                raise CatalogueError(f"{path.relative_to(root)}: {exc}") from exc
-        unknown = set(data) - {"mutation"}
-        if unknown:
-            raise CatalogueError(f"{path.relative_to(root)}: top-level keys {sorted(unknown)}; expected [[mutation]]")
-        for index, entry in enumerate(data.get("mutation", [])):
-            found.append(_mutation(entry, f"{path.relative_to(root)} entry {index + 1}"))
-    seen: set[str] = set()
-    for mutation in found:
-        if mutation.name in seen:
-            raise CatalogueError(f"{mutation.source}: mutation {mutation.name!r} is named twice")
-        seen.add(mutation.name)
-    return found
-
-
-def _mutation(entry: dict[str, Any], where: str) -> Mutation:
-    missing = [key for key in REQUIRED if key not in entry]
-    if missing:
-        raise CatalogueError(f"{where}: missing {', '.join(missing)}")
-    unknown = sorted(set(entry) - set(REQUIRED) - set(OPTIONAL))
-    if unknown:
-        raise CatalogueError(f"{where}: unknown keys {unknown} (known: {sorted({*REQUIRED, *OPTIONAL})})")
-    for key, kind in {**REQUIRED, **OPTIONAL}.items():
-        if key in entry and not isinstance(entry[key], kind):
-            raise CatalogueError(f"{where}: {key} must be a {kind.__name__}")
-    name = entry["name"]
-    where = f"{where} ({name})"
-    if not NAME.match(name):
-        raise CatalogueError(f"{where}: a name is lower-case words joined by '-'")
-    if not entry["find"] or entry["find"] == entry["replace"]:
-        raise CatalogueError(f"{where}: find must be non-empty and differ from replace")
-    tests = entry["tests"]
-    if not tests or not all(isinstance(test, str) and test.startswith("tests/") for test in tests):
-        raise CatalogueError(f"{where}: tests must name at least one pytest node id or file under tests/")
-    venv, engine = entry.get("venv", DEV), entry.get("engine", False)
-    if entry["fast"] and (venv != DEV or engine):
-        raise CatalogueError(f"{where}: a fast mutation runs in the dev venv without an engine (set fast = false)")
-    environment = entry.get("environment", {})
-    if not all(isinstance(value, str) for value in environment.values()):
-        raise CatalogueError(f"{where}: environment values must be strings")
-    return Mutation(
-        name=name,
-        file=entry["file"],
-        find=entry["find"],
-        replace=entry["replace"],
-        claim=entry["claim"],
-        tests=tuple(tests),
-        fast=entry["fast"],
-        venv=venv,
-        engine=engine,
-        pending=entry.get("pending", False),
-        environment=tuple(sorted(environment.items())),
-        timeout=entry.get("timeout", DEFAULT_TIMEOUT),
-        fresh=entry.get("fresh", False),
-        source=where,
-    )
-
-
-def apply_problem(root: Path, mutation: Mutation) -> str | None:
-    """Why ``mutation`` does not apply to the files under ``root`` (``None``: its ``find`` occurs exactly once)."""
-    path = root / mutation.file
-    if not path.is_file():
-        return f"{mutation.file} does not exist"
-    count = path.read_text().count(mutation.find)
-    if count != 1:
-        where = "is not in" if count == 0 else f"occurs {count} times in"
-        return f"its find text {where} {mutation.file} (the code moved: update the catalogue entry)"
-    return None
-
-
-def missing_tests(root: Path, mutation: Mutation) -> list[str]:
-    return [name for name in mutation.test_files() if not (root / name).exists()]
-
-
-# ---- the scratch copy ----
-
-
-def checkout_files(root: Path) -> list[str]:
-    """The checkout's files as ``git ls-files`` lists them: tracked and untracked, not ignored, present."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=root,
-        capture_output=True,
-        check=True,
-    ).stdout.decode()
-    return sorted({name for name in listed.split("\0") if name and (root / name).is_file()})
-
-
-def scratch_copy(root: Path, destination: Path) -> None:
-    """Copy the checkout's files into ``destination`` (the mutations' playground; the checkout stays as it is)."""
-    for name in checkout_files(root):
-        target = destination / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(root / name, target, follow_symlinks=False)
-
-
-@contextmanager
-def mutated(scratch: Path, mutation: Mutation) -> Iterator[None]:
-    """``mutation`` applied to ``scratch`` for the block, the file restored byte for byte afterwards."""
-    path = scratch / mutation.file
-    original = path.read_bytes()
-    text = original.decode()
-    if text.count(mutation.find) != 1:
-        raise CatalogueError(f"{mutation.name}: {apply_problem(scratch, mutation)}")
-    path.write_text(text.replace(mutation.find, mutation.replace, 1))
-    try:
-        yield
-    finally:
-        path.write_bytes(original)
-
-
-# ---- running tests ----
-
-_COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)\b")
-_FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
-PRELOAD = ("numpy", "torch")  # what the fork server imports once: never the package, whose copy is mutated
-
-# The fork server: imports what every run needs and the package never touches (NumPy, torch, pytest) once, then
-# forks a child per run that imports the scratch copy's package afresh and runs pytest. A run then costs its tests,
-# not torch's import (seconds on a 2-core machine). Requests and replies are JSON lines on stdin / stdout.
-_SERVER = r"""
-import json, os, sys
-sys.dont_write_bytecode = True
-for name in sys.argv[1:]:
-    try:
-        __import__(name)
-    except ImportError:
-        pass
-import pytest
-print(json.dumps({"ready": os.getpid()}), flush=True)
-for line in sys.stdin:
-    request = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        code = 3
-        try:
-            log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            os.dup2(log, 1)
-            os.dup2(log, 2)
-            os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-            os.chdir(request["cwd"])
-            os.environ.clear()
-            os.environ.update(request["env"])
-            sys.path.insert(0, request["cwd"])
-            code = int(pytest.main(request["args"]))
-        except BaseException as exc:
-            print(f"mutate fork server: {type(exc).__name__}: {exc}", file=sys.stderr)
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    print(json.dumps({"pid": pid}), flush=True)
-    _, status = os.waitpid(pid, 0)
-    print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
-"""
-
-
-class ForkServer:
-    """One venv python holding NumPy, torch and pytest imported, forking a child per test run."""
-
-    def __init__(self, python: str, scratch: Path, preload: Sequence[str] = PRELOAD) -> None:
-        self.scratch = scratch
-        self._process = subprocess.Popen(
-            [python, "-c", _SERVER, *preload],
-            cwd=scratch,
-            env=_environment(scratch, ()),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        self._reply(DEFAULT_TIMEOUT, "ready")
-
-    def _read(self) -> None:
-        assert self._process.stdout is not None
-        for line in self._process.stdout:
-            self._replies.put(json.loads(line))
-        self._replies.put(None)  # the server exited
-
-    def _reply(self, timeout: float, key: str) -> Any:
-        try:
-            reply = self._replies.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        if reply is None or key not in reply:
-            raise RuntimeError(f"the mutation fork server stopped (exit status {self._process.poll()})")
-        return reply[key]
-
-    def run(self, args: list[str], environment: Sequence[tuple[str, str]], timeout: int) -> tuple[int, str]:
-        """``pytest.main(args)`` in a fresh child in the scratch copy: (exit status, -9 on timeout; its output)."""
-        assert self._process.stdin is not None
-        with tempfile.NamedTemporaryFile("r", prefix="mutate-run-", suffix=".log", errors="replace") as log:
-            request = {"args": args, "cwd": str(self.scratch), "env": _environment(self.scratch, environment)}
-            self._process.stdin.write(json.dumps({**request, "log": log.name}) + "\n")
-            self._process.stdin.flush()
-            pid = self._reply(30, "pid")
-            code = self._reply(timeout, "rc")
-            if code is None:  # hung: stop the child, collect its status
-                os.kill(pid, signal.SIGKILL)
-                self._reply(30, "rc")
-                code = -9
-            return int(code), log.read()
-
-    def close(self) -> None:
-        if self._process.stdin is not None:
-            self._process.stdin.close()
-        try:
-            self._process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
-
-
-def _environment(scratch: Path, environment: Sequence[tuple[str, str]]) -> dict[str, str]:
-    """The runs' environment: the scratch copy first on the path, no bytecode written (a mutation of the same
-    length within the same second would otherwise reuse a stale ``.pyc``), no inherited pytest options."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(scratch), *filter(None, [os.environ.get("PYTHONPATH", "")])]),
-        "PYTHONDONTWRITEBYTECODE": "1",
-        **dict(environment),
-    }
-    env.pop("PYTEST_ADDOPTS", None)
-    return env
-
-
-def pytest_args(tests: Sequence[str], stop_first: bool) -> list[str]:
-    return ["-q", "-p", "no:cacheprovider", "-rfE", *(["-x"] if stop_first else []), *tests]
-
-
-def run_tests(
-    python: str,
-    scratch: Path,
-    tests: Sequence[str],
-    *,
-    stop_first: bool = True,
-    environment: Sequence[tuple[str, str]] = (),
-    wrapper: Sequence[str] = (),
-    timeout: int = DEFAULT_TIMEOUT,
-    server: ForkServer | None = None,
-) -> TestRun:
-    """pytest on ``tests`` in ``scratch``: in a child of ``server`` where given, else in a new process of ``python``
-    (behind ``wrapper``, e.g. an engine-slot queue)."""
-    args = pytest_args(tests, stop_first)
-    started = time.monotonic()
-    if server is not None:
-        returncode, output = server.run(args, environment, timeout)
-    else:
-        try:
-            done = subprocess.run(
-                [*wrapper, python, "-m", "pytest", *args],
-                cwd=scratch,
-                env=_environment(scratch, environment),
-                capture_output=True,
-                text=True,
-                errors="replace",
-                timeout=timeout,
-            )
-            returncode, output = done.returncode, done.stdout + done.stderr
-        except subprocess.TimeoutExpired as exc:
-            returncode = -9
-            output = _text(exc.stdout) + _text(exc.stderr)
-    if returncode == -9:
-        output += f"\n(timed out after {timeout} s)"
-    counts: dict[str, int] = {}
-    last = output.strip().splitlines()[-1] if output.strip() else ""
-    for number, kind in _COUNT.findall(last):
-        counts["error" if kind.startswith("error") else kind] = int(number)
-    failed = tuple(dict.fromkeys(_FAILED.findall(output)))
-    return TestRun(returncode, failed, counts, time.monotonic() - started, output)
-
-
-def _text(value: bytes | str | None) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else (value or "")
-
-
-def judge(mutation: Mutation, run: TestRun) -> Outcome:
+def judge(mutation: Mutation, run: RunResult) -> Outcome:
     """Caught: a test failed (pytest's exit status 1). Survived: tests ran and all passed. Anything else (nothing
     collected, every test skipped, an internal error, a mutation that breaks an import) is an error to look at."""
     tail = "\n".join(run.output.strip().splitlines()[-15:])
@@ -474,7 +143,7 @@ class _Runner:
     def forked(self, mutation: Mutation) -> bool:
         return self.options.fork and not mutation.engine and not mutation.fresh
 
-    def run(self, mutation: Mutation, tests: Sequence[str], stop_first: bool, timeout: int) -> TestRun:
+    def run(self, mutation: Mutation, tests: Sequence[str], stop_first: bool, timeout: int) -> RunResult:
         server = None
         if self.forked(mutation):
             if mutation.venv not in self.servers:
@@ -601,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python", help="the dev venv's python (default: scripts/venv.py dev --print)")
     parser.add_argument(
         "--engine-wrapper",
-        default=os.environ.get("MUTATE_ENGINE_WRAPPER", ""),
+        default="",
         help="command that runs an engine mutation's tests (e.g. a machine's engine-slot queue)",
     )
     parser.add_argument("--every-catcher", action="store_true", help="run every test of a mutation (no -x)")
