@@ -5,6 +5,7 @@ server that imported NumPy, torch and pytest once. Standard library only (pytest
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 START_TIMEOUT = 300  # seconds the fork server may take to import what it preloads
+GRACE = 30  # seconds a timed-out run has to stop after SIGINT, before SIGKILL
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ for line in sys.stdin:
     if pid == 0:
         code = 3
         try:
+            os.setsid()  # its own process group: a timeout stops whatever its tests started too
             log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             os.dup2(log, 1)
             os.dup2(log, 2)
@@ -119,9 +122,11 @@ class ForkServer:
             self._process.stdin.flush()
             pid = self._reply(30, "pid")
             code = self._reply(timeout, "rc")
-            if code is None:  # hung: stop the child, collect its status
-                os.kill(pid, signal.SIGKILL)
-                self._reply(30, "rc")
+            if code is None:  # hung: stop the child and what it started, collect its status
+                _signal_group(pid, signal.SIGINT)  # pytest unwinds: its fixtures stop what they started
+                if self._reply(GRACE, "rc") is None:
+                    _signal_group(pid, signal.SIGKILL)
+                    self._reply(GRACE, "rc")
                 return None, log.read()
             return int(code), log.read()
 
@@ -171,20 +176,25 @@ def run_tests(
     if server is not None:
         returncode, output = server.run(args, environment, timeout)
     else:
+        # Its own session: on a timeout the whole tree stops (an engine the tests started, the wrapper's queue).
+        process = subprocess.Popen(
+            [*wrapper, python, "-m", "pytest", *args],
+            cwd=scratch,
+            env=_environment(scratch, environment),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+        )
         try:
-            done = subprocess.run(
-                [*wrapper, python, "-m", "pytest", *args],
-                cwd=scratch,
-                env=_environment(scratch, environment),
-                capture_output=True,
-                text=True,
-                errors="replace",
-                timeout=timeout,
-            )
-            returncode, output = done.returncode, done.stdout + done.stderr
-        except subprocess.TimeoutExpired as exc:
-            returncode = None
-            output = _text(exc.stdout) + _text(exc.stderr)
+            output, _ = process.communicate(timeout=timeout)
+            returncode = process.returncode
+        except subprocess.TimeoutExpired:
+            output, returncode = _stop(process), None
+        except BaseException:  # interrupted: leave nothing running
+            _stop(process)
+            raise
     if returncode is None:
         output += f"\n(timed out after {timeout} s)"
     counts: dict[str, int] = {}
@@ -196,5 +206,18 @@ def run_tests(
     return RunResult(-1 if returncode is None else returncode, failed, counts, seconds, output, returncode is None)
 
 
-def _text(value: bytes | str | None) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else (value or "")
+def _stop(process: subprocess.Popen[str]) -> str:
+    """Stop a run and its process group: SIGINT first (pytest unwinds, its fixtures stop the engines they started,
+    which run in sessions of their own), SIGKILL after ``GRACE`` seconds. Its output so far."""
+    _signal_group(process.pid, signal.SIGINT)
+    try:
+        output, _ = process.communicate(timeout=GRACE)
+    except subprocess.TimeoutExpired:
+        _signal_group(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+    return output
+
+
+def _signal_group(pid: int, number: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, number)
