@@ -14,7 +14,7 @@ TRAINER_ENVS ?= trainer-0.16.1 trainer-0.19.2
 VENV          = $$($(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: dist gpu-check house test venvs test-unit test-native test-native-cpu test-static test-ascend test-trainer test-e2e test-spec test-contract test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-handoff bench-kernel bench-compiled bench-sentinel matrix matrix-ascend
+.PHONY: dist gpu-check house test venvs test-unit test-mutate mutate test-native test-native-cpu test-static test-ascend test-trainer test-e2e test-spec test-contract test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-handoff bench-kernel bench-compiled bench-sentinel matrix matrix-ascend
 
 ## make dist: the sdist and the pure-Python py3-none-any wheel (version in the names) in dist/, for offline installs
 ## (pip install --no-index --no-deps dist/vllm_ascend_routing-*.whl); native kernels stay opt-in source builds
@@ -32,13 +32,13 @@ replay-check:
 
 ## make test: lint, then every environment made (make venvs), then the stages in two lanes at once
 ## (scripts/lanes.py: a vLLM engine on the CPU keeps about one core busy). The checks lane: unit tests (no vLLM),
-## the native builds (CUDA, CPU), the static and trainer suites, speculative decoding, the Ascend releases but E2E_LANE_ASCEND,
+## the fast mutations (test-mutate), the native builds (CUDA, CPU), the static and trainer suites, speculative decoding, the Ascend releases but E2E_LANE_ASCEND,
 ## and the e2e release CHECK_LANE_E2E; the e2e lane: E2E_LANE_ASCEND and the other e2e releases (about an hour
 ## each here, the two lanes' work balanced). LANES=1 runs the lanes one after another.
 LANES           ?= 2
 CHECK_LANE_E2E  ?= 0.23.0
 E2E_LANE_ASCEND ?= 0.30.0rc2
-CHECK_LANE = test-unit test-native test-native-cpu test-static test-trainer test-spec test-contract \
+CHECK_LANE = test-unit test-mutate test-native test-native-cpu test-static test-trainer test-spec test-contract \
 	$(addprefix ascend-,$(filter-out $(E2E_LANE_ASCEND),$(ASCEND_NAMES))) \
 	$(addprefix e2e-,$(filter $(CHECK_LANE_E2E),$(E2E_RELEASES)))
 E2E_LANE   = $(addprefix ascend-,$(filter $(E2E_LANE_ASCEND),$(ASCEND_NAMES))) \
@@ -66,6 +66,22 @@ lint:
 
 test-unit:
 	@py=$(call VENV,dev) && $$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m "not vllm" tests
+
+## make mutate [MUTATIONS="name ..."] [ENGINE_WRAPPER=cmd]: every mutation of tests/mutations/*.toml (one small, realistic
+## fault each: a flipped comparison, a dropped setting, a skipped check, an off-by-one) planted alone in a scratch copy of
+## the checkout, its tests run there; fails unless a test fails for each (a survivor is a missing test) or where a
+## mutation no longer applies; prints mutation -> catching test, seconds (scripts/mutate.py). Mutations that need a vLLM
+## venv run there, engine ones behind ENGINE_WRAPPER (a queue for engine slots, where a machine has one)
+MUTATIONS ?=
+ENGINE_WRAPPER ?=
+mutate:
+	@py=$(call VENV,dev) && $$py scripts/mutate.py --python $$py $(if $(MUTATIONS),--only $(MUTATIONS)) \
+		$(if $(ENGINE_WRAPPER),--engine-wrapper "$(ENGINE_WRAPPER)")
+
+## make test-mutate: the fast mutations (dev venv, no engine; a few minutes) as make test runs them; every other entry
+## is still checked to apply
+test-mutate:
+	@py=$(call VENV,dev) && $$py scripts/mutate.py --fast --python $$py
 
 ## make test-static [STATIC_RELEASES=0.33.0] [SEAMS_RELEASES=0.27.1]: in each CUDA-only release's import-only
 ## environment, every class vLLM's binder binds (routers, capture sources, monolithic kernels with replay capture)

@@ -47,6 +47,17 @@ def test_tp_shard_is_gathered_and_its_padding_trimmed() -> None:
     assert place(4, RankLayout(0, 2, split_over_tp=True), None) == Span(0, None, gather_tp=True)
 
 
+def test_a_shard_as_large_as_a_shard_can_be_is_gathered() -> None:
+    """``capacity``: the most rows one TP shard holds (``ceil(buffer rows / tp)``). A split layout whose router saw
+    that many rows saw a shard and gathers; one that saw more saw the whole batch and records it as it is."""
+    layout = RankLayout(0, 2, split_over_tp=True)
+    assert place(4, layout, [7, 3], capacity=4) == Span(0, 7, gather_tp=True)
+    assert place(3, layout, [7, 3], capacity=4) == Span(0, 7, gather_tp=True)
+    assert place(10, layout, [7, 3], capacity=4) == Span(0, 7)  # every DP rank's tokens: this rank's come first
+    assert place(4, layout, None, capacity=4) == Span(0, None, gather_tp=True)
+    assert place(5, layout, None, capacity=4) == Span(0, None)
+
+
 def test_sp_shards_of_all_ranks_gathered() -> None:
     """vLLM's naive DP+EP dispatch with a sequence-parallel MoE: shards DP-major, padded (ceil)."""
     counts, shards = [5, 3], [3, 3, 2, 2]

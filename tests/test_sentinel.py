@@ -268,6 +268,29 @@ def test_the_step_hook_clears_before_and_checks_after_the_forward() -> None:
     assert int(buffer[3:].min()) == 9  # rows past the step untouched
 
 
+@pytest.mark.parametrize(("setting", "raises"), [("strict", True), ("1", False), ("0", False), (None, False)])
+def test_the_validation_setting_reaches_the_check(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, setting: str | None, raises: bool
+) -> None:
+    """The check a capture is built with (``PreparedCapture.bound``, as every generation's load hook builds it)
+    raises on a bypassed layer exactly when ``VLLM_ASCEND_ROUTING_VALIDATE=strict``; otherwise it logs."""
+    if setting is None:
+        monkeypatch.delenv("VLLM_ASCEND_ROUTING_VALIDATE", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_ASCEND_ROUTING_VALIDATE", setting)
+    buffer = torch.zeros(8, 4, 2, dtype=torch.int16)
+    prepared = capture.PreparedCapture.bound(buffer, torch.zeros(1, dtype=torch.int64), 8, (1, 3))
+    assert prepared.sentinel.strict is raises
+    _route(prepared.sentinel, 5, (1,))  # layer 3 bypassed: every row zero
+    with caplog.at_level(logging.ERROR):
+        if raises:
+            with pytest.raises(RoutingValidationError, match="all-zero routing row"):
+                prepared.sentinel.after_forward(5, lambda: STEP)
+        else:
+            prepared.sentinel.after_forward(5, lambda: STEP)
+    assert "5 all-zero routing row(s)" in caplog.text  # logged in every mode: 5 tokens x the bypassed layer
+
+
 def test_doctor_reports_the_sentinel_counters(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm_ascend_routing import runner_state
     from vllm_ascend_routing.preflight import doctor

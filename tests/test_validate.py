@@ -52,6 +52,14 @@ def test_each_rule() -> None:
     assert "shape" in whats(np.zeros((5, 2, 2), dtype=np.uint8))[0][0]
 
 
+def test_the_same_expert_twice_is_found_anywhere_in_a_wide_row() -> None:
+    """Top-4 rows: a repeat in columns that are not neighbours is found as well as one in neighbouring columns."""
+    model = ModelRouting(num_experts=8, num_layers=1, moe_layers=frozenset({0}))
+    rows = np.array([[[3, 1, 7, 5]], [[3, 1, 3, 5]], [[6, 2, 4, 2]], [[0, 0, 1, 2]]], dtype=np.uint8)
+    found = check(rows, request_id="r", expected_rows=4, model=model)
+    assert [(v.what, v.row) for v in found] == [("the same expert twice in one row", row) for row in (1, 2, 3)]
+
+
 def test_int32_padding_minus_one_is_out_of_range() -> None:
     array = good().astype(np.int32)
     array[2, 0, 0] = -1
