@@ -11,7 +11,9 @@ Per layer: exact-row agreement (top-k compared as sets), mean top-k overlap, and
 the generation's rows with the re-prefill's at offsets -1 / 0 / +1 and with another request's rows at the same
 position. Each row the two passes disagree on is traced to where it came from, and a layer's verdict names the
 structural fault its wrong rows share (``FAULTS``); rows no fault explains are numeric differences, counted and
-tolerated up to ``TIE_BUDGET`` of the layer's rows.
+tolerated up to ``TIE_BUDGET`` of the layer's rows. Across layers (``token_faults``): a token whose rows disagree
+in more MoE layers than independent near-ties explain is a fault of its own (``TOKEN_FAULT``), named by request and
+token, whatever the layers' verdicts: one misfiled row is a per-token event, near-ties are per-layer ones.
 
 What it cannot see: a fault identical in both passes (docs/preflight.md names them and the tests that cover them).
 """
@@ -22,6 +24,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+
+from vllm_ascend_routing.preflight import token_faults
+from vllm_ascend_routing.preflight.token_faults import EARLY, LATE, OTHER, STALE, UNTRACED, ZERO, TokenFault
 
 PASS = "PASS"
 # The structural faults, most specific first (a layer's verdict is the first whose rule holds).
@@ -37,6 +42,9 @@ MISMATCH = "MISMATCH"  # more rows differ than near-ties explain, with no struct
 SHAPE = "SHAPE"  # the two passes returned a different number of rows (or none) for a request
 FAULTS: tuple[str, ...] = (SHAPE, LAYER_ZERO, PARTIAL, ZEROS, SHIFTED_LATE, SHIFTED_EARLY, STALE_STEP, OTHER_REQUEST)
 FAULTS += (DP_INTERLEAVE, MISMATCH)
+# Tokens whose rows disagree in more MoE layers than independent near-ties explain (token_faults), where no layer
+# fails: a misfiled row. Where layers fail too, their verdict is the run's and the tokens are listed beside it.
+TOKEN_FAULT = "TOKEN_FAULT"
 
 # The share of a layer's rows that may differ between the passes with no structural explanation: numeric
 # near-ties. Both passes run the same kernels in the same dtype; only the batch shape (hence reduction order)
@@ -44,6 +52,11 @@ FAULTS += (DP_INTERLEAVE, MISMATCH)
 # bfloat16 (8 mantissa bits) and float16: 5%. Any structural fault below fails regardless of this budget.
 TIE_BUDGET = {"float32": 0.01, "bfloat16": 0.05, "float16": 0.05}
 DEFAULT_TIE_BUDGET = 0.05
+# Extra MoE layers a token's untraced disagreements may span beyond what independent per-layer near-ties explain
+# (token_faults): a flip changes that token's hidden state, so later layers flip with it more often than their
+# rates say. Measured by benchmarks/oracle_calibration.py (docs/preflight.md, "Calibrating the oracle").
+TOKEN_CASCADE = {"float32": 0, "bfloat16": 0, "float16": 0}
+DEFAULT_TOKEN_CASCADE = 0
 # A fault is named when it explains at least this share of a layer's wrong rows (chance agreement of
 # neighbouring tokens explains far less) and at least MIN_FAULT_ROWS rows.
 FAULT_SHARE = 0.5
@@ -59,6 +72,7 @@ class Pair:
     request: str
     generation: np.ndarray | None
     reprefill: np.ndarray | None
+    prompt_tokens: int | None = None  # where known: a token fault then says prompt or decode row
 
 
 @dataclass
@@ -86,8 +100,10 @@ class Result:
     layers: list[LayerResult]
     dense_layers: list[int]  # layers all zero in both passes (not MoE): not compared
     shape_problems: list[str]
-    verdict: str  # PASS or the fault most layers show
+    verdict: str  # PASS, the fault most layers show, or TOKEN_FAULT
     failing_layers: list[int]
+    token_faults: list[TokenFault] = field(default_factory=list)
+    token_thresholds: dict[str, int | None] = field(default_factory=dict)  # layers that make a token fault, by kind
 
     @property
     def ok(self) -> bool:
@@ -120,7 +136,12 @@ class Result:
             return text + ": PASS"
         where = f" in layers {', '.join(map(str, self.failing_layers))}" if self.failing_layers else ""
         problems = f" ({'; '.join(self.shape_problems[:3])})" if self.shape_problems else ""
-        return f"{text}: FAIL {self.verdict}{where}, {self.wrong} rows wrong{problems}"
+        tokens = ""
+        if self.token_faults:
+            more = f"; and {len(self.token_faults) - 3} more" if len(self.token_faults) > 3 else ""
+            named = "; ".join(fault.describe() for fault in self.token_faults[:3])
+            tokens = f"; {len(self.token_faults)} token(s) wrong in more layers than near-ties explain: {named}{more}"
+        return f"{text}: FAIL {self.verdict}{where}, {self.wrong} rows wrong{problems}{tokens}"
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -135,6 +156,8 @@ class Result:
             "failing_layers": self.failing_layers,
             "dense_layers": self.dense_layers,
             "shape_problems": self.shape_problems,
+            "token_faults": [fault.as_dict() for fault in self.token_faults],
+            "token_thresholds": self.token_thresholds,
             "layers": [{**asdict(layer), "agreement": layer.agreement} for layer in self.layers],
             "summary": self.summary(),
         }
@@ -148,6 +171,7 @@ class Result:
                 f"{layer.zero_rows:4d}  {off['-1']:5.2f}  {off['0']:5.2f}  {off['+1']:5.2f}  {off['other']:5.2f}  "
                 f"{layer.near_ties:9d}  {layer.verdict}"
             )
+        lines += [f"  token fault: {fault.describe()}" for fault in self.token_faults]
         return lines
 
 
@@ -157,6 +181,7 @@ def analyse(pairs: list[Pair], dtype: str = "float32", moe_layers: list[int] | N
     ``moe_layers``: where known (the model's config), the layers to compare; else every layer either pass
     routed (dense layers are all zero in both)."""
     usable: list[tuple[str, np.ndarray, np.ndarray]] = []
+    prompts: list[int | None] = []
     problems: list[str] = []
     for pair in pairs:
         if pair.generation is None or pair.reprefill is None:
@@ -168,6 +193,7 @@ def analyse(pairs: list[Pair], dtype: str = "float32", moe_layers: list[int] | N
             problems.append(f"request {pair.request}: generation {gen.shape}, re-prefill {ref.shape}")
             continue
         usable.append((pair.request, np.sort(gen, axis=-1), np.sort(ref, axis=-1)))
+        prompts.append(pair.prompt_tokens)
     if not usable:
         verdict = SHAPE if problems else PASS
         return Result(dtype, len(pairs), [], [], problems, verdict, [])
@@ -177,7 +203,22 @@ def analyse(pairs: list[Pair], dtype: str = "float32", moe_layers: list[int] | N
     dense = [layer for layer in range(num_layers) if layer not in moe_layers]
     signatures = _signatures([ref for _, _, ref in usable], moe_layers)
     budget = TIE_BUDGET.get(dtype, DEFAULT_TIE_BUDGET)
-    layers = [_layer(usable, layer, moe_layers, signatures, budget) for layer in moe_layers]
+    # Per request, per (token, MoE layer): the row's code (token_faults.AGREE, LATE, ...) and, for OTHER, whence.
+    codes = [np.zeros((len(gen), len(moe_layers)), dtype=np.int8) for _, gen, _ in usable]
+    sources = [np.full((len(gen), len(moe_layers)), -1, dtype=np.int32) for _, gen, _ in usable]
+    layers = [
+        _layer(usable, layer, moe_layers, signatures, budget, [c[:, j] for c in codes], [s[:, j] for s in sources])
+        for j, layer in enumerate(moe_layers)
+    ]
+    names = [name for name, _, _ in usable]
+    tokens, thresholds = token_faults.find(names, codes, sources, moe_layers, prompts, token_cascade(dtype))
+    in_faults: dict[int, int] = {}  # MoE layer -> rows of token faults in it (not near-ties)
+    for fault in tokens:
+        for layer in fault.layers:
+            in_faults[layer] = in_faults.get(layer, 0) + 1
+    for result in layers:
+        if result.verdict == PASS:
+            result.near_ties = max(0, result.near_ties - in_faults.get(result.layer, 0))
     failing = [layer.layer for layer in layers if layer.verdict != PASS]
     if problems:
         verdict = SHAPE
@@ -185,8 +226,13 @@ def analyse(pairs: list[Pair], dtype: str = "float32", moe_layers: list[int] | N
         counts = {fault: sum(1 for layer in layers if layer.verdict == fault) for fault in FAULTS}
         verdict = max(FAULTS, key=lambda fault: (counts[fault], -FAULTS.index(fault)))
     else:
-        verdict = PASS
-    return Result(dtype, len(pairs), layers, dense, problems, verdict, failing)
+        verdict = TOKEN_FAULT if tokens else PASS
+    return Result(dtype, len(pairs), layers, dense, problems, verdict, failing, tokens, thresholds)
+
+
+def token_cascade(dtype: str) -> int:
+    """The extra layers a token's untraced disagreements may span in ``dtype`` (``TOKEN_CASCADE``)."""
+    return TOKEN_CASCADE.get(dtype, DEFAULT_TOKEN_CASCADE)
 
 
 def _routed(usable: list[tuple[str, np.ndarray, np.ndarray]], layer: int) -> bool:
@@ -213,7 +259,11 @@ def _layer(
     moe_layers: list[int],
     signatures: dict[bytes, list[tuple[int, int]]],
     budget: float,
+    codes: list[np.ndarray],
+    sources: list[np.ndarray],
 ) -> LayerResult:
+    """One MoE layer's numbers and verdict; fills ``codes[r]`` / ``sources[r]`` (this layer's column of each
+    request's row codes) for the per-token analysis."""
     result = LayerResult(layer)
     top_k = usable[0][1].shape[-1]
     late = early = other = stale = untraced = 0
@@ -231,6 +281,7 @@ def _layer(
         zero = ~gen.any(-1) if top_k >= 2 else np.zeros(rows, dtype=bool)  # k >= 2: no real row is all zero
         zero_in_reprefill += int((~ref.any(-1)).sum()) if top_k >= 2 else 0
         result.zero_rows += int(zero.sum())
+        codes[r][zero & ~equal] = ZERO
         offsets["0"] += int(equal.sum())
         offsets["-1"] += int(_same(gen[1:], ref[:-1]).sum())
         offsets["+1"] += int(_same(gen[:-1], ref[1:]).sum())
@@ -242,9 +293,11 @@ def _layer(
             row = gen[i]
             if i >= 1 and np.array_equal(row, ref[i - 1]):
                 late += 1
+                codes[r][i] = LATE
                 continue
             if i + 1 < rows and np.array_equal(row, ref[i + 1]):
                 early += 1
+                codes[r][i] = EARLY
                 continue
             source = next(
                 (
@@ -257,11 +310,14 @@ def _layer(
             if source is not None:
                 other += 1
                 partners.append(source)
+                codes[r][i], sources[r][i] = OTHER, source
                 continue
             if _token_found_elsewhere(gen_all[i], moe_layers, signatures, r, i):
                 stale += 1  # the whole token's routing is another token's: a step's buffer read at the wrong time
+                codes[r][i] = STALE
                 continue
             untraced += 1
+            codes[r][i] = UNTRACED
         if partners:
             other_share.append(_share_from(gen, ref, usable[max(set(partners), key=partners.count)][2][:, layer]))
     rows = max(result.rows, 1)
