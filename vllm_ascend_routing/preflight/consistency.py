@@ -20,6 +20,7 @@ What it cannot see: a fault identical in both passes (docs/preflight.md names th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -73,6 +74,9 @@ class Pair:
     generation: np.ndarray | None
     reprefill: np.ndarray | None
     prompt_tokens: int | None = None  # where known: a token fault then says prompt or decode row
+    # where known, the tokens the rows route (the re-prefill's prompt): a row equal to another request's at the
+    # same position means nothing where the two requests' tokens are the same up to it (a shared prompt prefix)
+    tokens: Sequence[int] | None = None
 
 
 @dataclass
@@ -104,6 +108,9 @@ class Result:
     failing_layers: list[int]
     token_faults: list[TokenFault] = field(default_factory=list)
     token_thresholds: dict[str, int | None] = field(default_factory=dict)  # layers that make a token fault, by kind
+    # per compared request: [rows, MoE layers] row codes (token_faults.AGREE, LATE, ...) and its prompt length
+    codes: list[np.ndarray] = field(default_factory=list, repr=False)
+    prompt_tokens: list[int | None] = field(default_factory=list, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -175,13 +182,17 @@ class Result:
         return lines
 
 
-def analyse(pairs: list[Pair], dtype: str = "float32", moe_layers: list[int] | None = None) -> Result:
-    """Compare each request's generation rows with its re-prefill rows, per layer; the verdict.
+def analyse(
+    pairs: list[Pair], dtype: str = "float32", moe_layers: list[int] | None = None, cascade_layers: int | None = None
+) -> Result:
+    """Compare each request's generation rows with its re-prefill rows, per layer and per token; the verdict.
 
     ``moe_layers``: where known (the model's config), the layers to compare; else every layer either pass
-    routed (dense layers are all zero in both)."""
+    routed (dense layers are all zero in both). ``cascade_layers``: the per-token rule's allowance (default:
+    the dtype's ``TOKEN_CASCADE``)."""
     usable: list[tuple[str, np.ndarray, np.ndarray]] = []
     prompts: list[int | None] = []
+    tokens: list[Sequence[int] | None] = []
     problems: list[str] = []
     for pair in pairs:
         if pair.generation is None or pair.reprefill is None:
@@ -194,6 +205,7 @@ def analyse(pairs: list[Pair], dtype: str = "float32", moe_layers: list[int] | N
             continue
         usable.append((pair.request, np.sort(gen, axis=-1), np.sort(ref, axis=-1)))
         prompts.append(pair.prompt_tokens)
+        tokens.append(pair.tokens)
     if not usable:
         verdict = SHAPE if problems else PASS
         return Result(dtype, len(pairs), [], [], problems, verdict, [])
@@ -202,18 +214,22 @@ def analyse(pairs: list[Pair], dtype: str = "float32", moe_layers: list[int] | N
         moe_layers = [layer for layer in range(num_layers) if _routed(usable, layer)]
     dense = [layer for layer in range(num_layers) if layer not in moe_layers]
     signatures = _signatures([ref for _, _, ref in usable], moe_layers)
+    shared = _shared_prefixes(tokens)
     budget = TIE_BUDGET.get(dtype, DEFAULT_TIE_BUDGET)
     # Per request, per (token, MoE layer): the row's code (token_faults.AGREE, LATE, ...) and, for OTHER, whence.
     codes = [np.zeros((len(gen), len(moe_layers)), dtype=np.int8) for _, gen, _ in usable]
     sources = [np.full((len(gen), len(moe_layers)), -1, dtype=np.int32) for _, gen, _ in usable]
     layers = [
-        _layer(usable, layer, moe_layers, signatures, budget, [c[:, j] for c in codes], [s[:, j] for s in sources])
+        _layer(
+            usable, layer, moe_layers, signatures, shared, budget, [c[:, j] for c in codes], [s[:, j] for s in sources]
+        )
         for j, layer in enumerate(moe_layers)
     ]
     names = [name for name, _, _ in usable]
-    tokens, thresholds = token_faults.find(names, codes, sources, moe_layers, prompts, token_cascade(dtype))
+    cascade = token_cascade(dtype) if cascade_layers is None else cascade_layers
+    named, thresholds = token_faults.find(names, codes, sources, moe_layers, prompts, cascade)
     in_faults: dict[int, int] = {}  # MoE layer -> rows of token faults in it (not near-ties)
-    for fault in tokens:
+    for fault in named:
         for layer in fault.layers:
             in_faults[layer] = in_faults.get(layer, 0) + 1
     for result in layers:
@@ -226,8 +242,8 @@ def analyse(pairs: list[Pair], dtype: str = "float32", moe_layers: list[int] | N
         counts = {fault: sum(1 for layer in layers if layer.verdict == fault) for fault in FAULTS}
         verdict = max(FAULTS, key=lambda fault: (counts[fault], -FAULTS.index(fault)))
     else:
-        verdict = TOKEN_FAULT if tokens else PASS
-    return Result(dtype, len(pairs), layers, dense, problems, verdict, failing, tokens, thresholds)
+        verdict = TOKEN_FAULT if named else PASS
+    return Result(dtype, len(pairs), layers, dense, problems, verdict, failing, named, thresholds, codes, prompts)
 
 
 def token_cascade(dtype: str) -> int:
@@ -248,6 +264,24 @@ def _signatures(refs: list[np.ndarray], moe_layers: list[int]) -> dict[bytes, li
     return found
 
 
+def _shared_prefixes(tokens: list[Sequence[int] | None]) -> np.ndarray:
+    """``[r, s]``: how many leading tokens requests ``r`` and ``s`` share (0 where either's tokens are unknown): up to
+    there both route the same tokens in the same context, so their rows are the same routing."""
+    shared = np.zeros((len(tokens), len(tokens)), dtype=np.int64)
+    by_first: dict[int, list[int]] = {}
+    for r, seq in enumerate(tokens):
+        if seq is not None and len(seq):
+            by_first.setdefault(int(seq[0]), []).append(r)
+    for group in by_first.values():
+        for a, r in enumerate(group):
+            for s in group[a + 1 :]:
+                x, y = np.asarray(tokens[r]), np.asarray(tokens[s])
+                common = min(len(x), len(y))
+                differ = np.flatnonzero(x[:common] != y[:common])
+                shared[r, s] = shared[s, r] = int(differ[0]) if len(differ) else common
+    return shared
+
+
 def _same(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Row-wise equality of sorted top-k rows: ``[rows]`` booleans."""
     return np.all(a == b, axis=-1)
@@ -258,6 +292,7 @@ def _layer(
     layer: int,
     moe_layers: list[int],
     signatures: dict[bytes, list[tuple[int, int]]],
+    shared: np.ndarray,
     budget: float,
     codes: list[np.ndarray],
     sources: list[np.ndarray],
@@ -303,7 +338,10 @@ def _layer(
                 (
                     s
                     for s, (_, _, other_ref) in enumerate(usable)
-                    if s != r and i < len(other_ref) and np.array_equal(row, other_ref[i, layer])
+                    if s != r
+                    and i < len(other_ref)
+                    and shared[r, s] <= i  # the same tokens up to here: the same routing, nothing misfiled
+                    and np.array_equal(row, other_ref[i, layer])
                 ),
                 None,
             )
@@ -312,7 +350,7 @@ def _layer(
                 partners.append(source)
                 codes[r][i], sources[r][i] = OTHER, source
                 continue
-            if _token_found_elsewhere(gen_all[i], moe_layers, signatures, r, i):
+            if _token_found_elsewhere(gen_all[i], moe_layers, signatures, shared, r, i):
                 stale += 1  # the whole token's routing is another token's: a step's buffer read at the wrong time
                 codes[r][i] = STALE
                 continue
@@ -342,13 +380,19 @@ def _share_from(gen: np.ndarray, ref: np.ndarray, partner: np.ndarray) -> float:
 
 
 def _token_found_elsewhere(
-    token: np.ndarray, moe_layers: list[int], signatures: dict[bytes, list[tuple[int, int]]], r: int, i: int
+    token: np.ndarray,
+    moe_layers: list[int],
+    signatures: dict[bytes, list[tuple[int, int]]],
+    shared: np.ndarray,
+    r: int,
+    i: int,
 ) -> bool:
-    """Whether this generation token's routing over every MoE layer is some re-prefill token's other than
-    (request ``r``, position ``i``): rows copied whole from another token, as a stale step buffer gives."""
+    """Whether this generation token's routing over every MoE layer is some other re-prefill token's (not
+    position ``i`` of request ``r``, nor of a request with the same tokens up to it): rows copied whole from
+    another token, as a stale step buffer gives."""
     if not token[moe_layers].any():
         return False
-    return any(place != (r, i) for place in signatures.get(token[moe_layers].tobytes(), []))
+    return any(s != r and not (j == i and shared[r, s] > i) for s, j in signatures.get(token[moe_layers].tobytes(), []))
 
 
 def _verdict(

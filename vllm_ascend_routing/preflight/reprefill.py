@@ -155,7 +155,7 @@ class Collected:
 
     def pairs(self) -> list[consistency.Pair]:
         return [
-            consistency.Pair(str(i), self.rows(g), self.rows(r), len(g.prompt_token_ids))
+            consistency.Pair(str(i), self.rows(g), self.rows(r), len(g.prompt_token_ids), list(r.prompt_token_ids))
             for i, (g, r) in enumerate(zip(self.generation, self.reprefill, strict=True))
         ]
 
