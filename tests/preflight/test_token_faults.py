@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from itertools import combinations
+from typing import Any
 
 import numpy as np
 import pytest
@@ -146,7 +147,6 @@ def test_threshold_grows_with_the_near_tie_rate() -> None:
     assert token_faults.threshold(np.full(2, 0.05), tokens) is None  # bfloat16 at 5%: 2 layers cannot tell
     deep = [token_faults.threshold(np.full(24, rate), tokens) for rate in (0.001, 0.01, 0.05)]
     assert deep == [4, 6, 10], deep  # 24 layers at 0.1% / 1% / 5% per layer
-    assert token_faults.threshold(np.full(24, 0.05), tokens, allowance=2) == deep[-1] + 2
 
 
 def test_single_layer_flips_are_never_token_faults() -> None:
@@ -182,3 +182,29 @@ def test_requests_sharing_a_prefix_are_no_other_requests_rows_there() -> None:
     # shared prefix as well (why the oracle is given the tokens)
     unknown = consistency.analyse(pairs(generation, reprefill, prompts), "bfloat16")
     assert ("1", 5, "other", "0") in [(f.request, f.row, f.kind, f.source) for f in unknown.token_faults]
+
+
+def test_a_near_tie_that_lands_on_the_previous_tokens_routing_is_no_misfiled_row() -> None:
+    """Neighbouring tokens route alike: a flip can land on the previous token's routing in a layer or two, and a
+    deep bfloat16 run has a few such tokens (benchmarks/oracle_calibration.py). A misfiled row is the previous
+    token's in every layer where the two differ: a token that is in 2 of the 8 where they differ is not named
+    (the tail alone would), one that is in 2 of the 2 where they differ is."""
+    rows, prompts = deep_truth(4)
+
+    def run(same_layers: int, late_layers: list[int], whole_token: float = token_faults.WHOLE_TOKEN) -> Any:
+        reprefill = isolated_flips(rows, np.full(24, 0.002), 64, seed=4)
+        generation = [r.copy() for r in rows]
+        reprefill[3][20] = rows[3][20]
+        reprefill[3][21, :same_layers] = reprefill[3][20, :same_layers]  # tokens 20, 21 route alike there
+        reprefill[3][21, same_layers:] = rows[3][21, same_layers:]
+        generation[3][21] = reprefill[3][21]
+        generation[3][21, late_layers] = reprefill[3][20, late_layers]
+        generation[3][20] = reprefill[3][20]
+        return consistency.analyse(pairs(generation, reprefill, prompts), "bfloat16", whole_token=whole_token)
+
+    coincidence = run(16, [16, 17])  # differ in 8 layers, the previous token's in 2
+    assert coincidence.verdict == consistency.PASS, coincidence.summary()
+    assert ("3", 21, "late") in [(f.request, f.row, f.kind) for f in run(16, [16, 17], 0.0).token_faults]
+    misfiled = run(22, [22, 23])  # differ in 2 layers, the previous token's in both
+    assert [(f.request, f.row, f.kind, f.differing) for f in misfiled.token_faults] == [("3", 21, "late", 2)]
+    assert "in 2/24 MoE layers of the 2 where they differ" in misfiled.token_faults[0].describe()

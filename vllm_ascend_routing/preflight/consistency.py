@@ -53,11 +53,6 @@ TOKEN_FAULT = "TOKEN_FAULT"
 # bfloat16 (8 mantissa bits) and float16: 5%. Any structural fault below fails regardless of this budget.
 TIE_BUDGET = {"float32": 0.01, "bfloat16": 0.05, "float16": 0.05}
 DEFAULT_TIE_BUDGET = 0.05
-# Extra MoE layers a token's untraced disagreements may span beyond what independent per-layer near-ties explain
-# (token_faults): a flip changes that token's hidden state, so later layers flip with it more often than their
-# rates say. Measured by benchmarks/oracle_calibration.py (docs/preflight.md, "Calibrating the oracle").
-TOKEN_CASCADE = {"float32": 0, "bfloat16": 0, "float16": 0}
-DEFAULT_TOKEN_CASCADE = 0
 # A fault is named when it explains at least this share of a layer's wrong rows (chance agreement of
 # neighbouring tokens explains far less) and at least MIN_FAULT_ROWS rows.
 FAULT_SHARE = 0.5
@@ -111,6 +106,7 @@ class Result:
     # per compared request: [rows, MoE layers] row codes (token_faults.AGREE, LATE, ...) and its prompt length
     codes: list[np.ndarray] = field(default_factory=list, repr=False)
     prompt_tokens: list[int | None] = field(default_factory=list, repr=False)
+    refs: list[np.ndarray] = field(default_factory=list, repr=False)  # re-prefill rows of the MoE layers, sorted
 
     @property
     def ok(self) -> bool:
@@ -183,13 +179,16 @@ class Result:
 
 
 def analyse(
-    pairs: list[Pair], dtype: str = "float32", moe_layers: list[int] | None = None, cascade_layers: int | None = None
+    pairs: list[Pair],
+    dtype: str = "float32",
+    moe_layers: list[int] | None = None,
+    whole_token: float = token_faults.WHOLE_TOKEN,
 ) -> Result:
     """Compare each request's generation rows with its re-prefill rows, per layer and per token; the verdict.
 
     ``moe_layers``: where known (the model's config), the layers to compare; else every layer either pass
-    routed (dense layers are all zero in both). ``cascade_layers``: the per-token rule's allowance (default:
-    the dtype's ``TOKEN_CASCADE``)."""
+    routed (dense layers are all zero in both). ``whole_token``: the per-token rule's share
+    (``token_faults.WHOLE_TOKEN``; 0: the Poisson-binomial tail alone, as the calibration measures it)."""
     usable: list[tuple[str, np.ndarray, np.ndarray]] = []
     prompts: list[int | None] = []
     tokens: list[Sequence[int] | None] = []
@@ -226,8 +225,8 @@ def analyse(
         for j, layer in enumerate(moe_layers)
     ]
     names = [name for name, _, _ in usable]
-    cascade = token_cascade(dtype) if cascade_layers is None else cascade_layers
-    named, thresholds = token_faults.find(names, codes, sources, moe_layers, prompts, cascade)
+    refs = [ref[:, moe_layers] for _, _, ref in usable]
+    named, thresholds = token_faults.find(names, codes, sources, moe_layers, prompts, refs, whole_token)
     in_faults: dict[int, int] = {}  # MoE layer -> rows of token faults in it (not near-ties)
     for fault in named:
         for layer in fault.layers:
@@ -243,12 +242,7 @@ def analyse(
         verdict = max(FAULTS, key=lambda fault: (counts[fault], -FAULTS.index(fault)))
     else:
         verdict = TOKEN_FAULT if named else PASS
-    return Result(dtype, len(pairs), layers, dense, problems, verdict, failing, named, thresholds, codes, prompts)
-
-
-def token_cascade(dtype: str) -> int:
-    """The extra layers a token's untraced disagreements may span in ``dtype`` (``TOKEN_CASCADE``)."""
-    return TOKEN_CASCADE.get(dtype, DEFAULT_TOKEN_CASCADE)
+    return Result(dtype, len(pairs), layers, dense, problems, verdict, failing, named, thresholds, codes, prompts, refs)
 
 
 def _routed(usable: list[tuple[str, np.ndarray, np.ndarray]], layer: int) -> bool:

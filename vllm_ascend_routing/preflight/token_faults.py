@@ -23,15 +23,17 @@ probability of a count at least as high, times the number of tests made (tokens 
 Rates measured on one run make the rule scale with the dtype and the hardware: float32 on a CPU (near-ties
 almost never) names a token disagreeing in 2 of 2 MoE layers; bfloat16 at 5% per layer needs more layers, or the
 disagreements traced to one origin (chance traces are rare). Near-ties are not quite independent across the
-layers of one token (a flip changes that token's hidden state for the layers after it): the ``any`` count
-allows ``CASCADE_LAYERS`` extra layers for that, measured by ``benchmarks/oracle_calibration.py``
-(docs/preflight.md, "Calibrating the oracle"). Traced counts need no allowance: a cascade's flips land on
-another token's row only by chance, and that chance is in the traced rates.
+layers of one token, though (a flip changes that token's hidden state for the layers after it; neighbouring tokens
+route alike, so a flip may land on the previous token's routing): a token is also named only where its rows are
+the origin's in at least ``WHOLE_TOKEN`` of the layers where that origin's routing differs from its own (for
+``any``: of all MoE layers), as a misfiled row's are in all of them. ``benchmarks/oracle_calibration.py``
+measures both on clean engines (docs/preflight.md, "Calibrating the oracle").
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -51,10 +53,12 @@ DESCRIBE = {
 # The chance, per run, of one false alarm from independent near-ties (Bonferroni over tokens and kinds).
 FALSE_ALARM = 0.01
 MIN_TOKEN_LAYERS = 2  # one layer disagreeing is a per-layer event, never a token fault
-# Extra layers the "any" count allows beyond the independent tail: a near-tie flip changes that token's hidden
-# state, so the layers after it flip more often than their rates say (benchmarks/oracle_calibration.py measures
-# it: docs/preflight.md).
-CASCADE_LAYERS = 0
+# A misfiled row is its origin's in every layer where the origin's routing differs from the token's own; near-ties
+# are not: a flip lands on a neighbour's routing in a layer or two by chance (neighbouring tokens route alike), and
+# carries on into a few of the layers after it (it changed that token's hidden state). A token is named only where
+# its rows are the origin's in at least this share of the layers where that origin differs (for "any": of all MoE
+# layers), measured by benchmarks/oracle_calibration.py (docs/preflight.md).
+WHOLE_TOKEN = 0.5
 
 
 @dataclass
@@ -70,6 +74,7 @@ class TokenFault:
     probability: float  # of a count this high from independent near-ties, before the Bonferroni factor
     prompt_tokens: int | None = None  # the request's prompt length, where known (to say prefill or decode)
     source: str | None = None  # kind "other": the request whose rows these are
+    differing: int | None = None  # MoE layers where the origin's rows differ from the token's own (where it shows)
 
     def where(self) -> str:
         if self.prompt_tokens is None:
@@ -82,8 +87,13 @@ class TokenFault:
 
     def describe(self) -> str:
         origin = DESCRIBE[self.kind].format(source=self.source)
+        shows = (
+            f" of the {self.differing} where they differ"
+            if self.differing is not None and self.differing != self.moe_layers
+            else ""
+        )
         return (
-            f"{self.where()}: {self.kind}, {origin} in {len(self.layers)}/{self.moe_layers} MoE layers "
+            f"{self.where()}: {self.kind}, {origin} in {len(self.layers)}/{self.moe_layers} MoE layers{shows} "
             f"(disagrees in {self.disagreeing}; p = {self.probability:.1e} from independent near-ties)"
         )
 
@@ -105,11 +115,11 @@ def tail(rates: np.ndarray, count: int) -> float:
     return float(min(1.0, law[count:].sum()))
 
 
-def threshold(rates: np.ndarray, tests: int, allowance: int = 0, alpha: float = FALSE_ALARM) -> int | None:
-    """The smallest count of layers that is a fault: ``tail(rates, count - allowance) * tests < alpha``, and at
-    least ``MIN_TOKEN_LAYERS``; ``None`` where even every layer is not enough (rates too high)."""
+def threshold(rates: np.ndarray, tests: int, alpha: float = FALSE_ALARM) -> int | None:
+    """The smallest count of layers independent near-ties do not explain: ``tail(rates, count) * tests < alpha``,
+    and at least ``MIN_TOKEN_LAYERS``; ``None`` where even every layer is not enough (rates too high)."""
     for count in range(MIN_TOKEN_LAYERS, len(rates) + 1):
-        if tail(rates, count - allowance) * max(tests, 1) < alpha:
+        if tail(rates, count) * max(tests, 1) < alpha:
             return count
     return None
 
@@ -120,11 +130,14 @@ def find(
     sources: list[np.ndarray],
     moe_layers: list[int],
     prompt_tokens: list[int | None] | None = None,
-    cascade_layers: int = CASCADE_LAYERS,
+    refs: list[np.ndarray] | None = None,
+    whole_token: float = WHOLE_TOKEN,
 ) -> tuple[list[TokenFault], dict[str, int | None]]:
     """Tokens whose rows disagree in more MoE layers than independent near-ties explain, and each kind's
     threshold (layers). ``codes[r]``: ``[rows, len(moe_layers)]`` row codes of request ``r``; ``sources[r]``: for
-    ``OTHER`` rows, the index of the request they came from (-1 elsewhere)."""
+    ``OTHER`` rows, the index of the request they came from (-1 elsewhere); ``refs[r]``: its re-prefill rows of the
+    MoE layers, top-k sorted (``[rows, len(moe_layers), top_k]``), to tell in how many layers an origin's rows
+    differ from the token's own (``whole_token``; without them every layer counts)."""
     if not codes or len(moe_layers) < MIN_TOKEN_LAYERS:
         return [], {}
     every = np.concatenate(codes)  # [tokens, layers]
@@ -134,30 +147,49 @@ def find(
     rates = {"any": disagree.mean(axis=0)}
     for code, kind in ((LATE, "late"), (EARLY, "early"), (OTHER, "other"), (STALE, "stale")):
         rates[kind] = (every == code).mean(axis=0)
-    thresholds = {"any": threshold(rates["any"], tests, cascade_layers)}
-    thresholds.update({kind: threshold(rates[kind], tests) for kind in KINDS})
+    thresholds = {kind: threshold(rates[kind], tests) for kind in ("any", *KINDS)}
     faults: list[TokenFault] = []
     prompts = prompt_tokens or [None] * len(codes)
     for r, (request_codes, request_sources) in enumerate(zip(codes, sources, strict=True)):
         wrong = (request_codes != AGREE) & (request_codes != ZERO)
         for row in map(int, np.flatnonzero(wrong.sum(axis=1) >= MIN_TOKEN_LAYERS)):
-            fault = _judge(request_codes[row], request_sources[row], rates, tests, moe_layers, cascade_layers)
+
+            def differing(kind: str, source: int | None, r: int = r, row: int = row) -> int:
+                return _differing(refs, kind, r, row, source, len(moe_layers))
+
+            fault = _judge(request_codes[row], request_sources[row], rates, tests, whole_token, differing)
             if fault is not None:
-                kind, layers, probability, source = fault
+                kind, hit, probability, source, differ = fault
                 faults.append(
                     TokenFault(
                         requests[r],
                         row,
                         kind,
-                        layers,
+                        [moe_layers[j] for j in map(int, np.flatnonzero(hit))],
                         int(wrong[row].sum()),
                         len(moe_layers),
                         probability,
                         prompts[r],
                         None if source is None else requests[source],
+                        differ,
                     )
                 )
     return faults, thresholds
+
+
+def _differing(refs: list[np.ndarray] | None, kind: str, r: int, row: int, source: int | None, layers: int) -> int:
+    """In how many MoE layers the rows of ``kind``'s origin differ from the token's own (re-prefill) rows: where a
+    row filed from there would show. ``any`` and ``stale`` (a whole token's routing): every layer."""
+    if refs is None or kind in ("any", "stale"):
+        return layers
+    own = refs[r][row]
+    if kind == "late":
+        origin = refs[r][row - 1] if row >= 1 else None
+    elif kind == "early":
+        origin = refs[r][row + 1] if row + 1 < len(refs[r]) else None
+    else:
+        origin = refs[source][row] if source is not None and row < len(refs[source]) else None
+    return layers if origin is None else int(np.any(origin != own, axis=-1).sum())
 
 
 def _judge(
@@ -165,10 +197,11 @@ def _judge(
     sources: np.ndarray,
     rates: dict[str, np.ndarray],
     tests: int,
-    moe_layers: list[int],
-    cascade_layers: int,
-) -> tuple[str, list[int], float, int | None] | None:
-    """The most telling explanation of one token's disagreements, if it is a fault: ``(kind, layers, p, source)``."""
+    whole_token: float,
+    differing: Callable[[str, int | None], int],
+) -> tuple[str, np.ndarray, float, int | None, int] | None:
+    """The most telling explanation of one token's disagreements, if it is a fault:
+    ``(kind, layers hit, p, source, layers where that origin differs)``."""
     candidates: list[tuple[float, str, np.ndarray, int | None]] = []
     for code, kind in ((LATE, "late"), (EARLY, "early"), (STALE, "stale")):
         hit = codes == code
@@ -181,8 +214,12 @@ def _judge(
         hit = other & (sources == source)
         candidates.append((tail(rates["other"], int(hit.sum())), "other", hit, source))
     disagree = (codes != AGREE) & (codes != ZERO)
-    candidates.append((tail(rates["any"], int(disagree.sum()) - cascade_layers), "any", disagree, None))
-    probability, kind, hit, found = min(candidates, key=lambda item: item[0])
-    if int(hit.sum()) < MIN_TOKEN_LAYERS or probability * tests >= FALSE_ALARM or math.isnan(probability):
-        return None
-    return kind, [moe_layers[j] for j in map(int, np.flatnonzero(hit))], probability, found
+    candidates.append((tail(rates["any"], int(disagree.sum())), "any", disagree, None))
+    for probability, kind, hit, found in sorted(candidates, key=lambda item: item[0]):
+        count = int(hit.sum())
+        if count < MIN_TOKEN_LAYERS or probability * tests >= FALSE_ALARM or math.isnan(probability):
+            return None  # the most telling one is not enough: none is
+        differ = differing(kind, found)
+        if count >= whole_token * differ:  # the token's rows are that origin's wherever they would show
+            return kind, hit, probability, found, differ
+    return None
