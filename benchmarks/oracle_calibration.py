@@ -94,7 +94,7 @@ def calibrate(
     llm = LLM(**options)
     config = llm.llm_engine.model_config
     layout = reprefill.Layout.of(llm.llm_engine.vllm_config)
-    results, seconds = [], []
+    results, seconds, planted = [], [], []
     for seed in range(runs):
         start = time.monotonic()
         collected = reprefill.collect(
@@ -113,8 +113,16 @@ def calibrate(
         result = consistency.analyse(pairs, dtype)
         seconds.append(time.monotonic() - start)
         results.append(result)
+        planted.append(sensitivity(pairs, dtype))
         print(f"[{dtype} run {seed}] {result.summary()} ({seconds[-1]:.0f} s)", flush=True)
     out = summarise(results)
+    out["sensitivity"] = {
+        "single_rows_planted": sum(found["single_rows_planted"] for found in planted),
+        "single_rows_named": sum(found["single_rows_named"] for found in planted),
+        "mutations_named": sum(found["mutations_named"] for found in planted),
+        "mutations": sum(found["mutations"] for found in planted),
+        "missed": [miss for found in planted for miss in found["missed"]],
+    }
     out.update(
         dtype=dtype,
         model=model_path,
@@ -125,6 +133,51 @@ def calibrate(
         **environment(),
     )
     return out
+
+
+def sensitivity(pairs: list[Any], dtype: str) -> dict[str, Any]:
+    """On one clean run's rows: each request's first decode row given the previous token's routing (one at a
+    time), and each fault of ``tests/harness/routing_mutations.py`` where the checkout has it; how many the
+    oracle names (the token and its kind; the fault)."""
+    from vllm_ascend_routing.preflight import consistency
+
+    generation = [np.asarray(pair.generation) for pair in pairs]
+    prompts = [int(pair.prompt_tokens) for pair in pairs]
+
+    def analysed(rows: list[np.ndarray]) -> Any:
+        return consistency.analyse(
+            [
+                consistency.Pair(p.request, g, p.reprefill, p.prompt_tokens, p.tokens)
+                for p, g in zip(pairs, rows, strict=True)
+            ],
+            dtype,
+        )
+
+    found: dict[str, Any] = {"single_rows_planted": 0, "single_rows_named": 0, "mutations": 0, "mutations_named": 0}
+    found["missed"] = []
+    for r, prompt in enumerate(prompts):
+        if len(generation[r]) <= prompt or prompt < 1:
+            continue  # one output token: no decode row
+        rows = [g.copy() for g in generation]
+        rows[r][prompt] = rows[r][prompt - 1]
+        result = analysed(rows)
+        found["single_rows_planted"] += 1
+        if [(f.request, f.row, f.kind) for f in result.token_faults] == [(pairs[r].request, prompt, "late")]:
+            found["single_rows_named"] += 1
+        else:
+            found["missed"].append(f"first decode row of request {r}: {result.summary()}")
+    try:
+        from tests.harness import routing_mutations
+    except ImportError:  # an installed package without the checkout's test harness
+        return found
+    for name, (mutate, fault) in routing_mutations.MUTATIONS.items():
+        result = analysed(mutate(generation, prompts))
+        found["mutations"] += 1
+        if result.verdict == fault:
+            found["mutations_named"] += 1
+        else:
+            found["missed"].append(f"{name}: {result.summary()}")
+    return found
 
 
 def save_pairs(path: Path, pairs: list[Any]) -> None:
@@ -302,6 +355,14 @@ def report(found: dict[str, Any]) -> list[str]:
         f"the oracle as shipped: {found['failing_runs']}/{found['runs']} runs FAIL"
     )
     lines += [f"    tail alone: {fault['text']}" for fault in found["tail_alone"][:8]]
+    planted = found.get("sensitivity")
+    if planted:
+        lines.append(
+            f"  planted on these rows: {planted['single_rows_named']}/{planted['single_rows_planted']} single misfiled "
+            f"rows named (each request's first decode row), {planted['mutations_named']}/{planted['mutations']} "
+            "faults of tests/harness/routing_mutations.py named"
+        )
+        lines += [f"    missed: {miss}" for miss in planted["missed"][:5]]
     lines += [f"    false alarm: {alarm['text']}" for alarm in found["false_alarms"][:5]]
     return lines
 

@@ -6,6 +6,7 @@ in one token: named by the tail alone, measured as its share of the layers, pass
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from tests import scripts
 from tests.preflight.test_token_faults import deep_truth, isolated_flips, pairs
@@ -47,3 +48,21 @@ def test_a_cascade_in_one_token_is_measured_against_the_whole_token_share() -> N
     lines = calibration.report({**found, "dtype": "bfloat16", "device": "cpu", "vllm": "x"})
     assert any(line.startswith("  tokens disagreeing in k MoE layers") for line in lines)
     assert any("tail alone: request 4 token 30" in line for line in lines)
+
+
+def test_sensitivity_plants_each_first_decode_row_and_each_fault_on_the_runs_rows() -> None:
+    rows, prompts = deep_truth(3)
+    reprefill = isolated_flips(rows, np.full(24, 0.01), 64, seed=3)
+    found = calibration.sensitivity(pairs(rows, reprefill, prompts), "bfloat16")
+    assert found["single_rows_planted"] == len(rows) == found["single_rows_named"], found["missed"]
+    assert found["mutations"] == 6 == found["mutations_named"], found["missed"]
+
+
+def test_sensitivity_counts_what_an_oracle_blind_to_single_rows_misses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the per-token rule off (a whole-token share no token reaches), every planted row is missed."""
+    from vllm_ascend_routing.preflight import token_faults
+
+    monkeypatch.setattr(token_faults, "WHOLE_TOKEN", 2.0)
+    rows, prompts = deep_truth(3)
+    found = calibration.sensitivity(pairs(rows, [r.copy() for r in rows], prompts), "bfloat16")
+    assert found["single_rows_named"] == 0 and len(found["missed"]) >= len(rows)

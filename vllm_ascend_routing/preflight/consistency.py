@@ -182,13 +182,13 @@ def analyse(
     pairs: list[Pair],
     dtype: str = "float32",
     moe_layers: list[int] | None = None,
-    whole_token: float = token_faults.WHOLE_TOKEN,
+    whole_token: float | None = None,
 ) -> Result:
     """Compare each request's generation rows with its re-prefill rows, per layer and per token; the verdict.
 
     ``moe_layers``: where known (the model's config), the layers to compare; else every layer either pass
-    routed (dense layers are all zero in both). ``whole_token``: the per-token rule's share
-    (``token_faults.WHOLE_TOKEN``; 0: the Poisson-binomial tail alone, as the calibration measures it)."""
+    routed (dense layers are all zero in both). ``whole_token``: the per-token rule's share (default
+    ``token_faults.WHOLE_TOKEN``; 0: the Poisson-binomial tail alone, as the calibration measures it)."""
     usable: list[tuple[str, np.ndarray, np.ndarray]] = []
     prompts: list[int | None] = []
     tokens: list[Sequence[int] | None] = []
@@ -215,18 +215,24 @@ def analyse(
     signatures = _signatures([ref for _, _, ref in usable], moe_layers)
     shared = _shared_prefixes(tokens)
     budget = TIE_BUDGET.get(dtype, DEFAULT_TIE_BUDGET)
-    # Per request, per (token, MoE layer): the row's code (token_faults.AGREE, LATE, ...) and, for OTHER, whence.
+    # Per request, per (token, MoE layer): the row's code (token_faults.AGREE, LATE, ...), for OTHER whence, and
+    # whether it differs from the re-prefill's by one expert only (what a near-tie flip does).
     codes = [np.zeros((len(gen), len(moe_layers)), dtype=np.int8) for _, gen, _ in usable]
     sources = [np.full((len(gen), len(moe_layers)), -1, dtype=np.int32) for _, gen, _ in usable]
-    layers = [
-        _layer(
-            usable, layer, moe_layers, signatures, shared, budget, [c[:, j] for c in codes], [s[:, j] for s in sources]
-        )
+    single = [np.zeros((len(gen), len(moe_layers)), dtype=bool) for _, gen, _ in usable]
+    traced = [
+        _layer(usable, layer, moe_layers, signatures, shared, *([c[:, j] for c in a] for a in (codes, sources, single)))
         for j, layer in enumerate(moe_layers)
     ]
     names = [name for name, _, _ in usable]
     refs = [ref[:, moe_layers] for _, _, ref in usable]
+    whole_token = token_faults.WHOLE_TOKEN if whole_token is None else whole_token
     named, thresholds = token_faults.find(names, codes, sources, moe_layers, prompts, refs, whole_token)
+    whole = token_faults.whole_kinds(codes, sources, refs, whole_token)
+    layers = [
+        _judged(result, [c[:, j] for c in codes], whole, [m[:, j] for m in single], facts, budget)
+        for j, (result, facts) in enumerate(traced)
+    ]
     in_faults: dict[int, int] = {}  # MoE layer -> rows of token faults in it (not near-ties)
     for fault in named:
         for layer in fault.layers:
@@ -287,12 +293,12 @@ def _layer(
     moe_layers: list[int],
     signatures: dict[bytes, list[tuple[int, int]]],
     shared: np.ndarray,
-    budget: float,
     codes: list[np.ndarray],
     sources: list[np.ndarray],
-) -> LayerResult:
-    """One MoE layer's numbers and verdict; fills ``codes[r]`` / ``sources[r]`` (this layer's column of each
-    request's row codes) for the per-token analysis."""
+    single: list[np.ndarray],
+) -> tuple[LayerResult, tuple[list[float], int]]:
+    """One MoE layer's numbers, before its verdict (``_judged``); fills ``codes[r]`` / ``sources[r]`` /
+    ``single[r]`` (this layer's column of each request's row codes, sources, single-expert differences)."""
     result = LayerResult(layer)
     top_k = usable[0][1].shape[-1]
     late = early = other = stale = untraced = 0
@@ -307,6 +313,7 @@ def _layer(
         result.exact += int(equal.sum())
         overlap = (gen[:, :, None] == ref[:, None, :]).any(-1).sum(-1) / top_k
         result.mean_overlap += float(overlap.sum())
+        single[r][:] = ~equal & (overlap * top_k == top_k - 1)
         zero = ~gen.any(-1) if top_k >= 2 else np.zeros(rows, dtype=bool)  # k >= 2: no real row is all zero
         zero_in_reprefill += int((~ref.any(-1)).sum()) if top_k >= 2 else 0
         result.zero_rows += int(zero.sum())
@@ -357,6 +364,27 @@ def _layer(
     result.offsets = {name: count / rows for name, count in offsets.items()}
     result.wrong = result.rows - result.exact
     result.traced = {"late": late, "early": early, "other": other, "stale": stale, "none": untraced}
+    return result, (other_share, zero_in_reprefill)
+
+
+def _judged(
+    result: LayerResult,
+    codes: list[np.ndarray],
+    whole: list[np.ndarray],
+    single: list[np.ndarray],
+    facts: tuple[list[float], int],
+    budget: float,
+) -> LayerResult:
+    """The layer's verdict. A traced row counts toward a structural fault where it cannot be a near-tie that
+    landed on a neighbour's routing by chance: it differs from the re-prefill's in more than one expert, or its
+    token's rows are that origin's as a whole (``token_faults.whole_kinds``). Other traced rows are near-ties."""
+
+    def structural(code: int) -> int:
+        return sum(int(((c == code) & (~m | (w == code))).sum()) for c, w, m in zip(codes, whole, single, strict=True))
+
+    late, early, other, stale = (structural(code) for code in (LATE, EARLY, OTHER, STALE))
+    untraced = result.wrong - result.zero_rows - late - early - other - stale
+    other_share, zero_in_reprefill = facts
     result.verdict = _verdict(result, late, early, other, stale, untraced, other_share, zero_in_reprefill, budget)
     result.near_ties = result.wrong if result.verdict == PASS else 0  # chance-traced ones too: no fault named
     return result

@@ -177,6 +177,30 @@ def find(
     return faults, thresholds
 
 
+def whole_kinds(
+    codes: list[np.ndarray], sources: list[np.ndarray], refs: list[np.ndarray], whole_token: float = WHOLE_TOKEN
+) -> list[np.ndarray]:
+    """Per request, per token: the code of the origin (LATE, EARLY, OTHER, STALE) whose rows the token holds in at
+    least ``whole_token`` of the layers where that origin differs (and in 2 layers at least), else AGREE: rows
+    filed whole, as a misfiling gives, not a near-tie landing on a neighbour's routing in a layer or two."""
+    layers = codes[0].shape[1] if codes else 0
+    found = [np.zeros(len(c), dtype=np.int8) for c in codes]
+    for r, (request_codes, request_sources) in enumerate(zip(codes, sources, strict=True)):
+        for row in map(int, np.flatnonzero(np.isin(request_codes, (LATE, EARLY, OTHER, STALE)).sum(axis=1) >= 2)):
+            for code, kind in ((LATE, "late"), (EARLY, "early"), (STALE, "stale"), (OTHER, "other")):
+                hit = request_codes[row] == code
+                source = None
+                if code == OTHER and hit.any():
+                    values, counts = np.unique(request_sources[row][hit], return_counts=True)
+                    source = int(values[np.argmax(counts)])
+                    hit &= request_sources[row] == source
+                count = int(hit.sum())
+                if count >= MIN_TOKEN_LAYERS and count >= whole_token * _differing(refs, kind, r, row, source, layers):
+                    found[r][row] = code
+                    break
+    return found
+
+
 def _differing(refs: list[np.ndarray] | None, kind: str, r: int, row: int, source: int | None, layers: int) -> int:
     """In how many MoE layers the rows of ``kind``'s origin differ from the token's own (re-prefill) rows: where a
     row filed from there would show. ``any`` and ``stale`` (a whole token's routing): every layer."""
