@@ -30,7 +30,8 @@ def test_rates_split_into_prompt_and_decode_rows_and_the_histogram_counts_every_
     assert found["disagreeing_layers_observed"][:2] == [tokens - 2, 2] and found["tokens"] == tokens
     assert abs(sum(found["disagreeing_layers_expected"]) - tokens) < 1e-6
     assert found["false_alarms"] == [] and found["tail_alone"] == [] and found["failing_runs"] == 0
-    assert found["suggested_budget"] == round(2 * 2 / tokens, 4)
+    assert found["worst_row_class_rate"] == 1 / decode  # the decode row's layer 3, over decode rows alone
+    assert found["suggested_budget"] == round(1.25 / decode, 4)
 
 
 def test_a_cascade_in_one_token_is_measured_against_the_whole_token_share() -> None:
