@@ -152,3 +152,17 @@ def test_near_ties_landing_on_a_neighbours_routing_are_no_structural_fault() -> 
         generation[0][i, 2] = rows[0][i - 1, 2]
     result = consistency.analyse(pairs(generation, rows), "bfloat16")
     assert result.verdict == consistency.SHIFTED_LATE and result.failing_layers == [2], result.summary()
+
+
+def test_swapped_requests_that_differ_in_one_layer_per_token_are_still_named() -> None:
+    """Two requests routing alike but for one expert in one layer per token (a small top-2 model, measured on the
+    e2e one): swapped, each token holds the other's rows in the only layer where they differ, one expert away.
+    Rows filed whole from the other request, not flips: OTHER_REQUEST."""
+    rows, prompts = truth()
+    rows[1] = rows[0].copy()
+    for i in range(len(rows[1])):
+        layer = 1 + i % (LAYERS - 1)
+        rows[1][i, layer, -1] = next(e for e in range(EXPERTS) if e not in rows[0][i, layer])
+    swapped = [rows[1], rows[0], *rows[2:]]
+    result = consistency.analyse(pairs(swapped, rows), "float32")
+    assert result.verdict == consistency.OTHER_REQUEST, result.summary()

@@ -208,3 +208,25 @@ def test_a_near_tie_that_lands_on_the_previous_tokens_routing_is_no_misfiled_row
     misfiled = run(22, [22, 23])  # differ in 2 layers, the previous token's in both
     assert [(f.request, f.row, f.kind, f.differing) for f in misfiled.token_faults] == [("3", 21, "late", 2)]
     assert "in 2/24 MoE layers of the 2 where they differ" in misfiled.token_faults[0].describe()
+
+
+def test_one_layer_no_flip_explains_is_a_misfiled_row() -> None:
+    """Tokens 20 and 21 route alike but in one layer: a row misfiled there shows in that layer only. Two experts
+    away from the token's own row there, no near-tie flip explains it: named (late, 1 of the 1 layer where they
+    differ). One expert away, it looks like a flip: a near-tie, counted."""
+    rows, prompts = truth()
+
+    def run(experts_apart: int) -> Any:
+        reprefill = [r.copy() for r in rows]
+        reprefill[2][21] = reprefill[2][20]
+        own = [e for e in range(16) if e not in reprefill[2][20, 3]]
+        reprefill[2][21, 3, -experts_apart:] = own[:experts_apart]  # layer 3: the only one where they differ
+        generation = [r.copy() for r in reprefill]
+        generation[2][21] = reprefill[2][20]  # token 21's rows filed from token 20
+        return consistency.analyse(pairs(generation, reprefill, prompts), "float32")
+
+    named = run(2)
+    assert [(f.request, f.row, f.kind, f.layers, f.flip) for f in named.token_faults] == [("2", 21, "late", [3], False)]
+    assert "no near-tie flip" in named.summary() and named.verdict == consistency.TOKEN_FAULT
+    looks_like_a_flip = run(1)
+    assert looks_like_a_flip.verdict == consistency.PASS and looks_like_a_flip.near_ties == 1

@@ -230,7 +230,7 @@ def analyse(
     names = [name for name, _, _ in usable]
     refs = [ref[:, moe_layers] for _, _, ref in usable]
     whole_token = token_faults.WHOLE_TOKEN if whole_token is None else whole_token
-    named, thresholds = token_faults.find(names, codes, sources, moe_layers, prompts, refs, whole_token)
+    named, thresholds = token_faults.find(names, codes, sources, moe_layers, prompts, refs, whole_token, single)
     whole = token_faults.whole_kinds(codes, sources, refs, whole_token)
     layers = [
         _judged(result, [c[:, j] for c in codes], whole, [m[:, j] for m in single], facts, budget)

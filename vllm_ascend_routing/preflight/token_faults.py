@@ -43,6 +43,7 @@ import numpy as np
 AGREE, LATE, EARLY, OTHER, STALE, UNTRACED, ZERO = range(7)
 CODE_NAMES = {LATE: "late", EARLY: "early", OTHER: "other", STALE: "stale", UNTRACED: "untraced", ZERO: "zero"}
 KINDS = ("late", "early", "other", "stale")  # traced kinds, tested each; "any" (every disagreement) besides
+TRACED = (LATE, EARLY, OTHER, STALE)
 DESCRIBE = {
     "late": "the same request's previous token's rows",
     "early": "the same request's next token's rows",
@@ -75,6 +76,7 @@ class TokenFault:
     prompt_tokens: int | None = None  # the request's prompt length, where known (to say prefill or decode)
     source: str | None = None  # kind "other": the request whose rows these are
     differing: int | None = None  # MoE layers where the origin's rows differ from the token's own (where it shows)
+    flip: bool = True  # False: named as no near-tie flip (a row more than one expert from its own), not by the tail
 
     def where(self) -> str:
         if self.prompt_tokens is None:
@@ -92,9 +94,14 @@ class TokenFault:
             if self.differing is not None and self.differing != self.moe_layers
             else ""
         )
+        why = (
+            f"p = {self.probability:.1e} from independent near-ties"
+            if self.flip
+            else "more than one expert from its own routing: no near-tie flip"
+        )
         return (
             f"{self.where()}: {self.kind}, {origin} in {len(self.layers)}/{self.moe_layers} MoE layers{shows} "
-            f"(disagrees in {self.disagreeing}; p = {self.probability:.1e} from independent near-ties)"
+            f"(disagrees in {self.disagreeing}; {why})"
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -132,12 +139,16 @@ def find(
     prompt_tokens: list[int | None] | None = None,
     refs: list[np.ndarray] | None = None,
     whole_token: float = WHOLE_TOKEN,
+    single: list[np.ndarray] | None = None,
 ) -> tuple[list[TokenFault], dict[str, int | None]]:
     """Tokens whose rows disagree in more MoE layers than independent near-ties explain, and each kind's
     threshold (layers). ``codes[r]``: ``[rows, len(moe_layers)]`` row codes of request ``r``; ``sources[r]``: for
     ``OTHER`` rows, the index of the request they came from (-1 elsewhere); ``refs[r]``: its re-prefill rows of the
     MoE layers, top-k sorted (``[rows, len(moe_layers), top_k]``), to tell in how many layers an origin's rows
-    differ from the token's own (``whole_token``; without them every layer counts)."""
+    differ from the token's own (``whole_token``; without them every layer counts); ``single[r]``: which wrong rows
+    differ from the re-prefill's by one expert only (what a near-tie flip does). A token whose rows are one origin's
+    in every layer where that origin differs, one of them more than one expert from its own, is named too, in one
+    layer (no flip does that)."""
     if not codes or len(moe_layers) < MIN_TOKEN_LAYERS:
         return [], {}
     every = np.concatenate(codes)  # [tokens, layers]
@@ -152,12 +163,16 @@ def find(
     prompts = prompt_tokens or [None] * len(codes)
     for r, (request_codes, request_sources) in enumerate(zip(codes, sources, strict=True)):
         wrong = (request_codes != AGREE) & (request_codes != ZERO)
-        for row in map(int, np.flatnonzero(wrong.sum(axis=1) >= MIN_TOKEN_LAYERS)):
+        candidates = wrong.sum(axis=1) >= MIN_TOKEN_LAYERS
+        if single is not None:  # a traced row no flip explains: a candidate in one layer too
+            candidates |= (np.isin(request_codes, TRACED) & ~single[r]).any(axis=1)
+        for row in map(int, np.flatnonzero(candidates)):
 
             def differing(kind: str, source: int | None, r: int = r, row: int = row) -> int:
                 return _differing(refs, kind, r, row, source, len(moe_layers))
 
-            fault = _judge(request_codes[row], request_sources[row], rates, tests, whole_token, differing)
+            flips = None if single is None else single[r][row]
+            fault = _judge(request_codes[row], request_sources[row], rates, tests, whole_token, differing, flips)
             if fault is not None:
                 kind, hit, probability, source, differ = fault
                 faults.append(
@@ -172,6 +187,7 @@ def find(
                         prompts[r],
                         None if source is None else requests[source],
                         differ,
+                        not math.isnan(probability),
                     )
                 )
     return faults, thresholds
@@ -181,12 +197,13 @@ def whole_kinds(
     codes: list[np.ndarray], sources: list[np.ndarray], refs: list[np.ndarray], whole_token: float = WHOLE_TOKEN
 ) -> list[np.ndarray]:
     """Per request, per token: the code of the origin (LATE, EARLY, OTHER, STALE) whose rows the token holds in at
-    least ``whole_token`` of the layers where that origin differs (and in 2 layers at least), else AGREE: rows
-    filed whole, as a misfiling gives, not a near-tie landing on a neighbour's routing in a layer or two."""
+    least ``whole_token`` of the layers where that origin differs (in 2 layers at least, or in every one where it
+    differs), else AGREE: rows filed whole, as a misfiling gives, not a near-tie landing on a neighbour's routing
+    in a layer or two of those where it differs."""
     layers = codes[0].shape[1] if codes else 0
     found = [np.zeros(len(c), dtype=np.int8) for c in codes]
     for r, (request_codes, request_sources) in enumerate(zip(codes, sources, strict=True)):
-        for row in map(int, np.flatnonzero(np.isin(request_codes, (LATE, EARLY, OTHER, STALE)).sum(axis=1) >= 2)):
+        for row in map(int, np.flatnonzero(np.isin(request_codes, TRACED).any(axis=1))):
             for code, kind in ((LATE, "late"), (EARLY, "early"), (STALE, "stale"), (OTHER, "other")):
                 hit = request_codes[row] == code
                 source = None
@@ -194,8 +211,8 @@ def whole_kinds(
                     values, counts = np.unique(request_sources[row][hit], return_counts=True)
                     source = int(values[np.argmax(counts)])
                     hit &= request_sources[row] == source
-                count = int(hit.sum())
-                if count >= MIN_TOKEN_LAYERS and count >= whole_token * _differing(refs, kind, r, row, source, layers):
+                count, differ = int(hit.sum()), _differing(refs, kind, r, row, source, layers)
+                if count >= whole_token * differ and (count >= MIN_TOKEN_LAYERS or count == differ >= 1):
                     found[r][row] = code
                     break
     return found
@@ -223,9 +240,11 @@ def _judge(
     tests: int,
     whole_token: float,
     differing: Callable[[str, int | None], int],
+    flips: np.ndarray | None = None,
 ) -> tuple[str, np.ndarray, float, int | None, int] | None:
     """The most telling explanation of one token's disagreements, if it is a fault:
-    ``(kind, layers hit, p, source, layers where that origin differs)``."""
+    ``(kind, layers hit, p, source, layers where that origin differs)``; p is NaN where the token is named as no
+    flip (``flips``: which of its rows differ from the re-prefill's by one expert only)."""
     candidates: list[tuple[float, str, np.ndarray, int | None]] = []
     for code, kind in ((LATE, "late"), (EARLY, "early"), (STALE, "stale")):
         hit = codes == code
@@ -242,8 +261,29 @@ def _judge(
     for probability, kind, hit, found in sorted(candidates, key=lambda item: item[0]):
         count = int(hit.sum())
         if count < MIN_TOKEN_LAYERS or probability * tests >= FALSE_ALARM or math.isnan(probability):
-            return None  # the most telling one is not enough: none is
+            break  # the most telling one is not enough: none is
         differ = differing(kind, found)
         if count >= whole_token * differ:  # the token's rows are that origin's wherever they would show
             return kind, hit, probability, found, differ
+    return _no_flip(codes, sources, differing, flips)
+
+
+def _no_flip(
+    codes: np.ndarray, sources: np.ndarray, differing: Callable[[str, int | None], int], flips: np.ndarray | None
+) -> tuple[str, np.ndarray, float, int | None, int] | None:
+    """A token whose rows are one origin's in every layer where that origin's routing differs from its own, one of
+    them more than one expert from its own row: no near-tie flip does that, in one layer as in many."""
+    if flips is None:
+        return None
+    for code, kind in ((LATE, "late"), (EARLY, "early"), (STALE, "stale"), (OTHER, "other")):
+        hit = codes == code
+        source = None
+        if code == OTHER and hit.any():
+            values, counts = np.unique(sources[hit], return_counts=True)
+            source = int(values[np.argmax(counts)])
+            hit &= sources == source
+        if hit.any() and (~flips[hit]).any():
+            differ = differing(kind, source)
+            if int(hit.sum()) >= differ:
+                return kind, hit, math.nan, source, differ
     return None
