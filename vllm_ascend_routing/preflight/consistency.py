@@ -52,7 +52,7 @@ TOKEN_FAULT = "TOKEN_FAULT"
 # for decode rows, the kernel differ, so a row can differ only where two router logits are closer than that
 # dtype's rounding. Set from benchmarks/oracle_calibration.py (docs/preflight.md, "Calibrating the oracle"):
 # bfloat16 on vLLM's CPU build, 24 MoE layers, top-8 of 64: no prompt row ever differed, decode rows up to 4.1% of
-# a layer's in one run; 1.25 x that: 5% (float16, 3 more mantissa bits: the same). float32: none in 6 runs; 1%
+# a layer's in one run; 1.25 x that: 5% (float16, 3 more mantissa bits: the same). float32: none in 4 runs; 1%
 # kept for accelerators (TF32 matmuls) until a GPU run measures them. Structural faults fail whatever the budget.
 TIE_BUDGET = {"float32": 0.01, "bfloat16": 0.05, "float16": 0.05}
 DEFAULT_TIE_BUDGET = 0.05
