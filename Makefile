@@ -14,7 +14,7 @@ TRAINER_ENVS ?= trainer-0.16.1 trainer-0.19.2
 VENV          = $$($(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: dist gpu-check house test venvs test-unit test-mutate mutate test-native test-native-cpu test-static test-ascend test-trainer test-e2e test-spec test-contract test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-handoff bench-kernel bench-compiled bench-sentinel matrix matrix-ascend
+.PHONY: dist gpu-check house test venvs test-unit test-mutate mutate test-native test-native-cpu test-static test-ascend test-trainer test-e2e test-spec test-contract test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-handoff bench-kernel bench-compiled bench-sentinel matrix matrix-ascend bench-oracle
 
 ## make dist: the sdist and the pure-Python py3-none-any wheel (version in the names) in dist/, for offline installs
 ## (pip install --no-index --no-deps dist/vllm_ascend_routing-*.whl); native kernels stay opt-in source builds
@@ -263,6 +263,18 @@ bench-kernel:
 ## ATen and against no capture; the calls of Inductor's generated code counted (does the op split a fusion?)
 bench-compiled:
 	@py=$(call VENV,dev) && $$py benchmarks/compiled_write.py
+
+## make bench-oracle [RELEASE=0.30.0] [RUNS=3] [ARCH=qwen3_moe_deep] [DTYPES=bfloat16,float32]: the re-prefill
+## oracle calibrated where it runs (one engine per dtype, RUNS clean runs of doctor's workload): per MoE layer the
+## share of prompt and decode rows whose top-k differs between the passes, per token the layers disagreeing at once
+## against independence, the near-tie budget and per-token allowance the data supports (docs/preflight.md);
+## stored as benchmarks/results/oracle-calibration-*.json
+RUNS   ?= 3
+ARCH   ?= qwen3_moe_deep
+DTYPES ?= bfloat16,float32
+bench-oracle:
+	@py=$(call VENV,$(RELEASE)) && PYTHONPATH=$(CURDIR) $$py benchmarks/oracle_calibration.py --runs $(RUNS) \
+		--arch $(ARCH) --dtypes $(DTYPES)
 
 ## make stress [RELEASE=0.23.0]: vllm serve + plugin, 300 requests from 64 clients, preemption, prefix hits,
 ## chunked prefill, aborts; every completed request exact (also in the suite, bounded: tests/e2e/test_stress.py)

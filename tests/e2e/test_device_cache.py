@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.test_consistency_oracle import FAULTS, assert_clean, assert_fault_named
+from tests.e2e.test_consistency_oracle import FAULTS, assert_clean, assert_engine_plant_named, assert_fault_named
 from tests.harness import vllm_0_21_cases
 from vllm_ascend_routing.preflight import models, scenarios
 
@@ -66,6 +66,10 @@ def test_the_oracle_passes_on_0_21s_arrays(served: dict[str, Any]) -> None:
 @pytest.mark.parametrize("name", FAULTS)
 def test_the_oracle_names_each_planted_fault(served: dict[str, Any], name: str) -> None:
     assert_fault_named(served["oracle"], name)
+
+
+def test_the_oracle_names_one_row_misfiled_in_the_engine(served: dict[str, Any]) -> None:
+    assert_engine_plant_named(served["oracle"])
 
 
 def test_vllm_alone(scenario: Any, served: dict[str, Any]) -> None:

@@ -129,21 +129,24 @@ def _check(
         if not totals.get("rows_checked", 0):
             problems.append("the always-on check saw no row (the workers' counters did not come back)")
 
+    layout = reprefill.Layout.of(engine.vllm_config)  # the workload scales to the engine as vLLM resolved it
     result, work = reprefill.run(
         engine.generate,
         lambda n: sampling_params(temperature=0.0, max_tokens=n, ignore_eos=True),
-        max(num_prompts, 8),
+        layout,
         int(model_config.get_vocab_size()),
-        int(model_config.max_model_len),
         max_tokens,
         str(model_config.dtype).removeprefix("torch."),  # as resolved (a flag's "auto": the model's)
         rows,
     )
     print_fn(
-        f"  re-prefill oracle: {work.requests} requests, {work.prompt_tokens} prompt tokens "
-        f"(longest {work.longest_prompt}, step budget {options.get('max_num_batched_tokens')}), "
-        f"{work.generated_tokens} generated, {work.cached_tokens} served from the prefix cache"
+        f"  re-prefill oracle: {work.requests} requests ({work.concurrent} at once, max_num_seqs "
+        f"{layout.max_num_seqs}), {work.prompt_tokens} prompt tokens (longest {work.longest_prompt}, step budget "
+        f"{layout.max_num_batched_tokens}: {work.chunked_prefills} chunked prefills), {work.generated_tokens} "
+        f"generated, {work.cached_tokens} served from the prefix cache (blocks of {layout.block_size})"
     )
+    for note in work.notes:
+        print_fn(f"  note: {note}")
     for line in result.table():
         print_fn(line)
     print_fn(f"  {result.summary()}")
