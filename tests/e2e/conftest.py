@@ -76,7 +76,7 @@ class Scenarios:
 
 
 # Scenarios whose front-end (where validation mode checks each returned array) is the scenario's own process.
-FRONT_END_HERE = ("offline", "speculative")
+FRONT_END_HERE = ("offline", "speculative", "disaggregation")
 # Arrays validation mode checked over those scenarios: validation that never ran would pass every array.
 VALIDATED = {"arrays": 0, "scenarios": 0}
 

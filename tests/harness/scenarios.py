@@ -29,6 +29,7 @@ import numpy as np
 from tests.harness import distributed, oracle, verl_handoff
 from tests.harness.bypass import run_bypass
 from tests.harness.data_parallel import run_data_parallel
+from tests.harness.disaggregation import run_disaggregation
 from tests.harness.server import Server, post
 from tests.harness.vllm_0_21_cases import run_device_cache
 from vllm_ascend_routing import validate
@@ -202,6 +203,7 @@ def main() -> None:
             "distributed",
             "verl-handoff",
             "device-cache",
+            "disaggregation",
         ],
     )
     parser.add_argument("--bypass", default="removed-hook", choices=["removed-hook", "xlite"], help="bypass: which")
@@ -239,6 +241,8 @@ def main() -> None:
         result = verl_handoff.run_verl_handoff(args.arch, Path(args.out), model_dir())
     elif args.scenario == "device-cache":
         result = run_device_cache(args.arch, args.mode)
+    elif args.scenario == "disaggregation":
+        result = run_disaggregation(args.arch)
     elif args.scenario == "speculative":
         result = run_speculative(args.arch, args.spec, args.k)
     else:

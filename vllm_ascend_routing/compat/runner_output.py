@@ -25,6 +25,7 @@ import torch
 from vllm_ascend_routing import patching
 from vllm_ascend_routing.capture import PreparedCapture
 from vllm_ascend_routing.compat._common import attach_buffer, misplaced_slot_group, prepare_capture
+from vllm_ascend_routing.compat._kv_slots import SlotRows
 from vllm_ascend_routing.compat._runners import CAPTURER_BINDER, CAPTURER_HOOKS, RUNNER_CLASSES
 from vllm_ascend_routing.compat.base import (
     Generation,
@@ -78,6 +79,7 @@ class RunnerOutputAPI(StepHooksNotUsed):
     runner_classes: Mapping[str, tuple[RunnerClass, ...]] = RUNNER_CLASSES
     rows_read_in_front_end = False  # rows travel in vLLM's runner output
     narrowed_by_expert_count = True  # vLLM returns the array as uint8 where the routed experts fit it
+    kv_rows = SlotRows()  # rows of tokens a KV connector loaded: in the scheduler's slot buffer (kv_transfer)
 
     def routed_experts_requested(self, vllm_config: Any) -> bool:
         return bool(vllm_config.model_config.enable_return_routed_experts)
