@@ -50,7 +50,7 @@ def test_loaded_rows_land_in_the_loaded_tokens_slots_and_survive_a_late_step() -
     manager = SlotManager()
     manager.routed_experts_by_slot[:] = 9  # another request's rows: what a loaded token's slot holds
     store = _kv_slots._SlotStore(manager)
-    request = SimpleNamespace(request_id="r", num_output_tokens=0, num_prompt_tokens=10)
+    request = SimpleNamespace(request_id="r", num_output_tokens=0, num_prompt_tokens=10, num_computed_tokens=8)
     carried = np.concatenate([rows(3, 1), rows(3, 2)])
     store.inject(request, blocks(5, 2, 7), 2, carried)  # tokens 2..7: slots 22, 23, 8, 9, 10, 11
     assert np.array_equal(manager.get([5, 2, 7], 8, token_start=2), carried)
@@ -60,6 +60,16 @@ def test_loaded_rows_land_in_the_loaded_tokens_slots_and_survive_a_late_step() -
     request.num_output_tokens = 1  # its prompt rows were read: the slots are the request's own again
     manager.store_batch(rows(1, 5), np.array([23]))
     assert manager.routed_experts_by_slot[23, 0, 0] == 5 and store.pending == {}
+
+
+def test_a_preempted_request_s_rows_leave_the_slots_to_their_next_owner() -> None:
+    manager = SlotManager()
+    store = _kv_slots._SlotStore(manager)
+    request = SimpleNamespace(request_id="r", num_output_tokens=0, num_prompt_tokens=10, num_computed_tokens=9)
+    store.inject(request, blocks(5, 2, 7), 0, rows(8, 1))
+    request.num_computed_tokens = 0  # preempted: its blocks went back to the pool
+    manager.store_batch(rows(1, 6), np.array([21]))  # another request computed into one of them
+    assert manager.routed_experts_by_slot[21, 0, 0] == 6 and store.pending == {}
 
 
 def test_prompt_rows_are_read_from_the_request_blocks() -> None:

@@ -108,6 +108,12 @@ def _since(start: float) -> float:
 
 
 def _close(llm: Any) -> None:
+    """Shut the in-process engine down, its worker's connector with it: vLLM keeps that connector in a process
+    global, which the next engine of this process would otherwise find and reuse."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    llm.llm_engine.engine_core.shutdown()
+    ensure_kv_transfer_shutdown()
     del llm
     gc.collect()
 

@@ -6,7 +6,8 @@ vLLM's ``RoutedExpertsManager`` keeps one row per KV slot (``routed_experts_by_s
 prompt rows from its blocks' slots when its prefill completes. A loaded token's slot was never written for it.
 ``SlotRows`` writes the carried rows there when vLLM allocates the blocks it loads into, and again after each
 step's ``store_batch`` until the request's prompt rows were read (a step still in flight for a request that held
-those slots before cannot overwrite them). A finished request's prompt rows are read from the same slots.
+those slots before cannot overwrite them), unless it was preempted meanwhile (its blocks may be another's then).
+A finished request's prompt rows are read from the same slots.
 
 vLLM 0.22-0.30 refuse routed experts with any KV connector in ``VllmConfig.__post_init__``. That check alone is
 lifted, for connectors the plugin carries rows for: the one read of ``KVTransferConfig.is_kv_transfer_instance``
@@ -157,15 +158,17 @@ class _SlotStore:
         self.manager = manager
         buffer: np.ndarray = manager.routed_experts_by_slot
         self.layout = RowLayout(int(buffer.shape[1]), int(buffer.shape[2]), buffer.dtype.name)
-        # request id -> (request, slots, rows): written again after each step until its prompt rows were read.
-        self.pending: dict[str, tuple[Any, np.ndarray, np.ndarray]] = {}
+        # request id -> (request, end of its loaded tokens, their slots, their rows): written again after each step
+        # until its prompt rows were read.
+        self.pending: dict[str, tuple[Any, int, np.ndarray, np.ndarray]] = {}
         patching.wrap(manager, "store_batch", self._then_carried)
 
     def _then_carried(self, store_batch: Any) -> Any:
         def then_carried(data: np.ndarray, slot_mapping: np.ndarray, *args: Any, **kwargs: Any) -> Any:
             result = store_batch(data, slot_mapping, *args, **kwargs)
-            for request_id, (request, slots, rows) in list(self.pending.items()):
-                if int(getattr(request, "num_output_tokens", 0) or 0) > 0:  # its prompt rows were read
+            for request_id, (request, end, slots, rows) in list(self.pending.items()):
+                # Its prompt rows were read, or it was preempted (its blocks may be another request's now).
+                if int(request.num_output_tokens) > 0 or int(request.num_computed_tokens) < end:
                     del self.pending[request_id]
                 else:
                     self.manager.routed_experts_by_slot[slots] = rows
@@ -182,7 +185,7 @@ class _SlotStore:
         block_ids = list(blocks.get_block_ids()[self.manager.attn_gid])
         slots = self.slots(block_ids, start, len(rows))
         self.manager.routed_experts_by_slot[slots] = rows
-        self.pending[request.request_id] = (request, slots, rows)
+        self.pending[request.request_id] = (request, start + len(rows), slots, rows)
 
     def prompt_rows(self, request: Any, block_ids: Any) -> np.ndarray | None:
         ids = block_ids[self.manager.attn_gid] if isinstance(block_ids, tuple) else block_ids
