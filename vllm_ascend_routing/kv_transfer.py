@@ -82,9 +82,18 @@ UNCOVERED: dict[str, str] = {
 def connector_patches(generations: tuple[Generation, ...]) -> tuple[Patch, ...]:
     """The connector API the scheduler hooks follow (wrapped per connector instance, not replaced)."""
     why = "followed per connector instance: which tokens are loaded, and when a request's KV is stored"
+    # Optional in the manifest: needed once a connector is configured (``refuse_uncovered`` checks them then).
     return tuple(
-        Patch(f"{_BASE}.{name}", why, "never while KV connectors are served", generations, params, action=RELY)
-        for name, params in (
+        Patch(
+            f"{_BASE}.{n}",
+            why,
+            "never while KV connectors are served",
+            generations,
+            params,
+            required=False,
+            action=RELY,
+        )
+        for n, params in (
             ("get_num_new_matched_tokens", ("self", "request", "num_computed_tokens")),
             ("update_state_after_alloc", ("self", "request", "blocks", "num_external_tokens")),
             ("request_finished", ("self", "request", "block_ids")),
@@ -140,7 +149,7 @@ def refuse_uncovered(vllm_config: Any, generation: str) -> None:
     kv_rows = getattr(get_api(), "kv_rows", None)
     if kv_rows is None or not carries(config):
         raise UnsupportedVllmError(refusal(config, generation, carried_here=kv_rows is not None))
-    # The carriers' rows are optional in the manifest (a release may lack a connector): required once it is used.
+    # The rows for KV connectors are optional in the manifest (an engine without one never needs them): required now.
     missing = [p.target for p in kv_rows.patches if patching.problem(dataclasses.replace(p, required=True))]
     if missing:
         raise UnsupportedVllmError(

@@ -44,17 +44,20 @@ BEGIN_STEP = Patch(
     _REMOVE,
     _AUX,
     ("self", "metadata"),
+    required=False,
 )
+# Needed only once a KV connector is configured: optional in the manifest, required then
+# (``kv_transfer.refuse_uncovered`` checks ``AuxRows.patches``).
 _RELIED = (
     Patch(f"{_SCHEDULER}.take_output", "a request's first chunk holds its prompt rows (wrapped per instance)",
-          _REMOVE, _AUX, ("self", "request", "output"), action=RELY),
+          _REMOVE, _AUX, ("self", "request", "output"), required=False, action=RELY),
     Patch(f"{_SCHEDULER}.build_connector_meta", "carried rows ride on the step's metadata (wrapped per instance)",
-          _REMOVE, _AUX, ("self", "scheduler_output", "requests"), action=RELY),
+          _REMOVE, _AUX, ("self", "scheduler_output", "requests"), required=False, action=RELY),
     Patch(f"{_WORKER}._publish_blocks", "carried blocks published as vLLM publishes captured ones",
-          _REMOVE, _AUX, ("self", "batches"), action=RELY),
+          _REMOVE, _AUX, ("self", "batches"), required=False, action=RELY),
     Patch("vllm.distributed.aux_output_connector.routed_experts:RoutedExpertsBuffer.capture",
           "carried rows staged as vLLM stages captured ones", _REMOVE, _AUX,
-          ("self", "request_id", "token_start", "rows"), action=RELY),
+          ("self", "request_id", "token_start", "rows"), required=False, action=RELY),
 )  # fmt: skip
 PATCHES = (SCHEDULER_INIT, BEGIN_STEP, *_RELIED, *kv_transfer.connector_patches(_AUX), *kv_carrier.patches(_AUX))
 _CARRIED = "_vllm_ascend_routing_carried"  # metadata attribute: {request id: (first token, rows)}

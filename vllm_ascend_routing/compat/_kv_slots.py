@@ -52,6 +52,8 @@ IS_KV_TRANSFER_INSTANCE = Patch(
     _REMOVE,
     _RUNNER,
 )
+# Relied on only once a KV connector is configured: optional in the manifest (an engine without one never needs
+# them), required then (``kv_transfer.refuse_uncovered`` checks ``SlotRows.patches``).
 _RELIED = (
     Patch(
         "vllm.config.vllm:VllmConfig.__post_init__",
@@ -59,14 +61,15 @@ _RELIED = (
         _REMOVE,
         _RUNNER,
         ("self",),
+        required=False,
         action=RELY,
     ),
     Patch(f"{_MANAGER}.store_batch", "carried rows are written again after each step's rows (per instance)",
-          _REMOVE, _RUNNER, ("self", "data", "slot_mapping"), action=RELY),
+          _REMOVE, _RUNNER, ("self", "data", "slot_mapping"), required=False, action=RELY),
     Patch(f"{_MANAGER}.get", "a finished request's prompt rows, read from its slots", _REMOVE, _RUNNER,
-          ("self", "block_ids", "num_tokens"), action=RELY),
+          ("self", "block_ids", "num_tokens"), required=False, action=RELY),
     Patch("vllm.v1.core.kv_cache_manager:KVCacheBlocks.get_block_ids", "the blocks vLLM loads into, per KV group",
-          _REMOVE, _RUNNER, ("self",), action=RELY),
+          _REMOVE, _RUNNER, ("self",), required=False, action=RELY),
 )  # fmt: skip
 PATCHES = (
     SCHEDULER_INIT,
