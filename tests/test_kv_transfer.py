@@ -240,3 +240,21 @@ def test_connector_rows_are_relied_on_not_replaced() -> None:
         "request_finished",
     ]
     assert all(row.action == RELY and not row.required for row in rows_)  # checked once a connector is configured
+
+
+def test_model_load_refuses_through_the_kv_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_common.refuse_unsupported_config`` (every generation's prepare) asks ``refuse_uncovered``: a covered
+    connector passes where the generation carries rows, anything else is refused by name."""
+    from vllm_ascend_routing import compat
+    from vllm_ascend_routing.compat import _common
+
+    def config(name: str) -> Any:
+        return SimpleNamespace(parallel_config=SimpleNamespace(), kv_transfer_config=kv_config(name))
+
+    monkeypatch.setattr(compat, "get_api", lambda: SimpleNamespace(kv_rows=SimpleNamespace(patches=())))
+    _common.refuse_unsupported_config(config("ExampleConnector"), "runner-output")
+    with pytest.raises(UnsupportedVllmError, match="LMCacheConnectorV1 .kv_consumer. is not covered"):
+        _common.refuse_unsupported_config(config("LMCacheConnectorV1"), "runner-output")
+    monkeypatch.setattr(compat, "get_api", lambda: SimpleNamespace())
+    with pytest.raises(UnsupportedVllmError, match="served from vLLM 0.22 on"):
+        _common.refuse_unsupported_config(config("ExampleConnector"), "device-cache")

@@ -61,7 +61,8 @@ def run_disaggregation(arch: str) -> dict[str, Any]:
     try:
         out: dict[str, Any] = {"arch": arch, "generation": get_api().generation.value}
         if getattr(get_api(), "kv_rows", None) is None:  # this generation refuses every connector
-            out["covered"] = _refused(model, storage, "ExampleConnector", "kv_consumer")
+            out["covered"] = _refused_at_load(model, storage)
+            out["refused_only"] = True  # no engine ran: no array to validate
             return out
         out["uncovered"] = _refused(model, storage, "NixlConnector", "kv_consumer")
         out.update(_disaggregated(model, storage))
@@ -101,6 +102,34 @@ def _refused(model: models.TinyMoE, storage: Path, connector: str, role: str) ->
         return {"refused": True, "error": type(error).__name__, "message": str(error)[-1500:], "seconds": _since(start)}
     _close(llm)
     return {"refused": False, "seconds": _since(start)}
+
+
+def _refused_at_load(model: models.TinyMoE, storage: Path) -> dict[str, Any]:
+    """The refusal every worker raises at model load (``kv_transfer.refuse_uncovered``, from the generation's
+    ``prepare``), on vLLM's own config for an ExampleConnector engine: an engine start would show it only in a
+    worker process's log (the CPU build's workers run apart on 0.20.x)."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_ascend_routing.compat import UnsupportedVllmError, get_api
+
+    args = EngineArgs(
+        model=str(model.path),
+        dtype="float32",
+        max_model_len=1024,
+        enable_return_routed_experts=True,
+        block_size=BLOCK_SIZE,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="ExampleConnector",
+            kv_role="kv_consumer",
+            kv_connector_extra_config={"shared_storage_path": str(storage)},
+        ),
+    )
+    try:
+        kv_transfer.refuse_uncovered(args.create_engine_config(), get_api().generation.value)
+    except UnsupportedVllmError as error:
+        return {"refused": True, "error": type(error).__name__, "message": str(error)}
+    return {"refused": False}
 
 
 def _since(start: float) -> float:
