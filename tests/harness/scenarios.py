@@ -13,6 +13,7 @@ and a prompt longer than ``max_num_batched_tokens`` (``chunked_prefill``), every
 transformers reference; the e2e suite's compiled run adds the re-prefill consistency oracle (``oracle.py``).
 ``serve`` does the same batch through the OpenAI completions API on loopback.
 ``verl-handoff`` saves vLLM's arrays for verl's R3 code in a trainer environment (``verl_handoff.py``).
+``disaggregation`` runs prefill/decode through vLLM's ExampleConnector, producer to consumer (``disaggregation.py``).
 """
 
 from __future__ import annotations
