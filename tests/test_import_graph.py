@@ -113,11 +113,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("releases", "runner_state", "_logging", "contract", "parallel", "_post_import", "compat._shm_store",
      "ops._id_rule", "ops._reference", "backends._layer", "errors"),
     ("envs", "patching"),  # settings; Patch and the one way to patch
-    ("ops", "capture", "sentinel", "validate", "_cpu_compat", "replay"),  # the op, the capture, the checks
-    ("compat.base", "compat._detect", "compat", "compat._runners", "runner_mixin", "peers"),  # the interface
+    ("ops", "capture", "sentinel", "validate", "_cpu_compat", "replay", "kv_carrier"),  # op, capture, checks
+    ("compat.base", "compat._detect", "compat", "compat._runners", "runner_mixin", "peers", "kv_transfer"),
     ("backends",),  # where routing is intercepted
     # the generations: each module the release table names, and what they share
-    ("compat._common", *(span.adapter.removeprefix("vllm_ascend_routing.") for span in releases.implemented())),
+    ("compat._common", "compat._kv_slots", "compat._kv_aux",
+     *(span.adapter.removeprefix("vllm_ascend_routing.") for span in releases.implemented())),
     ("manifest", "integration", ""),  # wiring: collect, verify, install; register()
     ("versions", "__main__", "preflight"),  # user-facing tools: doctor, its self-check and pre-flight
 )  # fmt: skip

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from vllm_ascend_routing import backends
+from vllm_ascend_routing import backends, kv_transfer
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import (
     LayerCapture,
@@ -122,7 +122,7 @@ def misplaced_slot_group(runner: Any) -> int | None:
 
 
 def refuse_unsupported_config(vllm_config: Any, generation: str) -> None:
-    """Raise for parallel layouts and KV transfer, whose routing rows this plugin cannot place exactly."""
+    """Raise for parallel layouts and KV connectors whose routing rows this plugin cannot place exactly."""
     parallel = vllm_config.parallel_config
     for attr, what in _PARALLELISM_REFUSED.items():
         size = getattr(parallel, attr, 1) or 1
@@ -138,11 +138,7 @@ def refuse_unsupported_config(vllm_config: Any, generation: str) -> None:
             "remove --enable-dbo or unset VLLM_ASCEND_ROUTING."
         )
     backends.refuse_unsupported_config(vllm_config)
-    if getattr(vllm_config, "kv_transfer_config", None) is not None:
-        raise UnsupportedVllmError(
-            "vllm-ascend-routing: KV-transfer connectors (P/D disaggregation, KV offload) load KV blocks whose "
-            "routing was never captured here; remove --kv-transfer-config or unset VLLM_ASCEND_ROUTING."
-        )
+    kv_transfer.refuse_uncovered(vllm_config, generation)  # connectors whose loaded tokens' rows are not carried
 
 
 def rank_layout(vllm_config: Any) -> RankLayout | None:

@@ -32,6 +32,7 @@ from vllm_ascend_routing import patching
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import PreparedCapture
 from vllm_ascend_routing.compat._common import GenerationAdapter, attach_buffer
+from vllm_ascend_routing.compat._kv_aux import AuxRows
 from vllm_ascend_routing.compat._runners import LOAD_MODEL, RUNNER_CLASSES
 from vllm_ascend_routing.compat.base import Generation, RunnerClass, RunnerHook, UnsupportedVllmError
 from vllm_ascend_routing.patching import RELY, Patch
@@ -145,6 +146,7 @@ class AuxOutputAPI(GenerationAdapter):
     runner_classes: Mapping[str, tuple[RunnerClass, ...]] = RUNNER_CLASSES
     rows_read_in_front_end = False  # rows travel through vLLM's AuxOutput connector
     narrowed_by_expert_count = True  # vLLM returns the array as uint8 where the routed experts fit it
+    kv_rows = AuxRows()  # rows of tokens a KV connector loaded: in the connector's block store (kv_transfer)
 
     def routed_experts_requested(self, vllm_config: Any) -> bool:
         return bool(vllm_config.aux_output_config.enable_return_routed_experts)

@@ -25,6 +25,7 @@ import torch
 from vllm_ascend_routing import patching
 from vllm_ascend_routing.capture import PreparedCapture
 from vllm_ascend_routing.compat._common import GenerationAdapter, attach_buffer, misplaced_slot_group
+from vllm_ascend_routing.compat._kv_slots import SlotRows
 from vllm_ascend_routing.compat._runners import CAPTURER_BINDER, CAPTURER_HOOKS, RUNNER_CLASSES
 from vllm_ascend_routing.compat.base import (
     Generation,
@@ -78,6 +79,7 @@ class RunnerOutputAPI(GenerationAdapter, StepHooksNotUsed):
     runner_classes: Mapping[str, tuple[RunnerClass, ...]] = RUNNER_CLASSES
     rows_read_in_front_end = False  # rows travel in vLLM's runner output
     narrowed_by_expert_count = True  # vLLM returns the array as uint8 where the routed experts fit it
+    kv_rows = SlotRows()  # rows of tokens a KV connector loaded: in the scheduler's slot buffer (kv_transfer)
 
     def install(self) -> None:
         for patch in PATCHES:
