@@ -126,7 +126,7 @@ def _end(report: dict[str, Any], print_fn: Callable[[str], Any], stage: str, tex
 def _fail(
     report: dict[str, Any], print_fn: Callable[[str], Any], stage: str, kind: str, reason: str, next_step: str
 ) -> int:
-    text = f"FAIL ({kind}): {reason}. Next: {next_step}"
+    text = f"FAIL ({kind}): {reason.rstrip('. ')}. Next: {next_step}"
     return _end(report, print_fn, stage, text, kind=kind, reason=reason, next_step=next_step)
 
 
@@ -292,6 +292,9 @@ def _model_check(
     options: dict[str, Any],
 ) -> int:
     from vllm_ascend_routing.preflight import model_check
+
+    if model.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(model)):
+        return _fail(report, print_fn, "engine_start", "model", f"--model {model}: no such path here", guide.MODEL)
 
     def start() -> tuple[bool, str, dict[str, Any]]:
         return model_check.run(model, print_fn, num_prompts, dtype=dtype, mode=mode, **options)

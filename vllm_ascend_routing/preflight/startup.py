@@ -86,10 +86,7 @@ def _missing_module(cause: Cause) -> str | None:
 def _package_step(cause: Cause) -> str:
     module = _missing_module(cause)
     if module is not None:
-        return (
-            f"install {module} in the environment vLLM runs in ({guide.PAIRS}); doctor's versions list shows what "
-            "is installed"
-        )
+        return f"install {module} in the environment vLLM runs in ({guide.PAIRS}); doctor's versions show the rest"
     return (
         f"the installed releases do not go together ({guide.PAIRS}): reinstall the pair, then rerun doctor; "
         f"releases the plugin serves: {guide.COMPATIBILITY}"
