@@ -99,13 +99,14 @@ test-static:
 			tests/backends/test_ascend_xlite.py::test_model_runner_v2_capture_on_the_installed_vllm; \
 	done
 
-## make test-trainer [TRAINER_ENVS=trainer-0.19.2]: the replay bridge on each Megatron-Core release, next to verl
+## make test-trainer [TRAINER_ENVS=trainer-0.19.2]: the replay bridge on each Megatron-Core release, next to verl;
+## docs/training.md's verl recipe against verl's own config (tests/test_verl_recipe.py)
 test-trainer:
 	@set -e; for env in $(TRAINER_ENVS); do \
 		echo "== $$env"; \
 		py=$$($(PYTHON) scripts/venv.py $$env --print); \
 		VLLM_ASCEND_ROUTING_TEST_REQUIRE=verl,megatron $$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider \
-			tests/test_replay.py tests/test_replay_megatron.py; \
+			tests/test_replay.py tests/test_replay_megatron.py tests/test_verl_recipe.py; \
 	done
 
 ## make test-e2e: the exact end-to-end tests on every release in E2E_RELEASES, then speculative decoding;
