@@ -6,6 +6,7 @@ machine) and ``docs/compatibility.md`` rendered from it (the vLLM table, then th
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -39,7 +40,7 @@ def _short(commit: object) -> str:
     return head[:12] + (f" + {changes}" if changes else "")
 
 
-def _provenance(rows: list[dict[str, Any]]) -> str:
+def _provenance(rows: Sequence[Mapping[str, Any]]) -> str:
     """Which commits the rows were checked at: one, or how many between the first and the last (by date)."""
     dated = sorted((str(row.get("checked_at", "")), _short(row.get("commit"))) for row in rows)
     commits = list(dict.fromkeys(commit for _, commit in dated))
@@ -54,7 +55,7 @@ def _provenance(rows: list[dict[str, Any]]) -> str:
     )
 
 
-def _checked(row: dict[str, Any]) -> str:
+def _checked(row: Mapping[str, Any]) -> str:
     return f"{str(row.get('checked_at', ''))[:10]}, {_short(row.get('commit'))}"
 
 
