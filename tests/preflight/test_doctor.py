@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -94,15 +95,17 @@ def passing_doctor(tmp_path: Path, *args: str) -> list[str]:
     env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "cache")}
     done = subprocess.run(
         [sys.executable, "-m", "vllm_ascend_routing", "doctor", *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,  # as a terminal shows both: the verdict must be the last line of all
         text=True,
         env=env,
         timeout=900,
         cwd=tmp_path,
     )
     lines = done.stdout.strip().splitlines()
-    verdicts = [line for line in lines if line.startswith(doctor.VERDICT)]  # vLLM workers may log after it
-    assert done.returncode == 0 and verdicts == [doctor.VERDICT + "PASS"], done.stdout[-3000:] + done.stderr[-3000:]
+    verdicts = [line for line in lines if line.startswith(doctor.VERDICT)]
+    assert done.returncode == 0 and verdicts == [doctor.VERDICT + "PASS"], done.stdout[-6000:]
+    assert lines[-1] == doctor.VERDICT + "PASS", lines[-20:]  # the engine shut down before it: nothing follows
     return lines
 
 
@@ -119,7 +122,11 @@ def on_the_newest_generation_only(option: str) -> None:
 def test_doctor_passes_on_this_release(tmp_path: Path) -> None:
     lines = passing_doctor(tmp_path, "--prompts", "2", "--mode", "eager")
     assert any(line.strip().startswith("API generation") for line in lines)
-    assert any("rows exact" in line and "batch" in line for line in lines)
+    detail = next(line for line in lines if "rows exact" in line and "batch" in line)
+    # The workers' always-on check counted the run's rows (their counters fetched, wherever the workers run).
+    assert re.search(r"always-on check: [1-9]\d* rows in \d+ steps, 0 all-zero, 0 invalid ids", detail), detail
+    forced = r"^\s+VLLM_ASCEND_ROUTING\s+True \(set by doctor: its engine runs the plugin\)$"
+    assert any(re.match(forced, line) for line in lines)
 
 
 @pytest.mark.vllm
@@ -159,6 +166,9 @@ def test_doctor_checks_a_users_own_model(tmp_path: Path) -> None:
         else:  # a dense layer: vLLM's zeros, labelled as such
             assert zero == n and experts == 1 and kind == "dense: no router, all zero by design", (layer, rows)
     assert any("strict validation passed" in line and "always-on check" in line for line in lines)
+    # What doctor set for its engine, and the tables' columns, are said in the report itself.
+    assert any(line.strip().startswith("set by doctor for this engine: ") for line in lines)
+    assert any(line.strip() == "columns of the tables above:" for line in lines)
     # The re-prefill consistency oracle, on the flags given: every MoE layer's rows agree, PASS.
     assert any("engine flags: --max-num-batched-tokens 32" in line for line in lines)
     assert any("step budget 32" in line for line in lines)
