@@ -81,7 +81,7 @@ RUNTIME_ENV_ONLY = ("runtime-env", "actor", "runtime-env-over-node-0")
 # docs/distributed.md's recipe, which those cases pass to ray.init (tests/e2e/test_distributed.py: the page's).
 RUNTIME_ENV = {"env_vars": {VARIABLE: "1"}}
 # The plugin's start-up lines as a case's output holds them (Ray prefixes a worker actor's lines with its pid).
-PLUGIN_LINES = re.compile(r"^.*vllm-ascend-routing (?:enabled: |: all \d+ worker\(s\) run the plugin ).*$", re.M)
+PLUGIN_LINES = re.compile(r"^.*vllm-ascend-routing(?: enabled: |: all \d+ worker\(s\) run the plugin ).*$", re.M)
 
 
 @dataclass(frozen=True)
