@@ -246,14 +246,15 @@ def doctor_process(python: str, *args: str, cwd: Path, env: dict[str, str] | Non
     from tests.harness import pythonpath
 
     environment = pythonpath({**os.environ, **(env or {})})  # this checkout, in any interpreter
-    command = [python, "-m", "vllm_ascend_routing", "doctor", *args]
-    text = subprocess.run(command, capture_output=True, text=True, env=environment, cwd=cwd, timeout=600)
-    as_json = subprocess.run(
-        [*command, "--json"], capture_output=True, text=True, env=environment, cwd=cwd, timeout=600
+    command = [python, "-m", "vllm_ascend_routing", "doctor"]
+    text = subprocess.run([*command, *args], capture_output=True, text=True, env=environment, cwd=cwd, timeout=600)
+    as_json = subprocess.run(  # --json before the engine flags: what follows "--" is vLLM's
+        [*command, "--json", *args], capture_output=True, text=True, env=environment, cwd=cwd, timeout=600
     )
     assert text.returncode == as_json.returncode, (text.stderr[-2000:], as_json.stderr[-2000:])
     last = text.stdout.strip().splitlines()[-1]
-    assert as_json.stderr.strip().splitlines()[-1] == last  # --json: the text on stderr, its verdict last there too
+    tail = as_json.stderr.strip().splitlines()
+    assert tail[-1] == last, tail[-5:]  # --json: the text on stderr, its verdict last there too
     return text.returncode, last, json.loads(as_json.stdout)
 
 

@@ -136,8 +136,9 @@ def _failed_start(
     """A stage that raised: the traceback on stderr (for a bug report), then its classification and verdict."""
     from vllm_ascend_routing.preflight import startup
 
-    traceback.print_exception(exc, file=sys.stderr)
     failure = startup.classify(exc, log)
+    if failure.kind != "engine_flags":  # vLLM's parser said why already; any other traceback is for a bug report
+        traceback.print_exception(exc, file=sys.stderr)
     print_fn(f"  {stage.replace('_', ' ')} failed ({failure.kind}): {failure.reason}")
     print_fn(f"  next step: {failure.next_step}")
     return _fail(report, print_fn, stage, failure.kind, failure.reason, failure.next_step)
