@@ -45,7 +45,7 @@ def test_the_settings_doctor_forces_are_labelled_as_such(monkeypatch: pytest.Mon
     monkeypatch.setattr(findings, "binder_coverage", lambda: {"module_level": False, "rows": [], "unknown": []})
     monkeypatch.setattr(self_check, "run", lambda *a: {"ok": True, "detail": "stand-in"})
     monkeypatch.setattr(model_check, "run", lambda *a, **k: (True, "stand-in", {}))
-    for model, validate in ((None, "log"), ("/m", "strict")):
+    for model, validate in ((None, "log"), ("/", "strict")):
         printed: list[str] = []
         report = doctor.new_report()
         doctor.run(print_fn=printed.append, platform="cpu", model=model, report=report)

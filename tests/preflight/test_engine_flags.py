@@ -77,7 +77,7 @@ def test_flags_vllm_refuses_are_a_clear_fail_of_doctor(monkeypatch: pytest.Monke
     monkeypatch.setattr(model_check, "run", refused)
     printed: list[str] = []
     report = doctor.new_report()
-    assert doctor.run(print_fn=printed.append, platform="cpu", model="/m", report=report) == 1
+    assert doctor.run(print_fn=printed.append, platform="cpu", model="/", report=report) == 1  # a path that exists
     reason = "EngineFlagsError: vLLM's engine-argument parser refused: --no-such-flag"
     assert printed[-1] == doctor.VERDICT + f"FAIL (engine_flags): {reason}. Next: {guide.ENGINE_FLAGS}"
     assert (report["verdict"]["stage"], report["verdict"]["kind"]) == ("engine_start", "engine_flags")

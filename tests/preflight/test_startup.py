@@ -260,9 +260,8 @@ def doctor_process(python: str, *args: str, cwd: Path, env: dict[str, str] | Non
 
 def test_without_torch_doctor_ends_in_a_verdict_with_its_versions(tmp_path: Path) -> None:
     """An interpreter with no torch (and no vLLM): a bare virtual environment of this Python."""
-    import venv
-
-    venv.create(tmp_path / "bare", with_pip=False)
+    # -I: the standard library's venv (a test that puts scripts/ on sys.path would shadow it with scripts/venv.py)
+    subprocess.run([sys.executable, "-I", "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True)
     status, last, report = doctor_process(str(tmp_path / "bare" / "bin" / "python"), cwd=tmp_path)
     assert status == 1 and last.startswith(
         doctor.VERDICT + "FAIL (package): ModuleNotFoundError: No module named 'torch'"
