@@ -83,9 +83,7 @@ def setting_text(setting: dict[str, Any]) -> str:
 
 def environment_report() -> tuple[list[tuple[str, str]], str | None]:
     """``(label, value)`` lines, and the reason the plugin cannot run here (``None`` when it can)."""
-    from vllm_ascend_routing.preflight import doctor
-
-    report = doctor.new_report()
+    report: dict[str, Any] = dict.fromkeys(("vllm", "generation", "refused", "platform", "kernel_backend"))
     problem = environment(report)
     return environment_lines(report), problem
 
