@@ -44,6 +44,12 @@ def compose(overrides: list[str]) -> Any:
         return hydra_compose(config_name="ppo_trainer", overrides=overrides)
 
 
+@pytest.fixture(scope="module")
+def recipe() -> Any:
+    """verl's config with the documented overrides (and a user's batch setting), composed once."""
+    return compose(documented_overrides() + USER_SETTINGS)
+
+
 def test_the_documented_overrides_are_the_expected_ones() -> None:
     assert documented_overrides() == [
         "model_engine=megatron",
@@ -54,13 +60,13 @@ def test_the_documented_overrides_are_the_expected_ones() -> None:
     ]
 
 
-def test_verl_reads_r3_from_the_documented_overrides() -> None:
+def test_verl_reads_r3_from_the_documented_overrides(recipe: Any) -> None:
     import verl
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.config import McoreActorConfig, RolloutConfig
 
     assert verl.__version__ == "0.9.1"
-    config = compose(documented_overrides() + USER_SETTINGS)
+    config = recipe
     actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
     rollout = omega_conf_to_dataclass(config.actor_rollout_ref.rollout)
     assert isinstance(actor, McoreActorConfig) and isinstance(rollout, RolloutConfig)
@@ -70,12 +76,12 @@ def test_verl_reads_r3_from_the_documented_overrides() -> None:
     assert rollout.name == "vllm" and rollout.enable_rollout_routing_replay is True
 
 
-def test_the_runtime_env_verl_passes_to_ray_carries_the_switch() -> None:
+def test_the_runtime_env_verl_passes_to_ray_carries_the_switch(recipe: Any) -> None:
     from omegaconf import OmegaConf
     from ray.runtime_env import RuntimeEnv
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
-    config = compose(documented_overrides() + USER_SETTINGS)
+    config = recipe
     # verl/trainer/main_ppo.py, run_ppo: verl's defaults merged with ray_kwargs.ray_init.runtime_env
     merged = OmegaConf.merge(get_ppo_ray_runtime_env(config), config.ray_kwargs.ray_init.get("runtime_env", {}))
     runtime_env = OmegaConf.to_container(merged)
