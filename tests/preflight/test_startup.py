@@ -320,3 +320,21 @@ def test_vllms_numa_refusal_ends_in_a_numa_verdict(tmp_path: Path) -> None:
     assert status == 1 and last.startswith(doctor.VERDICT + "FAIL (numa_binding): AssertionError: Not enough allowed")
     assert report["verdict"]["next_step"] == guide.NUMA_BINDING and report["verdict"]["stage"] == "engine_start"
     print(last)
+
+
+def test_the_engine_env_doctor_set_is_reported_when_the_engine_did_not_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_ascend_routing.preflight import offline
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+
+    def start() -> None:  # model_check sets the engine's variables, then vLLM refuses
+        offline.set_engine_env({"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+        vllm_numa_assertion()
+
+    try:
+        _, report = run_doctor(monkeypatch, start)
+        assert (
+            report["engine_env"] == {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} and report["verdict"]["kind"] == "numa_binding"
+        )
+    finally:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)

@@ -292,7 +292,7 @@ def _model_check(
     mode: str,
     options: dict[str, Any],
 ) -> int:
-    from vllm_ascend_routing.preflight import model_check
+    from vllm_ascend_routing.preflight import model_check, offline
 
     if model.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(model)):
         return _fail(report, print_fn, "engine_start", "model", f"--model {model}: no such path here", guide.MODEL)
@@ -300,12 +300,16 @@ def _model_check(
     def start() -> tuple[bool, str, dict[str, Any]]:
         return model_check.run(model, print_fn, num_prompts, dtype=dtype, mode=mode, **options)
 
+    before = {name: os.environ.get(name) for name in offline.ENGINE_ENV}
     checked, failed = _engine(report, print_fn, "engine_start", start)
+    # What model_check set for the engine, also where it did not start (the report is printed after this).
+    report["engine_env"] = {
+        name: os.environ[name] for name, was in before.items() if was is None and name in os.environ
+    }
     if failed is not None:
         return failed
     ok, detail, extra = checked
     report["model_check"] = {"model": model, "ok": ok, "detail": detail, **extra}
-    report["engine_env"] = extra.get("engine_env", {})
     _device_name(report)
     print_fn("  columns of the tables above:")
     for names, meaning in COLUMNS:
