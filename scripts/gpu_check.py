@@ -45,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "vllm_ascend_routing"
 BUDGET_S = 8 * 60  # the whole check, build included
-TESTS = ("tests/ops", "tests/test_sentinel.py", "tests/test_parallel.py")
+TESTS = ("tests/ops", "tests/test_sentinel.py", "tests/test_sentinel_streams.py", "tests/test_parallel.py")
 TRITON_TESTS = ("tests/ops/test_triton_kernel.py",)
 CPU_KERNEL_TESTS = ("tests/ops/test_cpu_kernel.py",)
 
