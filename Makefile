@@ -177,14 +177,15 @@ gpu-check:
 
 ## make gpu-e2e-prep: here (it reaches the package index; the GPU machine does not), the payload one GPU run carries,
 ## into the git-ignored GPU_E2E_PAYLOAD: vLLM 0.26.0's CUDA wheel cut to sm_90 and the wheels its engine needs
-## (scripts/gpu_e2e/prep.py); checks it fits the 64 MiB a device run carries and prints its size (docs/gpu-e2e.md)
+## (scripts/gpu_e2e/prep.py); checks it fits the 64 MiB a device run carries and prints its size
+## (docs/development.md, "The GPU end-to-end run")
 GPU_E2E_PAYLOAD  ?= .gpu-e2e
 GPU_E2E_ONLY     ?=
 GPU_E2E_DEADLINE ?=
 gpu-e2e-prep:
 	@$(PYTHON) scripts/gpu_e2e/prep.py --dest $(GPU_E2E_PAYLOAD)
 
-## make gpu-e2e PYTHON=python3 [GPU_E2E_ONLY=eager_f32,bench] [GPU_E2E_DEADLINE=480]: on the GPU machine (H100/H200,
+## make gpu-e2e PYTHON=python3 [GPU_E2E_ONLY=eager_f32,bench] [GPU_E2E_DEADLINE=420]: on the GPU machine (H100/H200,
 ## no network) with the payload carried: installs it, builds the CUDA kernel, runs the smoke, the CUDA tests and the
 ## engine checks (vLLM 0.26.0, plugin on); writes summary.json, results.md and logs to $$OUT (else build/gpu-e2e);
 ## fails, naming the missing GPU, where there is none (scripts/gpu_e2e/device_run.py)

@@ -299,3 +299,20 @@ def test_table_shows_rows_oracle_and_the_check() -> None:
     result = {**good_result("graphs_f32"), "what": "graphs", "oracle": {"consistency": {"verdict": "PASS"}}}
     lines = engine_checks.table({"graphs_f32": jobs.Outcome("graphs_f32", "passed", 9.0, 0, result)})
     assert lines[2] == "| graphs_f32 | graphs | passed | 90 / 90 | PASS | 500, 0, 0 |"
+
+
+def test_native_cases_run_from_the_built_copy_after_the_build(tmp_path: Path) -> None:
+    """The case on the native kernel runs the copy's own cases.py with the copy's environment, after the build; every
+    other case runs the checkout's, at once."""
+    tree = tmp_path / "tree"
+    plan = engine_checks.plan(
+        list(cases.ALL_CASES), False, tmp_path, {"WHICH": "checkout"}, (tree, {"WHICH": "copy"}), "kernel_build"
+    )
+    for job in plan:
+        native = job.name in cases.CASES and cases.CASES[job.name].native
+        root = tree if native else scripts.ROOT
+        assert job.command[1] == str(root / "scripts" / "gpu_e2e" / "cases.py"), job.name
+        assert job.env["WHICH"] == ("copy" if native else "checkout")
+        assert job.after == (("kernel_build",) if native else ())
+        assert job.needs_ok and "--cpu" not in job.command
+    assert sum(cases.CASES[j.name].native for j in plan if j.name in cases.CASES) == 1

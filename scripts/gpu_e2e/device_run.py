@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""make gpu-e2e: the plugin inside real vLLM 0.26.0 CUDA engines on one NVIDIA GPU, in one run (docs/gpu-e2e.md).
+"""make gpu-e2e: the plugin inside real vLLM 0.26.0 CUDA engines on one NVIDIA GPU, in one run
+(docs/development.md, "The GPU end-to-end run").
 
-    make gpu-e2e PYTHON=python3 [GPU_E2E_ONLY=eager_f32,bench] [GPU_E2E_DEADLINE=480]
+    make gpu-e2e PYTHON=python3 [GPU_E2E_ONLY=eager_f32,bench] [GPU_E2E_DEADLINE=420]
 
 For the GPU machine (an H100 or H200: sm_90; Python 3.12 with torch 2.11.0+cu130, nvcc, pytest; no network), from the
 checkout's root, with the payload ``make gpu-e2e-prep`` built here carried along (``.gpu-e2e``). In order:
@@ -19,7 +20,7 @@ checkout's root, with the payload ``make gpu-e2e-prep`` built here carried along
    the CUDA tests on it (``cuda_tests``: kernel, CUDA-graph placement, the sentinel's device path and stream order)
    and the engine check that runs on the native kernel; the benchmark times its engines once the others are done.
 
-A deadline (``--deadline``, default 480 s from the start) stops what has not finished and still writes what did.
+A deadline (``--deadline``, default 420 s from the start) stops what has not finished and still writes what did.
 Into ``--out`` (default ``$OUT`` on the device machine, else ``build/gpu-e2e``), four files, what one device run
 returns: ``summary.json`` (every step and case, the versions, the card, the commit), ``results.md`` (the table),
 ``run.log`` (this script's output) and ``engines.log`` (every job's log). Exit status 0 only if everything passed.
@@ -50,8 +51,8 @@ import engine_checks  # noqa: E402
 from jobs import Job, run_jobs  # noqa: E402
 
 WORK = Path("/tmp/gpu-e2e")  # on the GPU machine: kept while it stays up between runs
-DEADLINE_S = 480.0
-PARALLEL = 5  # engine jobs at a time (the benchmark's job runs three engines)
+DEADLINE_S = 420.0
+PARALLEL = 6  # engine jobs at a time (the benchmark's job runs three engines)
 LOG_TAIL_BYTES = 2 * 2**20  # per job in engines.log: a file that comes back is at most 16 MiB
 WANTED = {"arch": (9, 0), "python": (3, 12), "torch": "2.11"}
 CUDA_TESTS = ("tests/test_parallel.py", "tests/test_sentinel_streams.py", "tests/test_sentinel.py", "tests/ops")
@@ -229,7 +230,8 @@ def device_jobs(names: list[str], site: Path, log_dir: Path) -> list[Job]:
         engine=False,
         cwd=str(tree),
     )
-    engines = engine_checks.plan(names, False, log_dir, engine_env(site, ROOT), engine_env(site, tree), "kernel_build")
+    native = (tree, engine_env(site, tree))
+    engines = engine_checks.plan(names, False, log_dir, engine_env(site, ROOT), native, "kernel_build")
     jobs = [build, tests, *engines]
     engine_checks.announce_quiet(log_dir, jobs)
     return jobs

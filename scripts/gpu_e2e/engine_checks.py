@@ -9,7 +9,7 @@ process of its own, several at once (tiny models, a fixed small KV cache each), 
 for all; the cases marked ``native`` wait for the CUDA kernel's build and run on it, the others on Triton's kernel;
 the benchmark's engines start with the others and time their batches once every other engine is done.
 
-``--cpu`` (run it under ``/work/wt/engine-slot`` or on a machine of your own) runs the same plan on the vLLM CPU
+``--cpu`` (with the 0.26.0 environment's python: ``scripts/venv.py 0.26.0 --print``) runs the same plan on the vLLM CPU
 build of this venv, without the cases that need a GPU (``cases.GPU_ONLY``), one engine at a time by default: what
 fails here fails there too, before a GPU's minutes are spent on it.
 """
@@ -47,17 +47,24 @@ def selected(cpu: bool, only: list[str] | None) -> list[str]:
 
 
 def plan(
-    names: list[str], cpu: bool, log_dir: Path, env: dict[str, str], native_env: dict[str, str], build: str | None
+    names: list[str],
+    cpu: bool,
+    log_dir: Path,
+    env: dict[str, str],
+    native: tuple[Path, dict[str, str]] | None = None,
+    build: str | None = None,
 ) -> list[Job]:
-    """One job per case; ``native`` cases run with ``native_env`` after the job ``build`` (skipped if it failed)."""
+    """One job per case. ``native``: the checkout copy with the CUDA kernel built into it and its environment; the
+    cases marked ``native`` run from that copy, after the job ``build`` (skipped if it failed)."""
     jobs = []
     for name in names:
-        native = name in cases.CASES and cases.CASES[name].native
-        command = [sys.executable, str(HERE / "cases.py"), name, *(["--cpu"] if cpu else [])]
+        on_native = native is not None and name in cases.CASES and cases.CASES[name].native
+        root, case_env = native if native is not None and on_native else (ROOT, env)
+        command = [sys.executable, str(root / "scripts" / "gpu_e2e" / "cases.py"), name, *(["--cpu"] if cpu else [])]
         extra = {"GPU_E2E_LOG_DIR": str(log_dir), "GPU_E2E_QUIET": str(log_dir / QUIET_FILE)}
         timeout = BENCH_TIMEOUT_S[cpu] if name == cases.BENCH_CASE else ENGINE_TIMEOUT_S[cpu]
-        after = (build,) if native and build else ()
-        jobs.append(Job(name, command, {**(native_env if native else env), **extra}, timeout, after, needs_ok=True))
+        after = (build,) if on_native and build else ()
+        jobs.append(Job(name, command, {**case_env, **extra}, timeout, after, needs_ok=True))
     return jobs
 
 
@@ -123,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {"PYTHONPATH": str(ROOT), "VLLM_ASCEND_ROUTING": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
     started = time.monotonic()
     print(f"engine checks (CPU dry run): {', '.join(names)}; models: {build_models(names, sys.executable, env)}")
-    jobs = plan(names, True, log_dir, env, env, None)
+    jobs = plan(names, True, log_dir, env)
     announce_quiet(log_dir, jobs)
     outcomes = run_jobs(jobs, log_dir, started + args.deadline, args.parallel)
     outcomes.pop("quiet", None)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""make gpu-e2e-prep: build, here, the payload one GPU run carries (docs/gpu-e2e.md).
+"""make gpu-e2e-prep: build, here, the payload one GPU run carries (docs/development.md, "The GPU end-to-end run").
 
     python scripts/gpu_e2e/prep.py [--dest .gpu-e2e] [--force]
 
@@ -18,9 +18,9 @@ The GPU machine has Python 3.12 and torch 2.11.0+cu130 but no network, and a run
 4. writes ``manifest.json`` (recipe hash, files, sizes, SHA-256) and checks that the payload with the working tree
    stays under the 64 MiB one run carries; prints the sizes.
 
-Reused as it is when its manifest's recipe (this script, ``fatbin.py``, ``requirements.txt``) is unchanged and every
-file is there with its size (``--force`` rebuilds). The destination must be ignored by git (``.gitignore`` has
-``/.gpu-e2e/``): it travels only as the run's ``carry``.
+Reused as it is when its manifest's recipe (the release, what is dropped and cut, the pins, ``fatbin.py``) is
+unchanged and every file is there with its size (``--force`` rebuilds). The destination must be ignored by git
+(``.gitignore`` has ``/.gpu-e2e/``): it travels only as the run's ``carry``.
 """
 
 from __future__ import annotations
@@ -74,10 +74,17 @@ class PrepError(RuntimeError):
     """The payload could not be built or does not fit: the message says why."""
 
 
+def requirements() -> list[str]:
+    """``requirements.txt``'s pins, comments left out."""
+    lines = (line.split("#", 1)[0].strip() for line in (HERE / "requirements.txt").read_text().splitlines())
+    return [line for line in lines if line]
+
+
 def recipe_hash() -> str:
-    digest = hashlib.sha256(VLLM_VERSION.encode())
-    for name in ("prep.py", "fatbin.py", "requirements.txt"):
-        digest.update((HERE / name).read_bytes())
+    """What decides the payload's bytes: the release, what is dropped and cut, the pins, the cutting code."""
+    recipe = [VLLM_VERSION, ARCH, DROPPED, STUB, STRIPPED, PYTHON_TAG, PLATFORMS, requirements()]
+    digest = hashlib.sha256(json.dumps(recipe).encode())
+    digest.update((HERE / "fatbin.py").read_bytes())
     return digest.hexdigest()[:16]
 
 
