@@ -296,9 +296,11 @@ def test_verdict_on_the_cpu_does_not_ask_for_gpu_facts() -> None:
 
 
 def test_table_shows_rows_oracle_and_the_check() -> None:
-    result = {**good_result("graphs_f32"), "what": "graphs", "oracle": {"consistency": {"verdict": "PASS"}}}
+    layers = [{"layer": 0, "near_ties": 1, "rows": 40}, {"layer": 2, "near_ties": 0, "rows": 40}]
+    consistency = {"verdict": "PASS", "layers": layers}
+    result = {**good_result("graphs_f32"), "what": "graphs", "oracle": {"consistency": consistency}}
     lines = engine_checks.table({"graphs_f32": jobs.Outcome("graphs_f32", "passed", 9.0, 0, result)})
-    assert lines[2] == "| graphs_f32 | graphs | passed | 90 / 90 | PASS | 500, 0, 0 |"
+    assert lines[2] == "| graphs_f32 | graphs | passed | 90 / 90 | PASS (near-ties L0 1/40, L2 0/40) | 500, 0, 0 |"
 
 
 def test_native_cases_run_from_the_built_copy_after_the_build(tmp_path: Path) -> None:

@@ -94,15 +94,24 @@ def build_models(names: list[str], python: str, env: dict[str, str]) -> str:
     return ", ".join(archs)
 
 
+def oracle_cell(consistency: dict[str, Any] | None) -> str:
+    """The re-prefill oracle's verdict and, per MoE layer, its near-ties over the rows it compared."""
+    if not consistency:
+        return "-"
+    layers = ", ".join(f"L{layer['layer']} {layer['near_ties']}/{layer['rows']}" for layer in consistency["layers"])
+    return f"{consistency['verdict']} (near-ties {layers})"
+
+
 def table(outcomes: dict[str, Outcome]) -> list[str]:
     """One line per case: status, rows exact / total over its parts, the oracle's verdict, the always-on check."""
-    lines = ["| check | configuration | result | rows exact / total | oracle | always-on check (rows, zero, invalid) |"]
+    header = "| check | configuration | result | rows exact / total | re-prefill oracle |"
+    lines = [header + " always-on check (rows, zero, invalid) |"]
     lines.append("|---|---|---|---|---|---|")
     for name, outcome in outcomes.items():
         result = outcome.result or {}
         parts = [v for v in result.values() if isinstance(v, dict) and "rows" in v and "matched" in v]
         rows = f"{sum(p['matched'] for p in parts)} / {sum(p['rows'] for p in parts)}" if parts else "-"
-        oracle = result.get("oracle", {}).get("consistency", {}).get("verdict", "-")
+        oracle = oracle_cell(result.get("oracle", {}).get("consistency"))
         sentinel = result.get("sentinel")
         check = (
             "-" if not sentinel else f"{sentinel['rows_checked']}, {sentinel['zero_rows']}, {sentinel['invalid_ids']}"
