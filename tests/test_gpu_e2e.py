@@ -318,3 +318,36 @@ def test_native_cases_run_from_the_built_copy_after_the_build(tmp_path: Path) ->
         assert job.after == (("kernel_build",) if native else ())
         assert job.needs_ok and "--cpu" not in job.command
     assert sum(cases.CASES[j.name].native for j in plan if j.name in cases.CASES) == 1
+
+
+def test_device_jobs_build_in_a_copy_and_test_on_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU run's jobs: the kernel built in a copy of the checkout (never the checkout the running engines import),
+    the CUDA tests after it on that copy, every case, and the quiet marker last."""
+    monkeypatch.setattr(device_run, "WORK", tmp_path)
+    plan = {job.name: job for job in device_run.device_jobs(list(cases.ALL_CASES), tmp_path / "site", tmp_path)}
+    tree = tmp_path / "native"
+    assert (tree / "scripts" / "gpu_check.py").is_file() and (tree / "tests" / "test_parallel.py").is_file()
+    assert not (tree / ".gpu-e2e").exists() and not (tree / ".git").exists() and not list(tree.rglob("*.so"))
+    build, tests = plan["kernel_build"], plan["cuda_tests"]
+    assert build.cwd == str(tree) and build.command[1:] == [
+        str(tree / "scripts/gpu_check.py"),
+        "--build-only",
+        "--keep-build",
+    ]
+    assert not build.engine and not tests.engine and tests.after == ("kernel_build",) and tests.needs_ok
+    compile(tests.command[2], "<cuda_tests>", "exec")  # the -c program is valid Python
+    assert all(name in tests.command[2] for name in device_run.CUDA_TESTS)
+    assert set(plan) == {"kernel_build", "cuda_tests", "quiet", *cases.ALL_CASES}
+    assert list(plan)[-1] == "quiet" and set(plan["quiet"].after) == {n for n in plan if n not in ("quiet", "bench")}
+    assert plan["eager_f32"].env["PYTHONPATH"] == f"{tmp_path / 'site'}{os.pathsep}{scripts.ROOT}"
+    assert plan["graphs_f32_sync_native"].env["PYTHONPATH"] == f"{tmp_path / 'site'}{os.pathsep}{tree}"
+
+
+def test_only_runs_the_kernel_jobs_where_they_are_asked_for_or_needed() -> None:
+    assert device_run.chosen("") == (list(cases.ALL_CASES), True)
+    assert device_run.chosen("bench,graphs_bf16") == (["graphs_bf16", "bench"], False)
+    assert device_run.chosen("graphs_f32_sync_native") == (["graphs_f32_sync_native"], True)
+    assert device_run.chosen("cuda_tests") == ([], True)
+    assert device_run.chosen("cuda_tests,eager_f32") == (["eager_f32"], True)
+    with pytest.raises(SystemExit, match="unknown cases"):
+        device_run.chosen("eager")

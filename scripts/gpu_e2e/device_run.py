@@ -55,6 +55,7 @@ DEADLINE_S = 420.0
 PARALLEL = 6  # engine jobs at a time (the benchmark's job runs three engines)
 LOG_TAIL_BYTES = 2 * 2**20  # per job in engines.log: a file that comes back is at most 16 MiB
 WANTED = {"arch": (9, 0), "python": (3, 12), "torch": "2.11"}
+KERNEL_JOB = "cuda_tests"  # --only's name for the kernel build and the CUDA tests
 CUDA_TESTS = ("tests/test_parallel.py", "tests/test_sentinel_streams.py", "tests/test_sentinel.py", "tests/ops")
 
 
@@ -204,8 +205,9 @@ def native_tree(target: Path) -> Path:
     return target
 
 
-def device_jobs(names: list[str], site: Path, log_dir: Path) -> list[Job]:
-    """The kernel build and the CUDA tests on it, then the engine checks (Triton's kernel, or the build's)."""
+def device_jobs(names: list[str], site: Path, log_dir: Path, kernel: bool = True) -> list[Job]:
+    """The kernel build and the CUDA tests on it (``kernel``), then the engine checks (Triton's kernel, or the
+    build's)."""
     tree = native_tree(WORK / "native")
     plain = {"PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}
     build = Job(
@@ -217,8 +219,9 @@ def device_jobs(names: list[str], site: Path, log_dir: Path) -> list[Job]:
         cwd=str(tree),
     )
     tests_code = (
-        "import sys; sys.path.insert(0, 'scripts'); import gpu_check; "
-        f"print(gpu_check.pytest_step('cuda and not triton', {CUDA_TESTS!r}, 'cuda'))"
+        "import json, sys; sys.path.insert(0, 'scripts'); import gpu_check; "
+        f"verdict = gpu_check.pytest_step('cuda and not triton', {CUDA_TESTS!r}, 'cuda'); "
+        "print('GPU_E2E_RESULT ' + json.dumps({'tests': verdict}))"
     )
     tests = Job(
         "cuda_tests",
@@ -232,9 +235,20 @@ def device_jobs(names: list[str], site: Path, log_dir: Path) -> list[Job]:
     )
     native = (tree, engine_env(site, tree))
     engines = engine_checks.plan(names, False, log_dir, engine_env(site, ROOT), native, "kernel_build")
-    jobs = [build, tests, *engines]
+    jobs = [build, tests, *engines] if kernel else engines
     engine_checks.announce_quiet(log_dir, jobs)
     return jobs
+
+
+def chosen(only: str) -> tuple[list[str], bool]:
+    """``--only``'s engine checks, and whether the kernel build and CUDA tests run: always without ``--only``; with
+    it, where it names ``cuda_tests`` or a case on the native kernel."""
+    wanted = [name for name in only.split(",") if name]
+    names = (
+        engine_checks.selected(False, [n for n in wanted if n != KERNEL_JOB] or None) if wanted != [KERNEL_JOB] else []
+    )
+    native = any(name in cases.CASES and cases.CASES[name].native for name in names)
+    return names, not wanted or KERNEL_JOB in wanted or native
 
 
 def commit() -> str:
@@ -264,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--payload", type=Path, default=ROOT / ".gpu-e2e")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "build" / "gpu-e2e"))
-    parser.add_argument("--only", default="", help=f"comma-separated cases of {', '.join(cases.ALL_CASES)}")
+    parser.add_argument(
+        "--only", default="", help=f"comma-separated, of {', '.join((KERNEL_JOB, *cases.ALL_CASES))} (default: all)"
+    )
     parser.add_argument("--deadline", type=float, default=DEADLINE_S, help="seconds from the start for everything")
     parser.add_argument("--parallel", type=int, default=PARALLEL, help="engine jobs at a time")
     args = parser.parse_args(argv)
@@ -283,12 +299,13 @@ def main(argv: list[str] | None = None) -> int:
         run.step("install", lambda: install(payload, manifest, site))
         env = engine_env(site, ROOT)
         run.step("smoke", lambda: smoke(env))
-        names = engine_checks.selected(False, [n for n in args.only.split(",") if n] or None)
+        names, kernel = chosen(args.only)
         run.step("models", lambda: engine_checks.build_models(names, sys.executable, {**os.environ, **env}))
         log_dir = WORK / "logs"
         shutil.rmtree(log_dir, ignore_errors=True)
-        run.say(f"== jobs: {', '.join(names)} (at most {args.parallel} engine jobs at once)")
-        jobs = device_jobs(names, site, log_dir)
+        listed = [*(["kernel_build", KERNEL_JOB] if kernel else []), *names]
+        run.say(f"== jobs: {', '.join(listed)} (at most {args.parallel} engine jobs at once)")
+        jobs = device_jobs(names, site, log_dir, kernel)
         outcomes = run_jobs(jobs, log_dir, run.started + args.deadline, args.parallel, run.say)
         outcomes.pop("quiet", None)
         summary["jobs"] = {name: outcome.as_dict() for name, outcome in outcomes.items()}
