@@ -51,6 +51,10 @@ import engine_checks  # noqa: E402
 from jobs import Job, run_jobs  # noqa: E402
 
 WORK = Path("/tmp/gpu-e2e")  # on the GPU machine: kept while it stays up between runs
+# vLLM's compile cache, new for every run: every engine compiles and captures its graphs with this checkout's code
+# (a graph loaded from an earlier run's cache is not what this run tests; on the CPU build vLLM 0.26.0 even crashes
+# on one, its MoE op looking up a layer by an id() baked in by another process). Triton's kernel cache is kept.
+RUN_ID = time.strftime("%Y%m%d-%H%M%S")
 DEADLINE_S = 420.0
 PARALLEL = 6  # engine jobs at a time (the benchmark's job runs three engines)
 LOG_TAIL_BYTES = 2 * 2**20  # per job in engines.log: a file that comes back is at most 16 MiB
@@ -176,6 +180,7 @@ def engine_env(site: Path, package_root: Path) -> dict[str, str]:
         "PYTHONPATH": f"{site}{os.pathsep}{package_root}",
         "VLLM_ASCEND_ROUTING": "1",
         "VLLM_ASCEND_ROUTING_MODELS": str(WORK / "models"),
+        "VLLM_CACHE_ROOT": str(WORK / "vllm-cache" / RUN_ID),
         "VLLM_USE_FLASHINFER_SAMPLER": "0",
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
         "VLLM_NO_USAGE_STATS": "1",

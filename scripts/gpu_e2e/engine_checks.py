@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -136,7 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = args.out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     (log_dir / QUIET_FILE).unlink(missing_ok=True)
+    # A fresh compile cache per dry run: vLLM 0.26.0's CPU MoE op finds its layer by the Python id() baked into the
+    # compiled code, so a graph loaded from an earlier process's cache looks up a layer that is not there (KeyError).
+    cache = args.out / "vllm-cache"
+    shutil.rmtree(cache, ignore_errors=True)
     env = {"PYTHONPATH": str(ROOT), "VLLM_ASCEND_ROUTING": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    env["VLLM_CACHE_ROOT"] = str(cache)
     started = time.monotonic()
     print(f"engine checks (CPU dry run): {', '.join(names)}; models: {build_models(names, sys.executable, env)}")
     jobs = plan(names, True, log_dir, env)
