@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "gpu-e2e-cpu")
     args = parser.parse_args(argv)
     names = selected(True, [n for n in args.only.split(",") if n] or None)
+    args.out = args.out.resolve()  # engines (and the compilers they start) run in other folders
     log_dir = args.out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     (log_dir / QUIET_FILE).unlink(missing_ok=True)
