@@ -17,7 +17,7 @@ PYTEST_FLAGS ?= -q
 # Bare `make` prints the help: the `## ` comments above the targets (it builds nothing).
 .DEFAULT_GOAL := help
 
-.PHONY: dist gpu-check house test venvs test-unit test-mutate mutate test-native test-native-cpu test-static test-ascend test-trainer test-e2e test-spec test-contract test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-handoff bench-kernel bench-compiled bench-sentinel matrix matrix-ascend bench-oracle help
+.PHONY: dist gpu-check gpu-e2e gpu-e2e-prep house test venvs test-unit test-mutate mutate test-native test-native-cpu test-static test-ascend test-trainer test-e2e test-spec test-contract test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-handoff bench-kernel bench-compiled bench-sentinel matrix matrix-ascend bench-oracle help
 
 ## make help: this list (bare `make` prints it too); each target's `## ` comment in the Makefile
 help:
@@ -203,6 +203,24 @@ build-cuda:
 ## bandwidth against a device copy; fails, never skips, where a part cannot run (scripts/gpu_check.py)
 gpu-check:
 	@$(PYTHON) scripts/gpu_check.py
+
+## make gpu-e2e-prep: here (it reaches the package index; the GPU machine does not), the payload one GPU run carries,
+## into the git-ignored GPU_E2E_PAYLOAD: vLLM 0.26.0's CUDA wheel cut to sm_90 and the wheels its engine needs
+## (scripts/gpu_e2e/prep.py); checks it fits the 64 MiB a device run carries and prints its size
+## (docs/development.md, "The GPU end-to-end run")
+GPU_E2E_PAYLOAD  ?= .gpu-e2e
+GPU_E2E_ONLY     ?=
+GPU_E2E_DEADLINE ?=
+gpu-e2e-prep:
+	@$(PYTHON) scripts/gpu_e2e/prep.py --dest $(GPU_E2E_PAYLOAD)
+
+## make gpu-e2e PYTHON=python3 [GPU_E2E_ONLY=eager_f32,bench] [GPU_E2E_DEADLINE=420]: on the GPU machine (H100/H200,
+## no network) with the payload carried: installs it, builds the CUDA kernel, runs the smoke, the CUDA tests and the
+## engine checks (vLLM 0.26.0, plugin on); writes summary.json, results.md and logs to $$OUT (else build/gpu-e2e);
+## fails, naming the missing GPU, where there is none (scripts/gpu_e2e/device_run.py)
+gpu-e2e:
+	@$(PYTHON) scripts/gpu_e2e/device_run.py --payload $(GPU_E2E_PAYLOAD) $(if $(GPU_E2E_ONLY),--only $(GPU_E2E_ONLY)) \
+		$(if $(GPU_E2E_DEADLINE),--deadline $(GPU_E2E_DEADLINE))
 
 ## make test-native-cpu: the native CPU kernel (VLLM_ASCEND_ROUTING_TARGET_DEVICE=cpu, csrc/cpu) built with the dev
 ## environment's torch in a copy of the checkout (never into it: other stages import the checkout), then the op,

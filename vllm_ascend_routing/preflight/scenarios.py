@@ -52,10 +52,12 @@ def run_offline(
     tensor_parallel: int = 1,
     dtype: str = "float32",
     after: Callable[[Any], dict[str, Any]] | None = None,
+    engine: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """vLLM (in ``dtype``) on a tiny MoE: a batch, a chunked prefill and its prefix-cached repeat, every row
     against the float32 reference (near-ties by ``dtype``'s rule, counted in each part's ``ties``). ``after``,
-    given, runs on the same engine (the ``LLM``) last; its parts join the result (the test harness's oracle run)."""
+    given, runs on the same engine (the ``LLM``) last; its parts join the result (the test harness's oracle run).
+    ``engine``: further ``LLM`` arguments (the GPU engine checks' memory, attention and scheduling settings)."""
     binding = offline.cpu_thread_binding(tensor_parallel)  # a NUMA node per CPU worker, or explicit cores
     if binding is not None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", binding)
@@ -73,6 +75,7 @@ def run_offline(
             if tensor_parallel > 1
             else {}
         ),
+        **(engine or {}),
     )
     reference = offline.reference_for(model)
     prompts = models.mixed_prompts(num_prompts, seed=1)
