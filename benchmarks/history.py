@@ -5,6 +5,7 @@ run with the one before it (same benchmark, vLLM release and machine type).
 
     python benchmarks/history.py check [--kind overhead|versus] [--vllm 0.30.0] [--file F]
     python benchmarks/history.py import results/versus-vllm-0.30.0.json   # a summary written before the history
+    python benchmarks/history.py pooled --kind versus --vllm 0.30.0 [--runs e28b583,02f011f,62ff0f1]  # rounds pooled
 
 ``overhead.py`` and ``overhead_versus.py`` append one line to ``results/history.jsonl`` per run (``record``): the
 benchmark, the vLLM release, the machine (``overhead_engine.machine``), the commit (``+dirty`` where the work tree
@@ -16,6 +17,13 @@ names the ratios that moved but judges none.
 
 ``check`` exits 1 when a plugin ratio got worse beyond the noise, 0 otherwise (also when there is nothing to
 compare yet). Not a test: timings on a shared 2-core machine have no place in ``make test``.
+
+Each line also keeps the run's per-round ratios (``rounds``; the three fresh, primed compiled runs on 0.30.0 of
+2026-11-27 got theirs from the summaries committed with them, 02f011f, 62ff0f1 and 27a66b1). ``pooled`` pools the
+rounds of every run timed like the newest one (same benchmark, release, machine type and workload; ``--runs``: the
+runs of those commits instead, which must be timed alike) and prints each
+ratio's pooled median, the rounds at or above 1, and a bootstrap 95% interval of that median (``BOOTSTRAP`` resamples,
+seeded: the same stored rounds print the same interval).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -33,6 +42,7 @@ from typing import Any
 RESULTS = Path(__file__).resolve().parent / "results"
 HISTORY = RESULTS / "history.jsonl"
 ROOT = Path(__file__).resolve().parent.parent
+BOOTSTRAP = 10_000  # resamples of ``pooled``'s interval
 
 
 def commit() -> str:
@@ -82,6 +92,20 @@ def medians_of(kind: str, summary: dict[str, Any]) -> tuple[dict[str, float], fl
     return medians, (max(bands) if bands else None)
 
 
+def rounds_of(kind: str, summary: dict[str, Any]) -> dict[str, list[float]]:
+    """The per-round ratios behind ``medians_of``'s medians, by the same names (where the summary holds them)."""
+    if kind == "overhead":
+        return {f"{mode}/off": list(rounds) for mode, rounds in summary.get("round_ratios_vs_off", {}).items()}
+    if kind == "versus":
+        return {
+            f"{setting} {name.split(' ')[0]}": list(value["rounds"])
+            for setting, result in summary["settings"].items()
+            for name, value in result.items()
+            if name != "runs" and "throughput" in name
+        }
+    raise ValueError(f"unknown benchmark kind {kind!r}")
+
+
 def record(
     kind: str, summary: dict[str, Any], history: Path = HISTORY, at: tuple[str, str] | None = None
 ) -> dict[str, Any]:
@@ -98,6 +122,7 @@ def record(
         "workload": summary.get("workload", {}),
         "medians": medians,
         "noise": noise,
+        "rounds": rounds_of(kind, summary),
     }
     history.parent.mkdir(parents=True, exist_ok=True)
     with history.open("a") as file:
@@ -177,6 +202,79 @@ def last_pair(
     return (earlier[-1], newest) if earlier else None
 
 
+def bootstrap_median_interval(values: list[float], resamples: int = BOOTSTRAP, seed: int = 0) -> tuple[float, float]:
+    """The 2.5th and 97.5th percentiles of the medians of ``resamples`` resamples (with replacement) of ``values``."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
+@dataclass(frozen=True)
+class Pooled:
+    """One ratio's rounds over several runs timed the same way."""
+
+    name: str
+    rounds: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.rounds)
+
+    @property
+    def at_or_above_1(self) -> int:
+        return sum(r >= 1.0 for r in self.rounds)
+
+
+def pooled_runs(
+    entries: list[dict[str, Any]], kind: str, vllm: str | None, commits: list[str] | None = None
+) -> list[dict[str, Any]]:
+    """Every run of ``kind`` (on ``vllm``, default the newest run's) with stored rounds timed like the newest such run:
+    the same release, machine type and workload; with ``commits`` (prefixes), the runs of those commits.
+
+    Raises:
+        ValueError: the runs of ``commits`` were not timed alike, or a commit names no run.
+    """
+    runs = [e for e in entries if e["kind"] == kind and e.get("rounds") and (vllm is None or e["vllm"] == vllm)]
+    if commits is not None:
+        runs = [e for e in runs if any(e["commit"].startswith(prefix) for prefix in commits)]
+        missing = [prefix for prefix in commits if not any(e["commit"].startswith(prefix) for e in runs)]
+        if missing:
+            raise ValueError(f"no {kind} run with per-round ratios at {', '.join(missing)}")
+    if not runs:
+        return []
+    newest = runs[-1]
+    alike = [e for e in runs if (e["vllm"], e["machine"], e["workload"]) == (newest["vllm"], newest["machine"],
+                                                                               newest["workload"])]  # fmt: skip
+    if commits is not None and len(alike) != len(runs):
+        raise ValueError(f"the runs at {', '.join(commits)} were not timed alike (release, machine, workload)")
+    return alike
+
+
+def pool(runs: list[dict[str, Any]]) -> list[Pooled]:
+    """Each ratio every run holds rounds of, its rounds concatenated in run order."""
+    names = [name for name in runs[0]["rounds"] if all(name in run["rounds"] for run in runs)] if runs else []
+    return [Pooled(name, [r for run in runs for r in run["rounds"][name]]) for name in names]
+
+
+def pooled(kind: str, vllm: str | None, history: Path = HISTORY, commits: list[str] | None = None) -> int:
+    runs = pooled_runs(load(history), kind, vllm, commits)
+    if not runs:
+        print(f"bench pooled: {kind}: no recorded run with per-round ratios" + (f" of vLLM {vllm}" if vllm else ""))
+        return 1
+    first = runs[0]
+    print(
+        f"bench pooled: {kind}, vLLM {first['vllm']}, {first['machine']}, {first['workload'].get('engine', '')}: "
+        f"{len(runs)} runs ({', '.join(run['commit'] for run in runs)})"
+    )
+    for ratio in pool(runs):
+        low, high = bootstrap_median_interval(ratio.rounds)
+        print(
+            f"  {ratio.name:34s} median {ratio.median:.4f} over {len(ratio.rounds)} rounds ({ratio.at_or_above_1} "
+            f">= 1); bootstrap 95% interval of the median {low:.3f}-{high:.3f}"
+        )
+    return 0
+
+
 def check(kind: str, vllm: str | None, history: Path = HISTORY) -> int:
     pair = last_pair(load(history), kind, vllm)
     if pair is None:
@@ -208,17 +306,21 @@ def check(kind: str, vllm: str | None, history: Path = HISTORY) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("command", choices=["check", "import"])
+    parser.add_argument("command", choices=["check", "import", "pooled"])
     parser.add_argument("summaries", nargs="*", type=Path, help="import: summaries of make bench")
     parser.add_argument("--kind", choices=["overhead", "versus"], default=None, help="default: both")
     parser.add_argument("--vllm", default=None, help="a vLLM release (default: the newest run's)")
     parser.add_argument("--file", type=Path, default=HISTORY)
+    parser.add_argument("--runs", default=None, help="pooled: the runs' commits (prefixes, comma-separated)")
     args = parser.parse_args(argv)
     if args.command == "import":
         for summary_file in args.summaries:
             import_summary(summary_file, args.file)
         return 0
     kinds = [args.kind] if args.kind else ["overhead", "versus"]
+    if args.command == "pooled":
+        commits = args.runs.split(",") if args.runs else None
+        return max(pooled(kind, args.vllm, args.file, commits) for kind in kinds)
     return max(check(kind, args.vllm, args.file) for kind in kinds)
 
 

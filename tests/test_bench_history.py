@@ -114,3 +114,52 @@ def test_the_committed_history_reads_back() -> None:
     assert entries, "benchmarks/results/history.jsonl holds the recorded runs"
     for entry in entries:
         assert set(entry) >= {"kind", "vllm", "machine", "commit", "time", "medians", "noise", "workload"}
+
+
+def test_record_keeps_the_rounds_by_the_medians_names(tmp_path: Path) -> None:
+    entry = history.record("versus", versus_summary(1.02, [0.96, 1.0, 1.0]), tmp_path / "h.jsonl", at=("c", "t"))
+    assert entry["rounds"] == {"eager plugin/vllm": [1.02], "eager vllm-control/vllm": [0.96, 1.0, 1.0]}
+    overhead = history.rounds_of("overhead", overhead_summary(0.98, [0.99, 1.0, 1.01]))
+    assert overhead == {"plugin/off": [0.98], "control/off": [0.99, 1.0, 1.01]}
+
+
+def test_the_bootstrap_interval_is_seeded_and_holds_the_median() -> None:
+    values = [0.9, 0.95, 0.98, 1.0, 1.01, 1.02, 1.05, 1.1, 0.97, 1.03]
+    low, high = history.bootstrap_median_interval(values, resamples=2000)
+    assert history.bootstrap_median_interval(values, resamples=2000) == (low, high)
+    assert 0.9 <= low < 1.005 < high <= 1.1  # the sample median, 1.005, inside; never beyond the data
+    assert history.bootstrap_median_interval([1.0] * 5, resamples=100) == (1.0, 1.0)
+
+
+def test_pooled_takes_the_runs_timed_like_the_newest(tmp_path: Path, capsys: Any) -> None:
+    path = tmp_path / "history.jsonl"
+    other = {**versus_summary(0.5, [0.5, 0.5]), "workload": {"engine": "another method"}}
+    record_runs(path, versus_summary(1.1, [0.9, 1.0]), other, versus_summary(0.9, [1.0, 1.1, 1.2]), kind="versus")
+    runs = history.pooled_runs(history.load(path), "versus", "0.30.0")
+    assert [run["commit"] for run in runs] == ["c0", "c2"]  # the other workload's run is left out
+    ratios = {ratio.name: ratio for ratio in history.pool(runs)}
+    assert ratios["eager plugin/vllm"].rounds == [1.1, 0.9] and ratios["eager plugin/vllm"].at_or_above_1 == 1
+    assert ratios["eager vllm-control/vllm"].median == 1.0
+    assert history.pooled("versus", None, path, ["c0", "c2"]) == 0
+    assert "eager plugin/vllm" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="not timed alike"):
+        history.pooled_runs(history.load(path), "versus", None, ["c0", "c1"])
+    with pytest.raises(ValueError, match="no versus run"):
+        history.pooled_runs(history.load(path), "versus", None, ["c9"])
+
+
+def test_the_pooled_numbers_in_the_docs_come_from_the_stored_rounds() -> None:
+    """docs/performance.md and the README quote the three fresh, primed compiled runs on 0.30.0 pooled: this is the
+    computation, on the rounds committed in benchmarks/results/history.jsonl."""
+    runs = history.pooled_runs(history.load(), "versus", "0.30.0", ["e28b583", "02f011f", "62ff0f1"])
+    ratios = {ratio.name: ratio for ratio in history.pool(runs)}
+    plugin, control = ratios["compiled plugin/vllm"], ratios["compiled vllm-control/vllm"]
+    low, high = history.bootstrap_median_interval(plugin.rounds)
+    quoted = f"**{plugin.median:.4f}** ({plugin.at_or_above_1} of {len(plugin.rounds)} rounds ≥ 1; bootstrap 95% "
+    quoted += f"interval of the median {low:.3f}–{high:.3f}) | {control.median:.4f} ({control.at_or_above_1} of 30 ≥ 1)"
+    root = Path(__file__).resolve().parents[1]
+    assert quoted in (root / "docs" / "performance.md").read_text()
+    readme = " ".join((root / "README.md").read_text().split())
+    quoted = f"(compiled, 30 rounds: ratio {plugin.median:.4f}, where vLLM against itself measured "
+    quoted += f"{control.median:.4f};"
+    assert quoted in readme

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""README is for users, docs/ for the rest: README stays short, every relative link resolves, README's
-per-generation table agrees with the release table and the committed matrix, and what CI and the DP tests
-rely on is still said. Standard library only (runs without torch or vLLM)."""
+"""README is for users, docs/ for the rest: README stays short, every relative link resolves, README links the
+docs index and the index links every doc with a line saying what it holds, README's per-generation table agrees
+with the release table and the committed matrix, the start-up lines the docs show are the ones the code logs, and
+what CI and the DP tests rely on is still said. Standard library only (runs without torch or vLLM)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from tests import scripts
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+INDEX = ROOT / "docs" / "README.md"
+GLOSSARY = ROOT / "docs" / "glossary.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
-MAX_README_LINES = 220
+MAX_README_LINES = 120  # a newcomer's page: what, for whom, what ran where, two commands, links; detail in docs/
 
 
 def _load_releases() -> ModuleType:
@@ -83,9 +86,64 @@ def test_every_relative_link_resolves(path: Path) -> None:
     assert not broken, "\n".join(broken)
 
 
-def test_readme_links_every_doc() -> None:
-    linked = {(README.parent / link.partition("#")[0]).resolve() for link in _links(README)}
-    assert [doc.name for doc in DOCS if doc.resolve() not in linked] == []
+def _linked(path: Path) -> set[Path]:
+    return {(path.parent / link.partition("#")[0]).resolve() for link in _links(path) if link.partition("#")[0]}
+
+
+def test_readme_links_the_docs_index_and_the_index_every_doc_with_what_it_holds() -> None:
+    assert INDEX.resolve() in _linked(README)
+    assert [doc.name for doc in DOCS if doc != INDEX and doc.resolve() not in _linked(INDEX)] == []
+    for doc in DOCS:  # one line each: "- [name.md](name.md): what it holds" (a description, not a bare link)
+        if doc != INDEX:
+            entry = re.search(rf"^- \[{re.escape(doc.name)}\]\({re.escape(doc.name)}\): (.+)$", INDEX.read_text(), re.M)
+            assert entry and len(entry.group(1).split()) >= 5, f"docs/README.md: no line saying what {doc.name} holds"
+
+
+def test_the_glossary_defines_the_words_the_docs_use() -> None:
+    terms = re.findall(r"^\*\*(.+?)\.\*\*", GLOSSARY.read_text(), flags=re.MULTILINE)
+    assert terms == sorted(terms, key=str.lower), "glossary entries in alphabetical order"
+    defined = " ".join(terms).lower()
+    for word in ("R3", "binder", "patch targets", "relied-on symbols", "API generation", "MC2", "EPLB", "xlite",
+                 "DBO", "copy floor", "A/A", "near-tie", "always-on check", "validation mode", "stand-in"):  # fmt: skip
+        assert word.lower() in defined, f"docs/glossary.md does not define {word!r}"
+    assert GLOSSARY.resolve() in _linked(README)
+
+
+def _format_to_pattern(template: str) -> str:
+    """A logger format string (``%s``, ``%d``, ``%.1f``) as a regular expression matching what it prints."""
+    parts = re.split(r"(%s|%d|%\.1f)", template)
+    return "".join({"%s": r".*?", "%d": r"\d+", "%.1f": r"[0-9.]+"}.get(part, re.escape(part)) for part in parts)
+
+
+def _logged_template(module: str, start: str) -> str:
+    """The format string of the logger call in ``module`` whose text starts with ``start`` (string pieces joined)."""
+    source = (ROOT / "vllm_ascend_routing" / module).read_text()
+    at = source.index(f'"{start}')
+    pieces = re.findall(r'"((?:[^"\\]|\\.)*)"', source[at : source.index("\n        ", source.index(",\n", at))])
+    return "".join(pieces)
+
+
+@pytest.mark.parametrize(
+    ("path", "module", "start"),
+    [
+        (README, "integration.py", "vllm-ascend-routing enabled: "),
+        (ROOT / "docs" / "usage.md", "integration.py", "vllm-ascend-routing enabled: "),
+        (ROOT / "docs" / "usage.md", "peers.py", "vllm-ascend-routing: all "),
+        (ROOT / "docs" / "distributed.md", "peers.py", "vllm-ascend-routing: all "),
+    ],
+    ids=["README-enabled", "usage-enabled", "usage-workers", "distributed-workers"],
+)
+def test_the_start_up_lines_shown_are_the_ones_the_code_logs(path: Path, module: str, start: str) -> None:
+    """A line a doc shows as printed (``INFO <date> <time> [file:line] <text>``) matches the logger call's format."""
+    pattern = _format_to_pattern(_logged_template(module, start))
+    prefix = r"^(?:\(\w+ pid=\d+\) )?"  # a worker's line under Ray or vLLM's multiprocessing executor
+    shown = [line for line in path.read_text().splitlines() if re.match(prefix + "INFO ", line) and start in line]
+    assert shown, f"{path.name} shows no line starting {start!r}"
+    for line in shown:
+        line = re.sub(prefix, "", line)
+        header = re.match(r"^INFO \d\d-\d\d \d\d:\d\d:\d\d \[" + re.escape(module) + r":\d+\] ", line)
+        assert header, f"{path.name}: not as vLLM's logger prints it: {line}"
+        assert re.fullmatch(pattern, line[header.end() :]), f"{path.name}: not what {module} logs: {line}"
 
 
 def test_readme_gives_the_test_command_ci_runs() -> None:

@@ -101,6 +101,7 @@ def test_leaf_modules_import_nothing_of_the_package_but_the_release_table() -> N
     table = "vllm_ascend_routing.releases"
     assert graph[table] == set()
     assert graph["vllm_ascend_routing.runner_state"] == set()
+    assert graph["vllm_ascend_routing.errors"] == set()
     # The package root and compat's package module are imported implicitly with any of their submodules.
     assert graph["vllm_ascend_routing.patching"] <= {table}
 
@@ -110,15 +111,15 @@ def test_leaf_modules_import_nothing_of_the_package_but_the_release_table() -> N
 LAYERS: tuple[tuple[str, ...], ...] = (
     # leaves: plain data and state, no package imports
     ("releases", "runner_state", "_logging", "contract", "parallel", "_post_import", "compat._shm_store",
-     "ops._id_rule", "ops._reference", "backends._layer"),
+     "ops._id_rule", "ops._reference", "backends._layer", "errors"),
     ("envs", "patching"),  # settings; Patch and the one way to patch
-    ("ops", "capture", "sentinel", "validate", "_cpu_compat", "replay",  # the op, the capture, the checks
+    ("ops", "capture", "sentinel", "validate", "_cpu_compat", "replay", "kv_carrier",  # op, capture, checks
      "output.options", "output.weights", "output.provenance"),  # per-request options, weight version, record
-    # the interface; the output features' engine, front-end and server hooks
-    ("compat.base", "compat._detect", "compat", "compat._runners", "runner_mixin", "peers", "output"),
+    # the interface; P/D hand-over; the output features' engine, front-end and server hooks
+    ("compat.base", "compat._detect", "compat", "compat._runners", "runner_mixin", "peers", "kv_transfer", "output"),
     ("backends",),  # where routing is intercepted
     # the generations: each module the release table names, and what they share
-    ("compat._common", "compat._aux_requests",
+    ("compat._common", "compat._kv_slots", "compat._kv_aux", "compat._aux_requests",
      *(span.adapter.removeprefix("vllm_ascend_routing.") for span in releases.implemented())),
     ("manifest", "integration", ""),  # wiring: collect, verify, install; register()
     ("versions", "__main__", "preflight"),  # user-facing tools: doctor, its self-check and pre-flight
@@ -151,6 +152,37 @@ def test_the_layer_check_finds_an_upward_import() -> None:
     assert layer_of("vllm_ascend_routing.releases") < layer_of("vllm_ascend_routing.manifest")
     assert layer_of("vllm_ascend_routing.backends.ascend") > layer_of("vllm_ascend_routing.compat.base")
     assert layer_of("vllm_ascend_routing.backends._layer") == 0
+
+
+def compat_imports_of_backends(graph: dict[str, set[str]], paths: list[Path]) -> dict[str, list[str]]:
+    """What each module under ``backends/`` imports of ``compat/`` (at run time, or under ``TYPE_CHECKING``)."""
+    compat = "vllm_ascend_routing.compat"
+    found: dict[str, list[str]] = {}
+    for path in paths:
+        module = module_name(path)
+        if not module.startswith("vllm_ascend_routing.backends"):
+            continue
+        names = graph.get(module, set()) | imported_names(path)
+        hits = sorted(name for name in names if name == compat or name.startswith(compat + "."))
+        if hits:
+            found[module] = hits
+    return found
+
+
+def test_the_backends_never_import_the_generations() -> None:
+    """The two axes stay apart: a backend (where routing is intercepted) works under every API generation, so
+    nothing under ``backends/`` imports ``compat/`` (the errors both raise live in the leaf ``errors``)."""
+    paths = sorted(PACKAGE.rglob("*.py"))
+    assert any(module_name(path) == "vllm_ascend_routing.backends.ascend_config" for path in paths)
+    assert compat_imports_of_backends(import_graph(), paths) == {}
+
+
+def test_the_axes_check_finds_a_backend_importing_compat() -> None:
+    backend = PACKAGE / "backends" / "ascend_config.py"
+    graph = {"vllm_ascend_routing.backends.ascend_config": {"vllm_ascend_routing.compat.base"}}
+    assert compat_imports_of_backends(graph, [backend]) == {
+        "vllm_ascend_routing.backends.ascend_config": ["vllm_ascend_routing.compat.base"]
+    }
 
 
 def imported_names(path: Path) -> set[str]:

@@ -11,11 +11,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from vllm_ascend_routing import _cpu_compat, integration, manifest
+from vllm_ascend_routing import _cpu_compat, integration, manifest, patching
 from vllm_ascend_routing.compat import UnsupportedVllmError, get_api
+from vllm_ascend_routing.output import serving
 from vllm_ascend_routing.patching import RELY, Patch, resolve
-from vllm_ascend_routing.preflight import doctor
-from vllm_ascend_routing.releases import generation_of
+from vllm_ascend_routing.preflight import findings
+from vllm_ascend_routing.releases import Generation, generation_of
 
 pytestmark = pytest.mark.vllm
 
@@ -56,6 +57,12 @@ def _vllm_rows() -> list[Patch]:
     return [patch for patch in manifest.patches_for(get_api().generation, "cpu") if patch.package == "vllm"]
 
 
+def _engine_rows() -> list[Patch]:
+    """The rows an engine verifies at start-up: all but the server's (``serving.SERVING``), which are verified when
+    vLLM's API server imports their modules (``test_the_servers_targets_are_verified_when_it_imports_them``)."""
+    return [patch for patch in _vllm_rows() if patch.feature != serving.SERVING]
+
+
 def _remove(monkeypatch: pytest.MonkeyPatch, target: str) -> None:
     """Make ``target`` absent, as a release that renamed it would: deleted wherever it is defined (a
     constructor: replaced by one without the parameters the plugin relies on)."""
@@ -83,7 +90,7 @@ def test_start_up_verifies_every_target_of_this_generation(monkeypatch: pytest.M
     monkeypatch.setenv("VLLM_ASCEND_ROUTING_VALIDATE", "strict")
     findings = manifest.verify(get_api().generation, "cpu")
     assert [f.patch.target for f in findings if f.problem] == []
-    assert {f.patch.target for f in findings} == {p.target for p in _vllm_rows()}
+    assert {f.patch.target for f in findings} == {p.target for p in _engine_rows()}
     assert any(f.present and f.patch.target.endswith(".load_model") for f in findings)
 
 
@@ -91,7 +98,7 @@ def test_each_required_target_removed_is_refused_at_start_up_by_name(
     monkeypatch: pytest.MonkeyPatch, nothing_patched: None
 ) -> None:
     monkeypatch.setenv("VLLM_ASCEND_ROUTING_VALIDATE", "strict")  # its targets are checked too
-    required = [patch for patch in _vllm_rows() if patch.required]
+    required = [patch for patch in _engine_rows() if patch.required]
     assert len(required) >= 8
     for patch in required:
         with monkeypatch.context() as removed:
@@ -101,6 +108,21 @@ def test_each_required_target_removed_is_refused_at_start_up_by_name(
         message = str(refused.value)
         assert patch.target.partition(":")[2].rsplit(".", 1)[-1] in message, message
         assert patch.target.partition(":")[0] in message and "not supported yet" in message
+
+
+def test_the_servers_targets_are_verified_when_it_imports_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = [patch for patch in _vllm_rows() if patch.feature == serving.SERVING]
+    if get_api().generation not in (Generation.RUNNER_OUTPUT, Generation.AUX_OUTPUT):
+        assert rows == []  # no routed experts in vLLM's server before 0.22: nothing streamed or recorded there
+        return
+    assert [patching.problem(patch) for patch in rows] == [None] * len(rows)
+    required = [patch for patch in rows if patch.required]
+    assert len(required) >= 4  # completions and chat, streamed and not
+    for patch in required:
+        with monkeypatch.context() as removed:
+            _remove(removed, patch.target)
+            with pytest.raises(UnsupportedVllmError, match=patch.target.rpartition(".")[2]):
+                serving._patch_module(patch.target.partition(":")[0])  # refused before anything is patched
 
 
 def test_a_moved_binder_group_with_no_member_left_is_refused(
@@ -137,7 +159,7 @@ def test_validation_targets_are_checked_only_while_validation_is_on(monkeypatch:
 
 
 def test_doctor_lists_every_verified_target() -> None:
-    lines, verified, total, missing = doctor.target_report("cpu")
+    lines, verified, total, missing = findings.target_report("cpu")
     assert missing is None and verified == total == len(_vllm_rows())
     for patch in _vllm_rows():
         relied = " (relied on)" if patch.action == RELY else ""

@@ -63,6 +63,20 @@ def _step(prepared: capture.PreparedCapture, ids: torch.Tensor) -> None:
     runner_mixin.RoutingCaptureRunnerMixin.execute_model(runner, api, forward, step)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("num_experts", [8, 256, 300])
+def test_an_id_equal_to_the_expert_count_is_caught_on_the_eager_write(num_experts: int) -> None:
+    """The eager CPU write takes a batch as it is when its largest id is below the expert count; a batch whose
+    largest id is the expert count itself (no negative id to force the slower path) is stored as -1 and counted."""
+    prepared = capture.PreparedCapture.bound(
+        capture.new_capture_buffer(4, 2, 2, num_experts, "cpu"), capture.new_error_counter("cpu"), num_experts, (0, 1)
+    )
+    prepared.sentinel.strict = True
+    with pytest.raises(RoutingValidationError, match=rf"1 routed expert id\(s\) outside \[0, {num_experts}\)"):
+        _step(prepared, torch.tensor([[num_experts - 1, 0], [num_experts, 1]], dtype=torch.int64))
+    assert prepared.buffer[:2, 1].tolist() == [[num_experts - 1, 0], [-1, 1]]
+    assert sentinel.stats().invalid_ids == 1
+
+
 @pytest.mark.parametrize("num_experts", [255, 256, 300])
 @pytest.mark.parametrize("generation", GENERATIONS)
 def test_an_invalid_id_is_reported_the_step_it_is_recorded(

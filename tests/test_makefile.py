@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``make -n TARGET`` is a dry run: it prints the recipe and builds no environment, installs nothing."""
+"""``make -n TARGET`` is a dry run: it prints the recipe and builds no environment, installs nothing; bare ``make``
+prints the help (the Makefile's ``## `` comments) and builds nothing."""
 
 from __future__ import annotations
 
@@ -21,10 +22,9 @@ def test_the_makefile_has_its_targets() -> None:
     assert {"test", "lint", "test-unit", "test-e2e", "test-ascend", "demo", "bench", "matrix"} <= set(TARGETS)
 
 
-@pytest.mark.parametrize("target", [t for t in TARGETS if t != "clean-venvs"])
-def test_dry_run_runs_no_python(target: str, tmp_path: Path) -> None:
-    """``PYTHON`` is a stand-in that leaves a mark when run: a dry run must only print its commands. Reading the
-    release table (make remakes its variables from it before any dry run) is the one thing it may run."""
+def marking_python(tmp_path: Path) -> tuple[Path, Path]:
+    """A ``PYTHON`` stand-in that leaves a mark when run; reading the release table (make remakes its variables
+    from it before anything else) is the one thing it lets through."""
     mark = tmp_path / "python-ran"
     python = tmp_path / "python"
     python.write_text(
@@ -32,6 +32,28 @@ def test_dry_run_runs_no_python(target: str, tmp_path: Path) -> None:
         f'echo "$@" >> {mark}\nexit 1\n'
     )
     python.chmod(0o755)
+    return python, mark
+
+
+def test_bare_make_prints_the_help_and_builds_nothing(tmp_path: Path) -> None:
+    python, mark = marking_python(tmp_path)
+    env = {**os.environ, "VLLM_ASCEND_ROUTING_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run(
+        ["make", "--no-print-directory", f"PYTHON={python}"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert not mark.exists() and not (tmp_path / "cache").exists()
+    helped = re.findall(r"^make ([a-z][a-z0-9-]*)", done.stdout, flags=re.MULTILINE)
+    documented = re.findall(r"^## make ([a-z][a-z0-9-]*)", (ROOT / "Makefile").read_text(), flags=re.MULTILINE)
+    assert helped == documented and "help" in helped  # every `## make` comment, in the Makefile's order
+    undocumented = [t for t in TARGETS if t not in helped and not t.endswith("-%") and t != "e2e-"]
+    assert undocumented == [], f"targets without a `## make TARGET: ...` comment (make help): {undocumented}"
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t != "clean-venvs"])
+def test_dry_run_runs_no_python(target: str, tmp_path: Path) -> None:
+    """``PYTHON`` is a stand-in that leaves a mark when run: a dry run must only print its commands."""
+    python, mark = marking_python(tmp_path)
     env = {**os.environ, "VLLM_ASCEND_ROUTING_CACHE": str(tmp_path / "cache")}
     done = subprocess.run(
         ["make", "-n", "--no-print-directory", target, f"PYTHON={python}"],

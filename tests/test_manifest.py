@@ -45,6 +45,19 @@ def test_rows_are_unique_and_runner_hooks_come_first(generation: object, platfor
         assert targets[0].endswith(".load_model")
 
 
+def test_a_target_two_features_hook_is_one_row_and_still_required_by_both() -> None:
+    """0.31+'s AuxOutput scheduler connector: the per-request options replace take_output and build_connector_meta
+    (required on every engine), the rows of loaded tokens wrap them per instance once a KV connector is configured.
+    One manifest row each (the options'), and the KV connector check still requires both."""
+    from vllm_ascend_routing.compat import _aux_requests, _kv_aux
+
+    shared = {patch.target for patch in _aux_requests.PATCHES}
+    rows = [p for p in manifest.patches_for(aux_output.AuxOutputAPI.generation, "cpu") if p.target in shared]
+    assert sorted(p.target for p in rows) == sorted(shared) and all(p.action == REPLACE and p.required for p in rows)
+    assert shared <= {patch.target for patch in aux_output.AuxOutputAPI.kv_rows.patches}
+    assert not shared & {patch.target for patch in _kv_aux.PATCHES}
+
+
 def test_validation_rows_cover_every_generation_that_installs_them() -> None:
     rows = [patch for patch in manifest.all_patches() if patch.feature == VALIDATION]
     assert {patch.target for patch in rows} == {patch.target for patch in validate.PATCHES}

@@ -4,8 +4,10 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import types
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -47,6 +49,17 @@ def test_tp_shard_is_gathered_and_its_padding_trimmed() -> None:
     assert place(4, RankLayout(0, 2, split_over_tp=True), None) == Span(0, None, gather_tp=True)
 
 
+def test_a_shard_as_large_as_a_shard_can_be_is_gathered() -> None:
+    """``capacity``: the most rows one TP shard holds (``ceil(buffer rows / tp)``). A split layout whose router saw
+    that many rows saw a shard and gathers; one that saw more saw the whole batch and records it as it is."""
+    layout = RankLayout(0, 2, split_over_tp=True)
+    assert place(4, layout, [7, 3], capacity=4) == Span(0, 7, gather_tp=True)
+    assert place(3, layout, [7, 3], capacity=4) == Span(0, 7, gather_tp=True)
+    assert place(10, layout, [7, 3], capacity=4) == Span(0, 7)  # every DP rank's tokens: this rank's come first
+    assert place(4, layout, None, capacity=4) == Span(0, None, gather_tp=True)
+    assert place(5, layout, None, capacity=4) == Span(0, None)
+
+
 def test_sp_shards_of_all_ranks_gathered() -> None:
     """vLLM's naive DP+EP dispatch with a sequence-parallel MoE: shards DP-major, padded (ceil)."""
     counts, shards = [5, 3], [3, 3, 2, 2]
@@ -61,21 +74,22 @@ def test_unknown_count_is_refused() -> None:
 
 @pytest.fixture
 def forward_context(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """A stand-in for ``vllm.forward_context`` holding this step's DP counts."""
-    state: dict[str, Any] = {"counts": None}
+    """A stand-in for ``vllm.forward_context`` holding this step's DP counts (and SP shard sizes, if set)."""
+    state: dict[str, Any] = {"counts": None, "shards": None}
     module = types.ModuleType("vllm.forward_context")
 
-    contexts: dict[tuple[int, ...], Any] = {}  # built once per step's counts, as vLLM builds it before the step
+    contexts: dict[Any, Any] = {}  # built once per step's counts, as vLLM builds it before the step
 
     def get_forward_context() -> Any:
-        counts = state["counts"]
+        counts, shards = state["counts"], state["shards"]
         if counts is None:
             return types.SimpleNamespace(dp_metadata=None)
-        if tuple(counts) not in contexts:
-            contexts[tuple(counts)] = types.SimpleNamespace(
-                dp_metadata=types.SimpleNamespace(num_tokens_across_dp_cpu=torch.tensor(counts), local_sizes=None)
+        key = (tuple(counts), None if shards is None else tuple(shards))
+        if key not in contexts:
+            contexts[key] = types.SimpleNamespace(
+                dp_metadata=types.SimpleNamespace(num_tokens_across_dp_cpu=torch.tensor(counts), local_sizes=shards)
             )
-        return contexts[tuple(counts)]
+        return contexts[key]
 
     module.get_forward_context = get_forward_context  # type: ignore[attr-defined]
     module.is_forward_context_available = lambda: True  # type: ignore[attr-defined]
@@ -200,3 +214,241 @@ def test_placement_adds_no_syncing_op(forward_context: dict[str, Any]) -> None:
     assert inner.ops.count("vllm_ascend_routing::record_topk_ids") == 1
     assert not {op.split("::")[1] for op in log.ops + inner.ops} & SYNCING
     assert torch.equal(buffer[:12, 2].to(torch.int32), ids[20:])
+
+
+# ---- graph mode: captured or compiled once, run again with other steps' counts ----
+
+
+@dataclass(frozen=True)
+class Step:
+    """One forward of a layer on DP rank ``rank``: the ids its router saw and the rows this rank must record."""
+
+    counts: list[int] | None
+    routed: torch.Tensor  # what the router saw
+    expected: torch.Tensor  # this rank's ids in token order
+    shards: list[int] | None = None
+
+
+def ids_of(rank: int, count: int, step: int) -> torch.Tensor:
+    """Ids no other (rank, step) shares in any row: a stale or shifted span cannot match by chance."""
+    base = 1000 * (step + 1) + 100 * rank
+    return (base + torch.arange(count * 2, dtype=torch.int32).reshape(count, 2)) % 4096
+
+
+def all_gathered(counts: list[int], rank: int, step: int) -> Step:
+    """vLLM's naive dispatch: every DP rank's tokens in rank order."""
+    parts = [ids_of(r, c, step) for r, c in enumerate(counts)]
+    return Step(counts, torch.cat(parts), parts[rank])
+
+
+def padded_gathered(counts: list[int], rank: int, step: int) -> Step:
+    """vllm-ascend's all-gather: every rank padded to the widest (padding ids 4095)."""
+    widest = max(counts)
+    parts = [ids_of(r, c, step) for r, c in enumerate(counts)]
+    routed = torch.cat([torch.cat([p, torch.full((widest - len(p), 2), 4095, dtype=torch.int32)]) for p in parts])
+    return Step(counts, routed, parts[rank])
+
+
+def local_only(counts: list[int], rank: int, step: int) -> Step:
+    """An all-to-all dispatch after routing: the router saw this rank's tokens only."""
+    mine = ids_of(rank, counts[rank], step)
+    return Step(counts, mine, mine)
+
+
+def sp_sharded(counts: list[int], rank: int, step: int, tp: int = 2) -> Step:
+    """vLLM's naive DP+EP dispatch with a sequence-parallel MoE: every DP rank's tokens in ``tp`` shards of
+    ``ceil(count / tp)`` (padded), DP-major then TP, the shard sizes set by vLLM (``local_sizes``)."""
+    shards, parts = [], []
+    for r, count in enumerate(counts):
+        size = -(-count // tp)
+        shards += [size] * tp
+        mine = ids_of(r, count, step)
+        parts.append(torch.cat([mine, torch.full((size * tp - count, 2), 4095, dtype=torch.int32)]))
+    return Step(counts, torch.cat(parts), ids_of(rank, counts[rank], step), shards)
+
+
+# Layout, rank, the steps' counts: the first step's counts are the ones the graph is compiled with; every later one
+# has other counts, another token split, or padding (the uniform [8, 8] is a DP step padded to a graph size).
+COMPILED_LAYOUTS = {
+    "all_gather": (all_gathered, RankLayout(1, 1), [[3, 5], [6, 2], [8, 8], [0, 4], [4, 0], [1, 1], [7, 9]]),
+    "padded_to_widest": (padded_gathered, RankLayout(1, 1), [[9, 4], [2, 7], [5, 5], [1, 6]]),
+    "local": (local_only, RankLayout(0, 1), [[4, 7], [9, 2], [1, 1], [6, 3]]),
+    "dp3_all_gather": (all_gathered, RankLayout(2, 1), [[2, 3, 4], [5, 1, 1], [3, 3, 3], [0, 0, 6]]),
+    "sp_shards": (sp_sharded, RankLayout(1, 2, split_over_tp=True), [[5, 3], [2, 7], [4, 4], [9, 1]]),
+}
+
+
+def skip_all_guards(entries: list[Any]) -> list[bool]:
+    return [False for _ in entries]
+
+
+def compiled_as_vllm_compiles(fn: Any, compiles: list[int]) -> Any:
+    """``torch.compile`` as vLLM 0.26-0.30 compile a model (``TorchCompileWithNoGuardsWrapper``): fullgraph, the token
+    dimension marked dynamic on the first call, every guard dropped, so the code compiled for the first step's
+    counts is reused for every later step without re-tracing. ``compiles`` counts the graphs compiled."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(graph: Any, example_inputs: Any) -> Any:
+        compiles.append(1)
+        return compile_fx(graph, example_inputs)
+
+    return torch.compile(
+        fn, fullgraph=True, dynamic=False, backend=backend, options={"guard_filter_fn": skip_all_guards}
+    )
+
+
+@pytest.mark.parametrize("name", list(COMPILED_LAYOUTS))
+def test_compiled_once_then_run_with_other_counts(forward_context: dict[str, Any], name: str) -> None:
+    """Compiled with one step's counts, run with others (DP counts, token splits, padding): every row of every step
+    exact, from one compiled graph. The placement runs in the opaque op at run time, not in the traced code."""
+    make, layout, steps = COMPILED_LAYOUTS[name]
+    buffer = torch.full((32, 2, 2), -9, dtype=torch.int16)
+    capture = LayerCapture(buffer, 1, 4096, new_error_counter("cpu"), layout)
+
+    def moe(ids: torch.Tensor) -> torch.Tensor:
+        capture(ids)
+        return ids + 1
+
+    compiles: list[int] = []
+    run = compiled_as_vllm_compiles(moe, compiles)
+    exact = 0
+    for index, counts in enumerate(steps):
+        step = make(counts, layout.dp_rank, index)
+        forward_context["counts"], forward_context["shards"] = step.counts, step.shards
+        buffer.fill_(-9)
+        if index == 0:
+            torch._dynamo.mark_dynamic(step.routed, 0)
+        assert torch.equal(run(step.routed), step.routed + 1)
+        rows = len(step.expected)
+        assert torch.equal(buffer[:rows, 1].to(torch.int32), step.expected), (name, counts)
+        assert bool((buffer[rows:, 1] == -9).all()) or layout.dp_rank == 0 and rows == len(step.routed)
+        exact += rows
+    assert len(compiles) == 1, f"{name}: compiled {len(compiles)} times; the test needs one graph for every step"
+    assert exact == sum(c[layout.dp_rank] for c in steps)
+
+
+def test_compiled_step_with_an_unknown_count_is_refused(forward_context: dict[str, Any]) -> None:
+    """A count that fits no layout raises from the compiled graph at run time (never a guessed span)."""
+    buffer = torch.zeros((16, 1, 2), dtype=torch.int16)
+    capture = LayerCapture(buffer, 0, 4096, new_error_counter("cpu"), RankLayout(0, 1))
+    run = compiled_as_vllm_compiles(lambda ids: capture(ids) or ids + 1, [])
+    forward_context["counts"] = [5, 3]
+    first = all_gathered([5, 3], 0, 0)
+    torch._dynamo.mark_dynamic(first.routed, 0)
+    run(first.routed)
+    with pytest.raises(PlacementError, match="routed 6 tokens"):
+        run(ids_of(0, 6, 1))
+
+
+def test_placement_traced_by_the_compiler_is_refused(forward_context: dict[str, Any]) -> None:
+    """The placement itself traced (called outside the op): the first step's counts would be baked into the code
+    and reused with guards dropped; it refuses to be traced instead."""
+    forward_context["counts"] = [3, 5]
+    assert parallel.step_counts() == ([3, 5], None)  # the step's context exists before the forward, as in vLLM
+
+    def traced(ids: torch.Tensor) -> torch.Tensor:
+        return parallel.local_topk_ids(ids, RankLayout(1, 1), 16) + 0
+
+    run = compiled_as_vllm_compiles(traced, [])
+    with pytest.raises(Exception, match="being traced by torch.compile"):
+        run(all_gathered([3, 5], 1, 0).routed)
+
+
+@pytest.mark.parametrize(
+    "counts, refused",
+    [([3, 5], True), ([0, 4], True), ([8, 8], False), ([4, 4, 4], False), (None, False)],
+)
+def test_graph_capture_freezes_only_a_span_replays_share(
+    forward_context: dict[str, Any], monkeypatch: pytest.MonkeyPatch, counts: list[int] | None, refused: bool
+) -> None:
+    """The rule for CUDA/ACL graph captures, on the CPU (the capture state stood in): unequal DP counts would freeze a
+    span that a replay with other counts reuses, so the capture is refused, naming the layout; equal counts (vLLM's
+    DP padding whenever a graph runs) or none give a span that depends on the captured token count alone."""
+    monkeypatch.setattr(parallel, "graph_capturing", lambda device: True)
+    forward_context["counts"] = counts
+    step = all_gathered(counts, 1, 0) if counts else local_only([4, 4], 1, 0)
+    buffer = torch.zeros((16, 1, 2), dtype=torch.int16)
+    capture = LayerCapture(buffer, 0, 4096, new_error_counter("cpu"), RankLayout(1, 1))
+    if refused:
+        with pytest.raises(
+            parallel.GraphPlacementError, match=r"unequal DP token counts .*DP counts " + re.escape(str(counts))
+        ):
+            capture(step.routed)
+        assert not buffer.any()
+    else:
+        capture(step.routed)
+        assert torch.equal(buffer[: len(step.expected), 0].to(torch.int32), step.expected)
+
+
+def captured(fn: Any) -> torch.cuda.CUDAGraph:
+    """``fn()`` run once on a side stream (warm-up, as vLLM does before capturing), then captured in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+@pytest.mark.cuda
+def test_cuda_graph_captured_once_replays_every_step_exactly(forward_context: dict[str, Any]) -> None:
+    """DP rank 1 of 2, all-gather dispatch, captured once at the graph size 8 (vLLM pads both ranks to it whenever a
+    graph runs: counts [8, 8] at capture and at every replay), replayed with other real token splits: each replay's
+    rows are that step's, the padding rows after them never this rank's tokens."""
+    buffer = torch.full((32, 2, 2), -9, dtype=torch.int16, device="cuda")
+    capture = LayerCapture(buffer, 1, 4096, new_error_counter("cuda"), RankLayout(1, 1))
+    routed = torch.zeros((16, 2), dtype=torch.int32, device="cuda")  # the graph's static input
+    forward_context["counts"] = [8, 8]
+    graph = captured(lambda: capture(routed))
+    for step, real in enumerate([(3, 5), (8, 8), (7, 1), (0, 6), (2, 8)]):
+        parts = [ids_of(rank, count, step) for rank, count in enumerate(real)]
+        routed.copy_(torch.cat([torch.cat([p, torch.full((8 - len(p), 2), 4095, dtype=torch.int32)]) for p in parts]))
+        buffer.fill_(-9)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(buffer[: real[1], 1].cpu().to(torch.int32), parts[1]), (step, real)
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture_with_unequal_dp_counts_is_refused(forward_context: dict[str, Any]) -> None:
+    """A real CUDA stream capture (the probe, not a stand-in) with unequal DP counts: refused at capture, naming the
+    layout, instead of a span every replay would reuse."""
+    buffer = torch.zeros((16, 1, 2), dtype=torch.int16, device="cuda")
+    capture = LayerCapture(buffer, 0, 4096, new_error_counter("cuda"), RankLayout(1, 1))
+    routed = all_gathered([3, 5], 1, 0).routed.cuda()
+    forward_context["counts"] = [3, 5]
+    capture(routed)  # eager: placed by this step's counts
+    torch.cuda.synchronize()
+    assert torch.equal(buffer[:5, 0].cpu().to(torch.int32), ids_of(1, 5, 0))
+    with pytest.raises(parallel.GraphPlacementError, match=r"unequal DP token counts .*DP counts \[3, 5\]"):
+        captured(lambda: capture(routed))
+
+
+@pytest.mark.cuda
+def test_cuda_graph_tp_gather_follows_the_other_ranks_sizes(
+    forward_context: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A TP-split layout captured once: TP rank 1's shard of 4 tokens is fixed by the graph, TP rank 0's size arrives
+    in the gathered block at every replay (a static buffer here, as NCCL writes it); the rows are looked up on the
+    device, so each replay assembles that step's tokens in order."""
+    capacity = 4
+    other = torch.zeros((capacity + 1, 2), dtype=torch.int32, device="cuda")  # TP rank 0's block
+    monkeypatch.setattr(parallel, "tp_group_all_gather", lambda block: torch.cat([other, block]))
+    buffer = torch.full((8, 1, 2), -9, dtype=torch.int16, device="cuda")
+    capture = LayerCapture(buffer, 0, 4096, new_error_counter("cuda"), RankLayout(0, 2, split_over_tp=True))
+    mine = torch.zeros((capacity, 2), dtype=torch.int32, device="cuda")
+    graph = captured(lambda: capture(mine))
+    for step, size in enumerate([4, 1, 3, 0]):
+        first, second = ids_of(0, size, step), ids_of(1, capacity, step)
+        other.zero_()
+        other[0] = size
+        other[1 : size + 1] = first.cuda()
+        mine.copy_(second)
+        buffer.fill_(-9)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = torch.cat([first, second])
+        assert torch.equal(buffer[: len(expected), 0].cpu().to(torch.int32), expected), (step, size)

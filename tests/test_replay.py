@@ -14,7 +14,8 @@ import torch
 
 import vllm_ascend_routing
 from vllm_ascend_routing import replay
-from vllm_ascend_routing.replay import INVALID, UnknownMoELayersError, align, check, moe_layers, to_megatron
+from vllm_ascend_routing.replay import UnknownMoELayersError, align, check, moe_layers, to_megatron
+from vllm_ascend_routing.replay.aligned import INVALID
 
 
 def vllm_rows(
@@ -396,7 +397,8 @@ def test_runtime_modules_do_not_import_the_bridge() -> None:
     runtime = sorted(
         module.name
         for module in pkgutil.walk_packages(vllm_ascend_routing.__path__, "vllm_ascend_routing.")
-        if module.name != replay.__name__ and not module.name.startswith("vllm_ascend_routing.preflight")
+        if not module.name.startswith((f"{replay.__name__}.", "vllm_ascend_routing.preflight"))
+        and module.name != replay.__name__
     )
     assert "vllm_ascend_routing.validate" in runtime and "vllm_ascend_routing.integration" in runtime
     code = (
@@ -408,3 +410,11 @@ def test_runtime_modules_do_not_import_the_bridge() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_row_contracts_are_the_release_tables() -> None:
+    """The bridge's dtype -> row convention is read from the release table, not declared again."""
+    from vllm_ascend_routing import releases
+
+    table = {np.dtype(d): (text, takes) for d, (text, takes) in releases.row_contracts().items()}
+    assert {d: tuple(c) for d, c in replay.ROW_CONTRACTS.items()} == table

@@ -268,16 +268,48 @@ def test_the_step_hook_clears_before_and_checks_after_the_forward() -> None:
     assert int(buffer[3:].min()) == 9  # rows past the step untouched
 
 
+@pytest.mark.parametrize(("setting", "raises"), [("strict", True), ("1", False), ("0", False), (None, False)])
+def test_the_validation_setting_reaches_the_check(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, setting: str | None, raises: bool
+) -> None:
+    """The check a capture is built with (``PreparedCapture.bound``, as every generation's load hook builds it)
+    raises on a bypassed layer exactly when ``VLLM_ASCEND_ROUTING_VALIDATE=strict``; otherwise it logs."""
+    if setting is None:
+        monkeypatch.delenv("VLLM_ASCEND_ROUTING_VALIDATE", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_ASCEND_ROUTING_VALIDATE", setting)
+    buffer = torch.zeros(8, 4, 2, dtype=torch.int16)
+    prepared = capture.PreparedCapture.bound(buffer, torch.zeros(1, dtype=torch.int64), 8, (1, 3))
+    assert prepared.sentinel.strict is raises
+    _route(prepared.sentinel, 5, (1,))  # layer 3 bypassed: every row zero
+    with caplog.at_level(logging.ERROR):
+        if raises:
+            with pytest.raises(RoutingValidationError, match="all-zero routing row"):
+                prepared.sentinel.after_forward(5, lambda: STEP)
+        else:
+            prepared.sentinel.after_forward(5, lambda: STEP)
+    assert "5 all-zero routing row(s)" in caplog.text  # logged in every mode: 5 tokens x the bypassed layer
+
+
 def test_doctor_reports_the_sentinel_counters(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm_ascend_routing import runner_state
-    from vllm_ascend_routing.preflight import doctor
+    from vllm_ascend_routing.preflight import self_check
 
     prepared = capture.PreparedCapture.bound(torch.zeros(4, 3, 2, dtype=torch.int16), torch.zeros(1), 8, (0, 2))
     monkeypatch.setattr(runner_state, "captures_in_process", lambda: [prepared])
     monkeypatch.setattr(sentinel, "_STATS", sentinel.SentinelStats(3, 24, 0, 0))
-    assert doctor.capture_report() == ("2 MoE layers bound; 24 rows in 3 steps checked: 0 all-zero, 0 invalid ids", [])
+    expected = "2 MoE layers bound; always-on check: 24 rows in 3 steps, 0 all-zero, 0 invalid ids"
+    assert self_check.capture_report() == (expected, [])
     monkeypatch.setattr(sentinel, "_STATS", sentinel.SentinelStats(3, 24, 4, 1))
-    assert len(doctor.capture_report()[1]) == 2
+    assert len(self_check.capture_report()[1]) == 2
+    # The workers' counters (collective_rpc), where the runners are other processes: none bound here.
+    monkeypatch.setattr(runner_state, "captures_in_process", lambda: [])
+    workers = {"steps_checked": 6, "rows_checked": 48, "zero_rows": 0, "invalid_ids": 0}
+    assert self_check.capture_report(workers) == ("always-on check: 48 rows in 6 steps, 0 all-zero, 0 invalid ids", [])
+    # No row counted is a failure, not a pass: the check did not run or its counters did not come back.
+    assert self_check.capture_report({**workers, "rows_checked": 0})[1] == [
+        "the always-on check counted no row (did it run?)"
+    ]
 
 
 # ---- the accelerator path on a real device (make gpu-check runs the CUDA ones; an NPU host runs -m npu) ----

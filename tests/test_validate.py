@@ -52,6 +52,14 @@ def test_each_rule() -> None:
     assert "shape" in whats(np.zeros((5, 2, 2), dtype=np.uint8))[0][0]
 
 
+def test_the_same_expert_twice_is_found_anywhere_in_a_wide_row() -> None:
+    """Top-4 rows: a repeat in columns that are not neighbours is found as well as one in neighbouring columns."""
+    model = ModelRouting(num_experts=8, num_layers=1, moe_layers=frozenset({0}))
+    rows = np.array([[[3, 1, 7, 5]], [[3, 1, 3, 5]], [[6, 2, 4, 2]], [[0, 0, 1, 2]]], dtype=np.uint8)
+    found = check(rows, request_id="r", expected_rows=4, model=model)
+    assert [(v.what, v.row) for v in found] == [("the same expert twice in one row", row) for row in (1, 2, 3)]
+
+
 def test_int32_padding_minus_one_is_out_of_range() -> None:
     array = good().astype(np.int32)
     array[2, 0, 0] = -1
@@ -180,3 +188,56 @@ def test_front_end_hooks_are_installed_on_vllms_classes(monkeypatch: pytest.Monk
     for patch in validate.PATCHES:
         owner_name, _, attribute = patch.target.rpartition(".")
         assert patching.is_wrapped(patching.resolve(owner_name).__dict__[attribute]), patch.target
+
+
+def _moe_axis(rows: int) -> np.ndarray:
+    """vLLM 0.21.0's form of ``good(rows)``: the MoE layers' rows only (layers 0 and 2)."""
+    return good(rows)[:, [0, 2]]
+
+
+def _unknown_family(monkeypatch: pytest.MonkeyPatch, mode: str) -> Any:
+    """Validation in ``mode`` for a model whose config names no MoE layers, and a request that finished with
+    4 prompt + 2 generated tokens (5 rows)."""
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING_VALIDATE", mode)
+    monkeypatch.setattr(validate, "_model", ModelRouting(8, 3, None))
+    monkeypatch.setattr(validate, "_checked", 0)
+    monkeypatch.setattr(validate, "_unchecked", 0)
+    return SimpleNamespace(prompt_len=4, request_id="req-9", detokenizer=SimpleNamespace(output_token_ids=[5, 5]))
+
+
+def test_strict_refuses_rows_it_cannot_place_on_the_decoder_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.21.0 returns rows on the MoE-layer axis; with the model's MoE layers unknown they cannot be
+    checked: strict mode refuses, naming the request and what to do, instead of passing them unchecked."""
+    state = _unknown_family(monkeypatch, "strict")
+    with pytest.raises(validate.ValidationUnavailableError, match="request req-9.*VLLM_ASCEND_ROUTING_VALIDATE=1"):
+        validate.keep_whole_request(state, _moe_axis(5))
+    assert validate.checked_arrays() == 0 and validate.unchecked_arrays() == 0
+
+
+def test_validation_mode_1_logs_and_counts_rows_it_cannot_place(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not strict: the request is served, its array logged as an error and counted unchecked (never checked)."""
+    state = _unknown_family(monkeypatch, "1")
+    generated_only = SimpleNamespace(routed_experts=_moe_axis(2))
+    finish = validate._validating(lambda self, *args: generated_only, strict=False)
+    with caplog.at_level("ERROR"):
+        validate.keep_whole_request(state, _moe_axis(5))
+        assert finish(state) is generated_only
+        validate.keep_whole_request(state, _moe_axis(5))
+    assert validate.unchecked_arrays() == 2 and validate.checked_arrays() == 0
+    errors = [record for record in caplog.records if record.levelname == "ERROR"]
+    assert len(errors) == 1 and "request req-9" in errors[0].getMessage() and "Not checked" in errors[0].getMessage()
+
+
+def test_known_moe_layers_place_the_rows_and_check_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same request with the MoE layers known: placed on the decoder layers, checked, counted."""
+    state = _unknown_family(monkeypatch, "strict")
+    monkeypatch.setattr(validate, "_model", MODEL)
+    finish = validate._validating(lambda self, *args: SimpleNamespace(routed_experts=None), strict=True)
+    validate.keep_whole_request(state, _moe_axis(5))
+    finish(state)
+    assert validate.checked_arrays() == 1 and validate.unchecked_arrays() == 0
+    validate.keep_whole_request(state, _moe_axis(6))  # one row too many: the check runs and says so
+    with pytest.raises(RoutingValidationError, match="6 rows, expected 5"):
+        finish(state)

@@ -13,7 +13,7 @@ import pytest
 
 from tests.preflight.test_doctor import fake_environment, fake_targets
 from vllm_ascend_routing import __version__, versions
-from vllm_ascend_routing.preflight import doctor
+from vllm_ascend_routing.preflight import doctor, findings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,9 +62,9 @@ def test_the_cuda_driver_and_gpu_from_nvidia_smi(tmp_path: Path, monkeypatch: py
 
 
 def test_doctor_prints_and_reports_the_versions(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(doctor, "environment", fake_environment("0.33.0"))
-    monkeypatch.setattr(doctor, "targets", fake_targets(1))
-    monkeypatch.setattr(doctor, "binder_coverage", lambda: {"module_level": False, "rows": [], "unknown": []})
+    monkeypatch.setattr(findings, "environment", fake_environment("0.33.0"))
+    monkeypatch.setattr(findings, "targets", fake_targets(1))
+    monkeypatch.setattr(findings, "binder_coverage", lambda: {"module_level": False, "rows": [], "unknown": []})
     fields = {**dict.fromkeys(versions.collect(), None), "vllm_ascend_routing": __version__, "commit": "abc"}
     fields.update(commit_source="build", torch_npu="2.7.1", cann="8.1.RC1", device_name="Ascend910B3")
     monkeypatch.setattr(versions, "collect", lambda: dict(fields))

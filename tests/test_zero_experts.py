@@ -44,7 +44,11 @@ def test_binding_records_zero_experts_as_ids(monkeypatch: pytest.MonkeyPatch) ->
         (512, 256, "runner-output", False),  # LongCat-Flash: uint16 either way
         (200, 50, "aux-output", False),  # ids up to 249 fit uint8
         (250, 10, "runner-output", True),  # ids 256-259 would wrap in vLLM's uint8
+        (250, 10, "aux-output", True),  # the connector narrows as the runner output does
+        (256, 1, "runner-output", True),  # 256 routed experts: uint8 holds them, not zero expert 256
+        (257, 1, "aux-output", False),  # 257 routed experts: uint16 either way
         (250, 10, "shm", False),  # the plugin's store is sized for them
+        (250, 10, "device-cache", False),  # vLLM 0.21.0's arrays are int16
     ],
 )
 def test_ids_vllm_would_wrap_are_refused(routed: int, zero: int, generation: str, refused: bool) -> None:
@@ -63,6 +67,14 @@ def _narrowed_by_expert_count(generation: str) -> bool:
 
     api = next(api for api in manifest.adapters() if api.generation.value == generation)
     return bool(api.narrowed_by_expert_count)  # type: ignore[attr-defined]
+
+
+def test_replay_keeps_zero_expert_ids_past_the_routed_experts_dtype() -> None:
+    """250 routed experts fit uint8, their 10 zero experts (ids 250-259) do not: the packed block is sized for
+    every id, so zero experts 256-259 reach the router as themselves, not wrapped to experts 0-3."""
+    routed = np.array([[[249, 259]], [[256, 3]]])  # [rows, 1 layer, top-2]
+    packed = replay.to_megatron([(routed, np.ones(2, dtype=bool))], [0], 250, zero_experts=10)
+    assert packed.indices[0].tolist() == [[249, 259], [256, 3]]
 
 
 def test_validation_and_replay_accept_the_zero_expert_range() -> None:

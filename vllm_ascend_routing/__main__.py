@@ -67,7 +67,11 @@ def main() -> None:
     run.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "mixtral", "qwen3_moe_dense"])
     run.add_argument("--prompts", type=int, default=8)
     run.add_argument("--mode", default="compiled", choices=["eager", "compiled"])
-    check = sub.add_parser("doctor", help="versions, generation, platform, kernel, settings; then a self-check")
+    check = sub.add_parser(
+        "doctor",
+        help="versions, generation, platform, kernel, settings, patch targets; then a self-check (or --model: the "
+        "pre-flight); the last line is the verdict: PASS, or FAIL (<kind>): <reason>. Next: <step>",
+    )
     check.add_argument("--prompts", type=int, default=4)
     check.add_argument("--mode", default="compiled", choices=["eager", "compiled"])
     check.add_argument(
@@ -95,7 +99,9 @@ def main() -> None:
     check.add_argument("--max-tokens", type=int, default=16, help="with --model: tokens generated per prompt")
     check.add_argument("--trust-remote-code", action="store_true", help="with --model: passed to vLLM")
     check.add_argument(
-        "--json", action="store_true", help="print the report as one JSON document on stdout (the text to stderr)"
+        "--json",
+        action="store_true",
+        help="print the report as one JSON document on stdout (its first key, schema, versions it; the text to stderr)",
     )
     replay = sub.add_parser(
         "replay-check",

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from vllm_ascend_routing import releases
+
 # The config fields each family's MoE layout is read from, for the error message.
 KNOWN_FAMILIES = (
     "Qwen2/3-MoE (decoder_sparse_step, mlp_only_layers), DeepSeek-V2/V3 and GLM-4-MoE (first_k_dense_replace, "
@@ -160,16 +162,27 @@ def check(
 
 def request_rows(output: Any, hf_config: Any, num_layers: int | None = None) -> np.ndarray | None:
     """One ``RequestOutput``'s routed experts on the decoder-layer axis: ``CompletionOutput.routed_experts`` as
-    the release returns it, or, where the output also has ``prompt_routed_experts`` (vLLM 0.21.0 alone has that
-    field), its two arrays joined from token 0 and widened (:func:`from_device_cache`). ``None``: no rows."""
-    if not hasattr(output, "prompt_routed_experts"):
+    the release returns it, or, where the release returns the prompt's rows apart (:func:`prompt_rows_apart`: vLLM
+    0.21.0), its two arrays joined from token 0 and widened (:func:`from_device_cache`). ``None``: no rows."""
+    apart = prompt_rows_apart(output)
+    if apart is None:
         return output.outputs[0].routed_experts  # type: ignore[no-any-return]
-    prompt, generated = output.prompt_routed_experts, output.outputs[0].routed_experts
+    prompt, generated = apart
     if prompt is None and generated is None:
         return None
     if num_layers is None:
         num_layers = int(hf_config.num_hidden_layers)
     return from_device_cache(prompt, generated, moe_layers(hf_config, num_layers), num_layers)
+
+
+def prompt_rows_apart(output: Any) -> tuple[np.ndarray | None, np.ndarray | None] | None:
+    """A ``RequestOutput``'s prompt rows and generated tokens' rows as returned, where its release returns them apart
+    (a ``prompt_rows_field`` of the release table: vLLM 0.21.0's ``prompt_routed_experts``, both on the MoE-layer
+    axis); ``None`` where ``CompletionOutput.routed_experts`` holds the request's rows."""
+    field = next((name for name in releases.prompt_rows_fields() if hasattr(output, name)), None)
+    if field is None:
+        return None
+    return getattr(output, field), output.outputs[0].routed_experts
 
 
 def from_device_cache(

@@ -102,6 +102,13 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # vLLM releases besides 0.30.0 the trainer hand-off test runs on (space-separated, or "all").
     "VLLM_ASCEND_ROUTING_TEST_TRAINER_RELEASES": lambda: os.getenv("VLLM_ASCEND_ROUTING_TEST_TRAINER_RELEASES", ""),
 }
+# The ones that change what the plugin does at run time (the others build it or drive the tooling and tests).
+runtime_variables: tuple[str, ...] = (
+    "VLLM_ASCEND_ROUTING",
+    "VLLM_ASCEND_ROUTING_VLLM_API",
+    "VLLM_ASCEND_ROUTING_VALIDATE",
+    "VLLM_ASCEND_ROUTING_FORCE_REFERENCE",
+)
 
 
 def __getattr__(name: str) -> Any:

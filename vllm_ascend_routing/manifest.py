@@ -20,7 +20,7 @@ from types import ModuleType
 
 from vllm_ascend_routing import _cpu_compat, envs, peers, releases, runner_mixin, validate
 from vllm_ascend_routing.backends import ascend, ascend_router, cpu_moe, zero_expert_router
-from vllm_ascend_routing.compat import _aux_requests
+from vllm_ascend_routing.compat import _aux_requests, _kv_aux, _kv_slots
 from vllm_ascend_routing.compat.base import CaptureAPI, Generation, UnsupportedVllmError
 from vllm_ascend_routing.output import engine, frontend, serving, weights
 from vllm_ascend_routing.patching import RELY, REPLACE, VALIDATION, Patch, problem, resolve
@@ -47,7 +47,9 @@ _DECLARING = (
     _cpu_compat,
     validate,
     peers,
-    weights,
+    _kv_slots,  # rows of tokens KV connectors load (kv_transfer), per generation
+    _kv_aux,
+    weights,  # the output features (output/): weight version, engine core, front end, server
     engine,
     frontend,
     serving,

@@ -12,6 +12,15 @@ Depending on where the MoE dispatches tokens, a layer's router sees one of:
     MoE; vllm-ascend MC2 / all-to-all / flash-comm): the ids are all-gathered over the TP group first.
 ``place`` decides from host-side counts only (vLLM's forward context keeps them on the CPU), so placing adds
 no device synchronisation. Every rank's capture buffer then holds its own full step, row ``i`` = token ``i``.
+
+Graph mode (``local_topk_ids``): the placement runs in the ``record_local_topk_ids`` op, which ``torch.compile``
+keeps opaque, so a compiled graph runs it on every call with that call's counts. A CUDA/ACL graph is different:
+the op's Python runs once, while the graph is captured, and every replay reuses the span it chose. A span is
+therefore frozen into a graph only when it is a function of the captured token count alone: no DP counts, or DP
+counts all equal (vLLM pads every DP rank to the graph's size whenever a graph runs, ``coordinate_batch_across_dp``,
+so each replay of that graph has those same counts); the TP gather computes its rows on the device from the
+gathered sizes at every replay. Anything else is refused at capture time (``GraphPlacementError``), and so is the
+placement being traced into a graph by Dynamo instead of running in the op.
 """
 
 from __future__ import annotations
@@ -25,6 +34,10 @@ if TYPE_CHECKING:
 
 class PlacementError(RuntimeError):
     """A layer routed a token count that matches no known layout: refusing beats wrong rows."""
+
+
+class GraphPlacementError(PlacementError):
+    """The placement would be frozen into a graph where a replay could need another span."""
 
 
 @dataclass(frozen=True)
@@ -141,11 +154,63 @@ def gather_tp_shards(shard: torch.Tensor, tp_size: int, capacity: int, rows: int
     return gathered[:, 1:].reshape(tp_size * capacity, k)[source]
 
 
+def graph_capturing(device: torch.device) -> bool:
+    """Whether ``device``'s current stream is capturing a graph (a CUDA graph; an ACL graph through torch_npu's
+    ``torch.npu``, which has the same probe): what runs now is recorded once and replayed without running again.
+    A query of the stream's capture state: no synchronisation."""
+    if device.type == "cpu":
+        return False
+    import torch
+
+    probe = getattr(getattr(torch, device.type, None), "is_current_stream_capturing", None)
+    return bool(probe()) if callable(probe) else False
+
+
+def _describe(layout: RankLayout, n: int, counts: list[int] | None, shards: list[int] | None) -> str:
+    split = ", tokens split over TP" if layout.split_over_tp else ""
+    return (
+        f"DP rank {layout.dp_rank}, TP size {layout.tp_size}{split}; {n} routed tokens, DP counts {counts}, "
+        f"SP shards {shards}"
+    )
+
+
+def check_graph_placement(
+    device: torch.device, layout: RankLayout, n: int, counts: list[int] | None, shards: list[int] | None
+) -> None:
+    """Refuse a span that a graph capture would freeze although a replay of the same graph could need another:
+    one that depends on more than the captured token count (DP counts not all equal)."""
+    if counts is not None and len(set(counts)) > 1 and graph_capturing(device):
+        raise GraphPlacementError(
+            "vllm-ascend-routing: a graph is being captured with unequal DP token counts "
+            f"({_describe(layout, n, counts, shards)}). "
+            "The rows this rank records would be chosen from these counts once and reused by every replay, "
+            "whatever that step's counts are. vLLM pads every DP rank to the graph's size whenever a graph runs, so "
+            "this layout is one the plugin does not know: run with enforce_eager=True (or cudagraph_mode NONE) and "
+            "report it."
+        )
+
+
 def local_topk_ids(topk_ids: torch.Tensor, layout: RankLayout, buffer_rows: int) -> torch.Tensor:
-    """This rank's ids, token ``i`` at row ``i``, at most ``buffer_rows`` of them (a view unless gathered)."""
+    """This rank's ids, token ``i`` at row ``i``, at most ``buffer_rows`` of them (a view unless gathered).
+
+    Raises:
+        GraphPlacementError: traced by Dynamo (the counts would be baked into the compiled code), or a graph
+            capture would freeze a span that depends on more than the captured token count (module docstring).
+    """
+    import torch
+
+    if torch.compiler.is_compiling():
+        raise GraphPlacementError(
+            f"vllm-ascend-routing: the parallel placement of routed ids ({layout}) is being traced by "
+            "torch.compile: the step's DP counts would be baked into the compiled code. It must run in the "
+            "record_local_topk_ids op (opaque to the compiler), which LayerCapture emits; call the op, not "
+            "parallel.local_topk_ids."
+        )
     capacity = -(-buffer_rows // layout.tp_size)
     counts, shards = step_counts()
-    span = place(int(topk_ids.shape[0]), layout, counts, shards, capacity)
+    n = int(topk_ids.shape[0])
+    check_graph_placement(topk_ids.device, layout, n, counts, shards)
+    span = place(n, layout, counts, shards, capacity)
     if span.gather_tp:
         return gather_tp_shards(topk_ids, layout.tp_size, capacity, buffer_rows)
     end = topk_ids.shape[0] if span.length is None else span.start + span.length

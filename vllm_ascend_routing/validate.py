@@ -14,6 +14,9 @@ Runs in the front-end process, where vLLM assembles ``CompletionOutput.routed_ex
 A front-end whose engine was not created through those two classes leaves nothing to check against: the first
 finished request with routed experts then raises ``ValidationUnavailableError`` instead of passing unchecked.
 ``checked_arrays()`` counts the arrays checked in this process (doctor and the e2e suite read it).
+An array validation cannot place (a generation that returns rows on the MoE-layer axis, for a model whose config
+names no MoE layers ``contract.moe_layers`` can read) is refused in ``strict`` mode (``ValidationUnavailableError``,
+naming what to do) and, with ``1``, logged as an error and counted by ``unchecked_arrays()``: never passed silently.
 """
 
 from __future__ import annotations
@@ -137,28 +140,62 @@ def report(violations: list[Violation], strict: bool) -> None:
 def keep_whole_request(state: Any, moe_axis_rows: np.ndarray) -> None:
     """For a generation whose final output splits the request's rows over two arrays on the MoE-layer axis
     (vLLM 0.21.0): keep the whole request, on the decoder-layer axis, for the check of that output. Where the
-    config names no MoE layers the arrays cannot be placed and the request is not checked."""
-    if envs.VLLM_ASCEND_ROUTING_VALIDATE == "off" or _model is None:
+    config names no MoE layers the arrays cannot be placed: ``strict`` refuses (``ValidationUnavailableError``),
+    ``1`` logs an error and counts the request as unchecked (``unchecked_arrays``)."""
+    mode = envs.VLLM_ASCEND_ROUTING_VALIDATE
+    if mode == "off" or _model is None:
         return
-    whole = None
-    if _model.moe_layers is not None and moe_axis_rows.ndim == 3:
-        if moe_axis_rows.shape[1] == len(_model.moe_layers):
-            whole = contract.from_device_cache(moe_axis_rows, None, _model.moe_layers, _model.num_layers)
-        else:  # checked as it is: the shape rule names the layer axis the config disagrees with
-            whole = moe_axis_rows
+    if _model.moe_layers is None:
+        _cannot_place(str(getattr(state, "request_id", "?")), mode == "strict")
+        setattr(state, _WHOLE_REQUEST, None)
+        return
+    whole = moe_axis_rows
+    if moe_axis_rows.ndim == 3 and moe_axis_rows.shape[1] == len(_model.moe_layers):
+        whole = contract.from_device_cache(moe_axis_rows, None, _model.moe_layers, _model.num_layers)
+    # else checked as it is: the shape rule names the layer axis the config disagrees with
     setattr(state, _WHOLE_REQUEST, whole)
+
+
+def _cannot_place(request_id: str, strict: bool) -> None:
+    """A request whose rows are on the MoE-layer axis of a model whose MoE layers are unknown: refused (strict) or
+    logged and counted unchecked."""
+    global _unchecked
+    text = (
+        f"vllm-ascend-routing validation: request {request_id}'s rows come on the MoE-layer axis, and this model's "
+        "config names no MoE layers the plugin can read (contract.moe_layers knows "
+        f"{contract.KNOWN_FAMILIES}), so they cannot be placed on the decoder layers and checked."
+    )
+    if strict:
+        raise ValidationUnavailableError(
+            f"{text} Strict validation (VLLM_ASCEND_ROUTING_VALIDATE=strict) refuses what it cannot check: set "
+            "VLLM_ASCEND_ROUTING_VALIDATE=1 to serve with such arrays logged and counted unchecked, or run a vLLM "
+            "release whose arrays span every decoder layer, or report the model family so contract.moe_layers "
+            "learns it."
+        )
+    with _COUNT_LOCK:
+        _unchecked += 1
+        count = _unchecked
+    if count == 1 or count % UNCHECKED_LOG_EVERY == 0:
+        logger.error("%s Not checked (%d arrays unchecked so far in this process).", text, count)
 
 
 # ---- front-end hooks ----
 
 _model: ModelRouting | None = None  # the engine created in this process (one model per front-end)
 _checked = 0  # arrays checked in this process
+_unchecked = 0  # arrays validation mode could not check (keep_whole_request), with VLLM_ASCEND_ROUTING_VALIDATE=1
 _COUNT_LOCK = threading.Lock()  # front-ends of several engines (DP, tests) may finish requests at once
+UNCHECKED_LOG_EVERY = 1000  # an unchecked array logs an error the first time, then every this many
 
 
 def checked_arrays() -> int:
     """How many returned arrays validation mode has checked in this process (0 with it off)."""
     return _checked
+
+
+def unchecked_arrays() -> int:
+    """How many returned arrays validation mode could not check in this process (logged; strict refuses them)."""
+    return _unchecked
 
 
 def install() -> None:

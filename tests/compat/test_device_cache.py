@@ -30,6 +30,14 @@ def token_rows(positions: range) -> np.ndarray:
     return np.array([[[p % 8, (p + 1) % 8], [(p + 2) % 8, (p + 3) % 8]] for p in positions], dtype=np.int16)
 
 
+def same_rows(shipped: dict[str, np.ndarray] | None, request: str, expected: np.ndarray) -> bool:
+    """``shipped[request]`` holds ``expected``'s rows in vLLM 0.21.0's dtype, int16 (``np.array_equal`` alone
+    ignores the dtype, which is part of the contract)."""
+    assert shipped is not None
+    assert shipped[request].dtype == np.int16, shipped[request].dtype
+    return np.array_equal(shipped[request], expected)
+
+
 class FakeRunner:
     """The fields of vLLM 0.21.0's V1 runner the adapter reads."""
 
@@ -87,9 +95,9 @@ def test_chunked_prefill_is_shipped_once_the_request_samples() -> None:
     ready(runner, capture)
     assert step(runner, capture, [("a", 0, 6, [2, 5])], {}) is None  # a partial prefill chunk: no output
     shipped = step(runner, capture, [("a", 6, 3, [2, 5, 1])], {"a": 1})
-    assert shipped is not None and np.array_equal(shipped["a"], token_rows(range(9)))
+    assert same_rows(shipped, "a", token_rows(range(9)))
     shipped = step(runner, capture, [("a", 9, 1, [2, 5, 1])], {"a": 1})
-    assert shipped is not None and np.array_equal(shipped["a"], token_rows(range(9, 10)))
+    assert same_rows(shipped, "a", token_rows(range(9, 10)))
 
 
 def test_a_prefix_cache_hit_is_read_from_the_blocks_another_request_filled() -> None:
@@ -98,7 +106,7 @@ def test_a_prefix_cache_hit_is_read_from_the_blocks_another_request_filled() -> 
     step(runner, capture, [("a", 0, 8, [3, 6])], {"a": 1})
     # b shares a's first block (positions 0-3) from the prefix cache: computed 4 before its first step
     shipped = step(runner, capture, [("b", 4, 5, [3, 0, 1])], {"b": 1}, finished=("a",))
-    assert shipped is not None and np.array_equal(shipped["b"], token_rows(range(9)))
+    assert same_rows(shipped, "b", token_rows(range(9)))
 
 
 def test_rejected_drafts_are_not_shipped() -> None:
@@ -107,7 +115,7 @@ def test_rejected_drafts_are_not_shipped() -> None:
     step(runner, capture, [("a", 0, 4, [1, 2])], {"a": 1})
     # one input token and three drafts; one draft accepted: two tokens sampled, two positions valid
     shipped = step(runner, capture, [("a", 4, 4, [1, 2])], {"a": 2}, drafts={"a": [5, 6, 7]})
-    assert shipped is not None and np.array_equal(shipped["a"], token_rows(range(4, 6)))
+    assert same_rows(shipped, "a", token_rows(range(4, 6)))
 
 
 def test_a_request_past_its_blocks_is_refused() -> None:

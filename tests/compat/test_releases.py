@@ -99,3 +99,18 @@ def test_release_roles_name_listed_releases() -> None:
     assert releases.FULL_E2E_RELEASE in releases.E2E_RELEASES
     assert set(releases.CPU_SPEC_BROKEN) <= set(releases.CPU_RELEASES)
     assert not set(releases.CPU_SPEC_BROKEN) & set(releases.SPEC_RELEASES)  # the spec release must run them
+
+
+def test_each_generation_declares_the_array_it_returns() -> None:
+    """Every served generation names its array's row contract in the table (``row_dtypes``, or its prompt's rows
+    apart), which the bridge (``replay.ROW_CONTRACTS``) and ``contract.request_rows`` read; generations sharing a
+    dtype share its row convention."""
+    for span in releases.implemented():
+        assert bool(span.row_dtypes) != bool(span.prompt_rows_field), span.generation
+    contracts = releases.row_contracts()
+    for span in GENERATIONS:
+        for dtype in span.row_dtypes:
+            assert contracts[dtype][1] is span.takes_prompt_start, (dtype, span.generation)
+    # Written out from vLLM's history (README, "Reading the array"), not from the table.
+    assert contracts == {"int32": ("vLLM 0.20.x", False), "uint8": ("vLLM 0.22+", True), "uint16": ("vLLM 0.22+", True)}
+    assert releases.prompt_rows_fields() == ("prompt_routed_experts",)

@@ -70,13 +70,18 @@ class Scenarios:
             if args[0] != "bypass":
                 for name, value in result.get("sentinel", {}).items():
                     SENTINEL_TOTALS[name] = SENTINEL_TOTALS.get(name, 0) + value
-            if plugin and args[0] in FRONT_END_HERE and not result.get("upstream_crash"):
+            if (
+                plugin
+                and args[0] in FRONT_END_HERE
+                and not result.get("upstream_crash")
+                and not result.get("refused_only")
+            ):
                 assert_validated(args, result)
         return self.results[key]
 
 
 # Scenarios whose front-end (where validation mode checks each returned array) is the scenario's own process.
-FRONT_END_HERE = ("offline", "speculative")
+FRONT_END_HERE = ("offline", "speculative", "disaggregation")
 # Arrays validation mode checked over those scenarios: validation that never ran would pass every array.
 VALIDATED = {"arrays": 0, "scenarios": 0}
 

@@ -19,7 +19,10 @@ built with ``scripts/venv.py RELEASE --with ray``.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -108,3 +111,29 @@ def test_mismatch_refused(results: dict[str, Any], case: str) -> None:
     message = result["refused"]
     assert "vllm-ascend-routing" in message, message
     assert any(cause in message for cause in CAUSES[case]), message
+
+
+RECIPE_CASE = "ray-v2:runtime-env-over-node-0"
+
+
+@pytest.mark.ray
+@pytest.mark.skipif(RECIPE_CASE not in HERE, reason=f"{RECIPE_CASE} runs on {FULL_RELEASE} (make test's Ray case)")
+def test_the_runtime_env_recipe_reaches_every_worker_and_each_says_so(results: dict[str, Any]) -> None:
+    """docs/distributed.md's recipe, ``ray.init(runtime_env=...)``, is what the runtime-env cases pass. On two Ray
+    nodes, the second with ``VLLM_ASCEND_ROUTING=0`` in its own environment: every worker has the variable, each
+    logs the plugin's start-up line (Ray prefixes it with the worker's pid), and the engine logs that it asked
+    them all. The same engine run as ``test_rows_exact`` (no engine of its own)."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "distributed.md").read_text()
+    shown = re.search(r"ray\.init\(runtime_env=(\{.*?\}\})\)", page)
+    assert shown and ast.literal_eval(shown.group(1)) == distributed.RUNTIME_ENV, "the page shows another recipe"
+    result = results["cases"][RECIPE_CASE]
+    workers, lines = result["workers"], result["plugin_lines"]
+    assert len(workers) == 2 and len({worker["ray_node"] for worker in workers}) == 2, workers
+    assert all(worker[distributed.VARIABLE] == "1" for worker in workers), workers
+    for worker in workers:
+        mine = [line for line in lines if f"pid={worker['pid']}" in line and "vllm-ascend-routing enabled: " in line]
+        assert mine, f"worker {worker['pid']} logged no start-up line: {lines}"
+        print(mine[0])
+    checked = [line for line in lines if "vllm-ascend-routing: all 2 worker(s) run the plugin (" in line]
+    assert checked, lines
+    print(checked[0])

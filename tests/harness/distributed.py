@@ -12,20 +12,17 @@ two ranks, ``distributed_executor_backend="external_launcher"``). How ``VLLM_ASC
 * ``runtime-env-over-node-0``: as ``runtime-env``, on two nodes whose second has ``VLLM_ASCEND_ROUTING=0`` in
   its own environment: a job's ``runtime_env`` beats a node's value (exact), where the driver's does not.
 
-Mismatch cases, which the plugin must refuse at start-up (``{"refused": "<message>"}``): ``node-env-0`` (the
-second node's own environment has ``VLLM_ASCEND_ROUTING=0``; RayExecutorV2 copies the driver's value with
-``setdefault``, so the node's wins) and ``non-carry-over`` (``VLLM_CONFIG_ROOT`` holds a
-``ray_non_carry_over_env_vars.json`` naming ``VLLM_ASCEND_ROUTING``, and the Ray node's environment lacks it).
+Mismatch cases, refused at start-up (``{"refused": "<message>"}``): ``node-env-0`` (the second node's environment
+has ``VLLM_ASCEND_ROUTING=0``; RayExecutorV2 copies the driver's with ``setdefault``: the node's wins),
+``non-carry-over`` (``$VLLM_CONFIG_ROOT/ray_non_carry_over_env_vars.json`` names it, the node lacks it).
 
-Each case runs its own driver process (vLLM and the plugin read the variable once per process) against a
-local Ray cluster shared by the cases that need the same node layout: every Ray node is started here, on
-this machine only (``--node-ip-address=127.0.0.1``, which Ray itself replaces by the machine's own address),
-with its own temporary directory, ports, auth token and no dashboard, and stopped here (also on failure or
-timeout; every process of the cluster carries a mark in its environment, so none is left behind).
-vLLM's CPU platform has no Ray device key: the driver and the Ray nodes get the TEST-ONLY stand-in
-``ray_standin/`` on ``PYTHONPATH`` (``cpu_ray_standin.py``); the nodes declare Ray's logical ``GPU``
-resource as worker slots. The engine core runs in the driver (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a
-start-up refusal reaches the driver as the exception itself.
+Each case runs its own driver process (vLLM and the plugin read the variable once per process) against a local
+Ray cluster shared by the cases of one node layout: its nodes are started and stopped here (also on failure or
+timeout; each process carries a mark in its environment, so none is left behind), on this machine only
+(``--node-ip-address=127.0.0.1``), with their own temporary directory, ports, auth token and no dashboard. vLLM's
+CPU platform has no Ray device key: the driver and the nodes get the TEST-ONLY stand-in ``ray_standin/`` on
+``PYTHONPATH`` (``cpu_ray_standin.py``); the nodes declare Ray's logical ``GPU`` resource as worker slots. The
+engine core runs in the driver (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): a start-up refusal reaches it as such.
 
     python -m tests.harness.scenarios distributed --cases ray-v2:driver-env,external-launcher
 """
@@ -81,6 +78,10 @@ CASES = EXACT_CASES + MISMATCH_CASES
 EXECUTORS = {"ray-v2": "1", "ray-v1": "0"}
 # Ways of passing the variable only through the Ray job's runtime_env (not in the driver's environment).
 RUNTIME_ENV_ONLY = ("runtime-env", "actor", "runtime-env-over-node-0")
+# docs/distributed.md's recipe, which those cases pass to ray.init (tests/e2e/test_distributed.py: the page's).
+RUNTIME_ENV = {"env_vars": {VARIABLE: "1"}}
+# The plugin's start-up lines as a case's output holds them (Ray prefixes a worker actor's lines with its pid).
+PLUGIN_LINES = re.compile(r"^.*vllm-ascend-routing(?: enabled: |: all \d+ worker\(s\) run the plugin ).*$", re.M)
 
 
 @dataclass(frozen=True)
@@ -102,13 +103,8 @@ def layout_of(case: str) -> str | None:
     """The Ray cluster a case runs on (None: no Ray)."""
     if case == "external-launcher":
         return None
-    how = case.split(":", 1)[1]
-    layouts = {
-        "second-node": "two-nodes",
-        "node-env-0": "two-nodes-env-0",
-        "runtime-env-over-node-0": "two-nodes-env-0",
-    }
-    return layouts.get(how, "one-node")
+    two = {"second-node": "two-nodes", "node-env-0": "two-nodes-env-0", "runtime-env-over-node-0": "two-nodes-env-0"}
+    return two.get(case.split(":", 1)[1], "one-node")
 
 
 def _cores() -> list[int]:
@@ -296,6 +292,7 @@ def _run_child(cmd: list[str], env: dict[str, str], timeout: int, result_file: P
     text = output.decode(errors="replace")
     if result_file.exists() and result_file.stat().st_size:
         result = dict(json.loads(result_file.read_text()))
+        result["plugin_lines"] = PLUGIN_LINES.findall(text)  # as printed: what proves the plugin active where
         checked = re.findall(r"all \d+ worker\(s\) run the plugin .*; checked in ([0-9.]+) ms", text)
         if checked:  # the engine's start-up check of its workers, as it logged its cost
             result["check_ms"] = float(checked[-1])
@@ -452,7 +449,7 @@ def _ray_driver(case: str, address: str, arch: str, model_path: str, mode: str) 
     import ray
 
     how = case.split(":", 1)[1]
-    runtime_env = {"env_vars": {VARIABLE: "1"}} if how in RUNTIME_ENV_ONLY else None
+    runtime_env = RUNTIME_ENV if how in RUNTIME_ENV_ONLY else None
     ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
     try:
         if how == "actor":

@@ -13,6 +13,7 @@ and a prompt longer than ``max_num_batched_tokens`` (``chunked_prefill``), every
 transformers reference; the e2e suite's compiled run adds the re-prefill consistency oracle (``oracle.py``).
 ``serve`` does the same batch through the OpenAI completions API on loopback.
 ``verl-handoff`` saves vLLM's arrays for verl's R3 code in a trainer environment (``verl_handoff.py``).
+``disaggregation`` runs prefill/decode through vLLM's ExampleConnector, producer to consumer (``disaggregation.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 from tests.harness import distributed, oracle, output_features, verl_handoff
 from tests.harness.bypass import run_bypass
 from tests.harness.data_parallel import run_data_parallel
+from tests.harness.disaggregation import run_disaggregation
 from tests.harness.server import Server, post
 from tests.harness.vllm_0_21_cases import run_device_cache
 from vllm_ascend_routing import validate
@@ -216,6 +218,7 @@ def main() -> None:
             "distributed",
             "verl-handoff",
             "device-cache",
+            "disaggregation",
         ],
     )
     parser.add_argument("--bypass", default="removed-hook", choices=["removed-hook", "xlite"], help="bypass: which")
@@ -259,6 +262,8 @@ def main() -> None:
         result = verl_handoff.run_verl_handoff(args.arch, Path(args.out), model_dir())
     elif args.scenario == "device-cache":
         result = run_device_cache(args.arch, args.mode)
+    elif args.scenario == "disaggregation":
+        result = run_disaggregation(args.arch)
     elif args.scenario == "speculative":
         result = run_speculative(args.arch, args.spec, args.k)
     else:

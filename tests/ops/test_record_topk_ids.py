@@ -60,6 +60,18 @@ def test_hand_written_vector_and_the_oracle_agree(kernel: str) -> None:
     np.testing.assert_array_equal(case.out.numpy(), by_hand)
 
 
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+def test_an_id_equal_to_the_expert_count_is_invalid_in_a_batch_of_valid_ids(kernel: str, id_dtype: torch.dtype) -> None:
+    """No negative id in the batch: the largest id is the expert count itself, the one id the host kernel's
+    single ``max < limit`` reduction must still refuse (stored as -1, counted)."""
+    out = torch.full((3, 2, 2), 77, dtype=torch.int16)
+    errors = torch.zeros(1, dtype=torch.int64)
+    KERNELS[kernel](torch.tensor([[299, 0], [300, 5]], dtype=id_dtype), out, 1, 300, errors)
+    assert out[:2, 1].tolist() == [[299, 0], [-1, 5]] and int(errors) == 1
+    assert (out[:, 0] == 77).all() and (out[2] == 77).all()  # no other row or layer written
+
+
 def test_without_num_experts_values_are_cast() -> None:
     out = torch.zeros(2, 1, 2, dtype=torch.int16)
     record_topk_ids(torch.tensor([[3, 9], [0, 1]], dtype=torch.int32), out, 0)

@@ -131,3 +131,38 @@ def test_requests_sharing_a_prompt_prefix_are_told_apart_where_they_differ(name:
     mutate, _ = routing_mutations.MUTATIONS[name]
     result = consistency.analyse(pairs(mutate(rows, prompts), rows), "float32")
     assert result.verdict == fault, result.summary()
+
+
+def test_near_ties_landing_on_a_neighbours_routing_are_no_structural_fault() -> None:
+    """Neighbouring tokens route alike; a near-tie flip (one expert) can land on the previous token's routing. A
+    deep bfloat16 run showed a few such rows per layer (benchmarks/oracle_calibration.py), once named
+    SHIFTED_LATE. Rows one expert away, of tokens not misfiled as a whole, are near-ties; rows more than one expert
+    away are not a flip, and still name the fault."""
+    rows, prompts = truth()
+    generation = [r.copy() for r in rows]
+    for i in (3, 8):  # token i routes like token i - 1 but for one expert in layer 2; its generation row flips there
+        rows[0][i, 2] = rows[0][i - 1, 2]
+        rows[0][i, 2, -1] = next(e for e in range(EXPERTS) if e not in rows[0][i - 1, 2])
+        generation[0][i] = rows[0][i]
+        generation[0][i, 2] = rows[0][i - 1, 2]
+    result = consistency.analyse(pairs(generation, rows), "bfloat16")
+    assert result.layers[1].traced["late"] == 2 and result.verdict == consistency.PASS, result.summary()
+    for i in (3, 8):  # the same tokens, routed two experts apart from the previous one: no flip does that
+        rows[0][i, 2] = [e for e in range(EXPERTS) if e not in rows[0][i - 1, 2]][:TOP_K]
+        generation[0][i, 2] = rows[0][i - 1, 2]
+    result = consistency.analyse(pairs(generation, rows), "bfloat16")
+    assert result.verdict == consistency.SHIFTED_LATE and result.failing_layers == [2], result.summary()
+
+
+def test_swapped_requests_that_differ_in_one_layer_per_token_are_still_named() -> None:
+    """Two requests routing alike but for one expert in one layer per token (a small top-2 model, measured on the
+    e2e one): swapped, each token holds the other's rows in the only layer where they differ, one expert away.
+    Rows filed whole from the other request, not flips: OTHER_REQUEST."""
+    rows, prompts = truth()
+    rows[1] = rows[0].copy()
+    for i in range(len(rows[1])):
+        layer = 1 + i % (LAYERS - 1)
+        rows[1][i, layer, -1] = next(e for e in range(EXPERTS) if e not in rows[0][i, layer])
+    swapped = [rows[1], rows[0], *rows[2:]]
+    result = consistency.analyse(pairs(swapped, rows), "float32")
+    assert result.verdict == consistency.OTHER_REQUEST, result.summary()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 
 from vllm_ascend_routing.compat import UnsupportedVllmError
-from vllm_ascend_routing.preflight import doctor
+from vllm_ascend_routing.preflight import doctor, findings, guide, self_check
 
 
 def test_report_lists_every_setting_with_its_effective_value(
@@ -25,11 +26,46 @@ def test_report_lists_every_setting_with_its_effective_value(
     request.addfinalizer(get_api.cache_clear)  # the adapter the override picked must not outlive this test
     get_api.cache_clear()
     monkeypatch.setenv("VLLM_ASCEND_ROUTING_VLLM_API", "shm")
-    lines, _ = doctor.environment_report()
+    lines, _ = findings.environment_report()
     values = dict(lines)
     assert values["VLLM_ASCEND_ROUTING_VLLM_API"] == "shm"
     assert values["VLLM_ASCEND_ROUTING"] == "False (default)"
     assert {"platform", "kernel backend", "API generation"} <= set(values)
+    # The tooling settings nobody set are one line, not one each.
+    assert "VLLM_ASCEND_ROUTING_TEST_SEED" not in values and "TEST_SEED" in values["build and tooling settings"]
+
+
+def test_the_settings_doctor_forces_are_labelled_as_such(monkeypatch: pytest.MonkeyPatch) -> None:
+    """doctor runs its engine with the plugin on and validation on: the report says so, not "(default)"."""
+    monkeypatch.delenv("VLLM_ASCEND_ROUTING", raising=False)
+    monkeypatch.delenv("VLLM_ASCEND_ROUTING_VALIDATE", raising=False)
+    from vllm_ascend_routing.preflight import model_check
+
+    monkeypatch.setattr(findings, "targets", fake_targets(1))
+    monkeypatch.setattr(findings, "binder_coverage", lambda: {"module_level": False, "rows": [], "unknown": []})
+    monkeypatch.setattr(self_check, "run", lambda *a: {"ok": True, "detail": "stand-in"})
+    monkeypatch.setattr(model_check, "run", lambda *a, **k: (True, "stand-in", {}))
+    for model, validate in ((None, "log"), ("/", "strict")):
+        printed: list[str] = []
+        report = doctor.new_report()
+        doctor.run(print_fn=printed.append, platform="cpu", model=model, report=report)
+        lines = {line.split()[0]: line.split(None, 1)[1] for line in printed[1:] if line.startswith("  VLLM_")}
+        assert lines["VLLM_ASCEND_ROUTING"] == "True (set by doctor: its engine runs the plugin)", lines
+        assert lines["VLLM_ASCEND_ROUTING_VALIDATE"].startswith(f"{validate} (set by doctor: every returned array")
+        settings = {setting["name"]: setting for setting in report["settings"]}
+        assert settings["VLLM_ASCEND_ROUTING"]["source"] == "doctor"
+        assert "VLLM_ASCEND_ROUTING" not in os.environ  # restored once doctor is done
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING_VALIDATE", "strict")  # the self-check keeps the user's own mode
+    report = doctor.new_report()
+    doctor.run(print_fn=lambda line: None, platform="cpu", report=report)
+    settings = {setting["name"]: setting for setting in report["settings"]}
+    assert (settings["VLLM_ASCEND_ROUTING_VALIDATE"]["value"], settings["VLLM_ASCEND_ROUTING_VALIDATE"]["source"]) == (
+        "strict",
+        "environment",
+    )
+    report = doctor.new_report()
+    doctor.run(print_fn=lambda line: None, platform="cpu", surface=True, report=report)
+    assert {setting["source"] for setting in report["settings"]} <= {"default", "environment"}  # nothing forced
 
 
 def test_refusal_ends_with_fail_and_no_self_check(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -38,16 +74,19 @@ def test_refusal_ends_with_fail_and_no_self_check(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr("vllm_ascend_routing.compat.vllm_version", lambda: "0.21.0")
     monkeypatch.setattr("vllm_ascend_routing.compat.get_api", refused)
-    monkeypatch.setattr(doctor, "self_check", lambda *a: pytest.fail("no self-check after a refusal"))
+    monkeypatch.setattr(self_check, "run", lambda *a: pytest.fail("no self-check after a refusal"))
     printed: list[str] = []
     assert doctor.run(print_fn=printed.append) == 1
-    assert printed[-1] == doctor.VERDICT + "FAIL: vLLM 0.21.0 is refused: use 0.20.x or 0.22-0.30"
+    assert printed[-1] == (
+        doctor.VERDICT + "FAIL (plugin_refused): vLLM 0.21.0 is refused: use 0.20.x or 0.22-0.30. Next: "
+        f"{guide.PLUGIN_REFUSED}"
+    )
     assert any("0.21.0" in line and "vLLM" in line for line in printed[:3])
 
 
 def test_malformed_setting_is_a_finding(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_ASCEND_ROUTING", "maybe")
-    lines, problem = doctor.environment_report()
+    lines, problem = findings.environment_report()
     assert "expected 0 or 1" in dict(lines)["VLLM_ASCEND_ROUTING"] and problem is not None
 
 
@@ -56,15 +95,17 @@ def passing_doctor(tmp_path: Path, *args: str) -> list[str]:
     env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "cache")}
     done = subprocess.run(
         [sys.executable, "-m", "vllm_ascend_routing", "doctor", *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,  # as a terminal shows both: the verdict must be the last line of all
         text=True,
         env=env,
         timeout=900,
         cwd=tmp_path,
     )
     lines = done.stdout.strip().splitlines()
-    verdicts = [line for line in lines if line.startswith(doctor.VERDICT)]  # vLLM workers may log after it
-    assert done.returncode == 0 and verdicts == [doctor.VERDICT + "PASS"], done.stdout[-3000:] + done.stderr[-3000:]
+    verdicts = [line for line in lines if line.startswith(doctor.VERDICT)]
+    assert done.returncode == 0 and verdicts == [doctor.VERDICT + "PASS"], done.stdout[-6000:]
+    assert lines[-1] == doctor.VERDICT + "PASS", lines[-20:]  # the engine shut down before it: nothing follows
     return lines
 
 
@@ -81,7 +122,11 @@ def on_the_newest_generation_only(option: str) -> None:
 def test_doctor_passes_on_this_release(tmp_path: Path) -> None:
     lines = passing_doctor(tmp_path, "--prompts", "2", "--mode", "eager")
     assert any(line.strip().startswith("API generation") for line in lines)
-    assert any("rows exact" in line and "batch" in line for line in lines)
+    detail = next(line for line in lines if "rows exact" in line and "batch" in line)
+    # The workers' always-on check counted the run's rows (their counters fetched, wherever the workers run).
+    assert re.search(r"always-on check: [1-9]\d* rows in \d+ steps, 0 all-zero, 0 invalid ids", detail), detail
+    forced = r"^\s+VLLM_ASCEND_ROUTING\s+True \(set by doctor: its engine runs the plugin\)$"
+    assert any(re.match(forced, line) for line in lines)
 
 
 @pytest.mark.vllm
@@ -108,16 +153,22 @@ def test_doctor_checks_a_users_own_model(tmp_path: Path) -> None:
         tmp_path, "--model", str(model.path), "--prompts", "3", "--max-tokens", "6", "--mode", "eager",
         "--", "--max-num-batched-tokens", "32",  # an engine flag, read by vLLM's parser: smaller prefill chunks
     )  # fmt: skip
-    table = lines[lines.index("  layer    rows  all-zero  experts routed to") + 1 :][: model.num_hidden_layers]
-    rows = {int(layer): (int(n), int(zero), int(experts)) for layer, n, zero, experts in map(str.split, table)}
+    table = lines[lines.index("  layer    rows  all-zero  experts routed to  layer type") + 1 :]
+    rows = {
+        int(words[0]): (int(words[1]), int(words[2]), int(words[3]), " ".join(words[4:]))
+        for words in map(str.split, table[: model.num_hidden_layers])
+    }
     assert set(rows) == set(range(model.num_hidden_layers))
-    for layer, (n, zero, experts) in rows.items():
+    for layer, (n, zero, experts, kind) in rows.items():
         assert n > 0
         if layer in model.moe_layers:
-            assert zero == 0 and experts > model.top_k, (layer, rows)
-        else:
-            assert zero == n and experts == 1, (layer, rows)  # a dense layer: vLLM's zeros
+            assert zero == 0 and experts > model.top_k and kind == "MoE", (layer, rows)
+        else:  # a dense layer: vLLM's zeros, labelled as such
+            assert zero == n and experts == 1 and kind == "dense: no router, all zero by design", (layer, rows)
     assert any("strict validation passed" in line and "always-on check" in line for line in lines)
+    # What doctor set for its engine, and the tables' columns, are said in the report itself.
+    assert any(line.strip().startswith("set by doctor for this engine: ") for line in lines)
+    assert any(line.strip() == "columns of the tables above:" for line in lines)
     # The re-prefill consistency oracle, on the flags given: every MoE layer's rows agree, PASS.
     assert any("engine flags: --max-num-batched-tokens 32" in line for line in lines)
     assert any("step budget 32" in line for line in lines)
@@ -131,17 +182,17 @@ def test_doctor_knows_the_platforms_the_runner_hooks_know() -> None:
     assert set(doctor.PLATFORMS) == set(platforms())
 
 
-def fake_environment(release: str) -> Callable[[dict[str, Any]], None]:
-    """A stand-in for ``doctor.environment``: vLLM ``release`` of the aux-output generation, nothing refused."""
+def fake_environment(release: str) -> Callable[..., None]:
+    """A stand-in for ``findings.environment``: vLLM ``release`` of the aux-output generation, nothing refused."""
 
-    def environment(report: dict[str, Any]) -> None:
+    def environment(report: dict[str, Any], forced: dict[str, str] | None = None) -> None:
         report.update(vllm=release, generation="aux-output", platform="", kernel_backend="reference")
 
     return environment
 
 
 def fake_targets(verified: int, problem: str | None = None) -> Callable[[str], dict[str, Any]]:
-    """A stand-in for ``doctor.targets``: ``verified`` present targets, then one with ``problem`` if given."""
+    """A stand-in for ``findings.targets``: ``verified`` present targets, then one with ``problem`` if given."""
 
     def targets(platform: str) -> dict[str, Any]:
         rows = [
@@ -164,25 +215,26 @@ def fake_targets(verified: int, problem: str | None = None) -> Callable[[str], d
 
 
 def test_an_unknown_platform_is_a_clear_fail(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(doctor, "environment", fake_environment("0.33.0"))
-    monkeypatch.setattr(doctor, "_platform", lambda: "")  # vLLM's CUDA wheel on a machine without a GPU
+    monkeypatch.setattr(findings, "environment", fake_environment("0.33.0"))
+    monkeypatch.setattr(findings, "platform", lambda: "")  # vLLM's CUDA wheel on a machine without a GPU
     printed: list[str] = []
     assert doctor.run(print_fn=printed.append, surface=True) == 1
-    assert printed[-1].startswith(doctor.VERDICT + "FAIL: vLLM reports platform ''") and "--platform" in printed[-1]
+    assert printed[-1].startswith(doctor.VERDICT + "FAIL (platform): vLLM reports platform ''")
+    assert "--platform" in printed[-1]
 
 
 def test_a_kind_of_layer_vllm_binds_that_the_plugin_does_not_know_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM 0.34 might name a new seam in its binder: doctor --surface (and make matrix's static row) fail on it."""
     from vllm_ascend_routing.backends import upstream
 
-    monkeypatch.setattr(doctor, "environment", fake_environment("0.34.0"))
-    monkeypatch.setattr(doctor, "targets", fake_targets(3))
+    monkeypatch.setattr(findings, "environment", fake_environment("0.34.0"))
+    monkeypatch.setattr(findings, "targets", fake_targets(3))
     known = [upstream.Seam("BaseRouter", upstream.KNOWN_NAMES["BaseRouter"])]
     monkeypatch.setattr(upstream, "seams", lambda: [*known, upstream.Seam("RoutedExpertsTap", "")])
     printed: list[str] = []
     assert doctor.run(print_fn=printed.append, surface=True, platform="cuda") == 1
     assert any(line.split() == ["UNKNOWN", "RoutedExpertsTap:", "not", "known"] for line in printed), printed
-    assert printed[-1].startswith(doctor.VERDICT + "FAIL: vLLM's binder names RoutedExpertsTap")
+    assert printed[-1].startswith(doctor.VERDICT + "FAIL (not_covered): vLLM's binder names RoutedExpertsTap")
     monkeypatch.setattr(upstream, "seams", lambda: known)
     printed.clear()
     assert doctor.run(print_fn=printed.append, surface=True, platform="cuda") == 0
@@ -206,8 +258,8 @@ def test_the_json_report_holds_what_was_printed(monkeypatch: pytest.MonkeyPatch)
     """``doctor --json``: the same run, its findings as data; the verdict's text is the last line's."""
     from vllm_ascend_routing.backends import upstream
 
-    monkeypatch.setattr(doctor, "environment", fake_environment("0.33.0"))
-    monkeypatch.setattr(doctor, "targets", fake_targets(2))
+    monkeypatch.setattr(findings, "environment", fake_environment("0.33.0"))
+    monkeypatch.setattr(findings, "targets", fake_targets(2))
     known = [upstream.Seam("BaseRouter", upstream.KNOWN_NAMES["BaseRouter"])]
     monkeypatch.setattr(upstream, "seams", lambda: known)
     printed: list[str] = []
@@ -221,10 +273,17 @@ def test_the_json_report_holds_what_was_printed(monkeypatch: pytest.MonkeyPatch)
         "rows": [{"name": "BaseRouter", "known": True, "handling": "bound by the plugin (router backend)"}],
         "unknown": [],
     }
-    verdict = {"ok": True, "stage": "surface", "reason": None, "text": "PASS (static: 2/2 targets verified)"}
+    verdict = {
+        "ok": True,
+        "stage": "surface",
+        "kind": None,
+        "reason": None,
+        "next_step": None,
+        "text": "PASS (static: 2/2 targets verified)",
+    }
     assert report["verdict"] == verdict and report["exit_status"] == 0 and report["self_check"] is None
     assert printed[-1] == doctor.VERDICT + verdict["text"]
-    monkeypatch.setattr(doctor, "targets", fake_targets(2, "has no attribute 'Gone'"))
+    monkeypatch.setattr(findings, "targets", fake_targets(2, "has no attribute 'Gone'"))
     report = doctor.new_report()
     assert doctor.run(print_fn=printed.append, surface=True, platform="cuda", report=report) == 1
     assert report["patches"]["rows"][-1] == {
@@ -236,8 +295,10 @@ def test_the_json_report_holds_what_was_printed(monkeypatch: pytest.MonkeyPatch)
     assert report["verdict"] == {
         "ok": False,
         "stage": "patches",
+        "kind": "not_covered",
         "reason": "has no attribute 'Gone'",
-        "text": "FAIL: has no attribute 'Gone'",
+        "next_step": guide.NOT_COVERED,
+        "text": f"FAIL (not_covered): has no attribute 'Gone'. Next: {guide.NOT_COVERED}",
     }
     assert report["binder"] is None and report["exit_status"] == 1
 
@@ -253,8 +314,10 @@ def test_the_json_report_of_a_refusal_names_it(monkeypatch: pytest.MonkeyPatch) 
     assert doctor.run(print_fn=lambda line: None, report=report) == 1
     assert (report["vllm"], report["generation"], report["refused"]) == ("0.21.0", None, "vLLM 0.21.0 is refused")
     setting = next(setting for setting in report["settings"] if setting["name"] == "VLLM_ASCEND_ROUTING")
-    assert setting == {"name": "VLLM_ASCEND_ROUTING", "value": "True", "default": False, "problem": None}
+    why = "its engine runs the plugin"
+    assert setting == {"name": "VLLM_ASCEND_ROUTING", "value": "True", "source": "doctor", "why": why, "problem": None}
     assert report["verdict"]["stage"] == "environment" and report["verdict"]["reason"] == "vLLM 0.21.0 is refused"
+    assert report["verdict"]["kind"] == "plugin_refused"
 
 
 def test_the_self_check_verdict_counts_parts_and_near_ties() -> None:
@@ -262,7 +325,7 @@ def test_the_self_check_verdict_counts_parts_and_near_ties() -> None:
         return {"rows": rows, "matched": matched, "near_ties": ties, "ok": not problems, "problems": list(problems)}
 
     results = {"batch": part(93, 93, 2), "chunked_prefill": part(120, 120), "prefix_repeat": part(40, 40, 1)}
-    checked = doctor.self_check_summary(results, "2 MoE layers bound", [], 4, "eager", "bfloat16")
+    checked = self_check.summary(results, "2 MoE layers bound", [], 4, "eager", "bfloat16")
     assert checked["ok"] and checked["near_ties"] == 3
     assert [p["verdict"] for p in checked["parts"]] == ["93/93 rows exact", "120/120 rows exact", "40/40 rows exact"]
     assert checked["detail"] == (
@@ -270,18 +333,16 @@ def test_the_self_check_verdict_counts_parts_and_near_ties() -> None:
         "(3 of them near-tie flips within bfloat16 rounding); 2 MoE layers bound"
     )
     results["batch"] = part(93, 92, problems=("request 1 layer 0 row 3 differs",))
-    failed = doctor.self_check_summary(
-        results, "2 MoE layers bound", ["1 all-zero routing rows"], 4, "eager", "float32"
-    )
+    failed = self_check.summary(results, "2 MoE layers bound", ["1 all-zero routing rows"], 4, "eager", "float32")
     assert not failed["ok"] and failed["detail"] == "batch: request 1 layer 0 row 3 differs; 1 all-zero routing rows"
 
 
 def test_run_json_prints_one_json_line_on_stdout_and_the_text_on_stderr(
     monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(doctor, "environment", fake_environment("0.33.0"))
-    monkeypatch.setattr(doctor, "targets", fake_targets(1))
-    monkeypatch.setattr(doctor, "binder_coverage", lambda: {"module_level": False, "rows": [], "unknown": []})
+    monkeypatch.setattr(findings, "environment", fake_environment("0.33.0"))
+    monkeypatch.setattr(findings, "targets", fake_targets(1))
+    monkeypatch.setattr(findings, "binder_coverage", lambda: {"module_level": False, "rows": [], "unknown": []})
     assert doctor.run_json(surface=True, platform="cpu") == 0
     out, err = capfd.readouterr()
     assert len(out.splitlines()) == 1 and out.startswith(f'{{"schema": "{doctor.SCHEMA}"')
@@ -311,10 +372,10 @@ def test_doctor_reports_how_many_arrays_validation_checked(monkeypatch: pytest.M
 
     monkeypatch.setenv("VLLM_ASCEND_ROUTING_VALIDATE", "1")
     monkeypatch.setattr(validate, "_checked", 7)
-    assert doctor.validation_report() == ("validation mode (log) checked 7 returned arrays", [])
+    assert self_check.validation_report() == ("validation mode (log) checked 7 returned arrays", [])
     monkeypatch.setattr(validate, "_checked", 0)
-    assert doctor.validation_report()[1] == [
+    assert self_check.validation_report()[1] == [
         "validation mode checked no returned array (its front-end hooks did not run)"
     ]
     monkeypatch.setenv("VLLM_ASCEND_ROUTING_VALIDATE", "0")
-    assert doctor.validation_report() == ("validation mode off (VLLM_ASCEND_ROUTING_VALIDATE=0)", [])
+    assert self_check.validation_report() == ("validation mode off (VLLM_ASCEND_ROUTING_VALIDATE=0)", [])

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from vllm_ascend_routing import __main__ as cli
-from vllm_ascend_routing.preflight import doctor, engine_flags
+from vllm_ascend_routing.preflight import doctor, engine_flags, findings, guide
 
 
 def test_what_follows_the_separator_goes_to_doctor_as_engine_flags(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -71,12 +71,13 @@ def test_flags_vllm_refuses_are_a_clear_fail_of_doctor(monkeypatch: pytest.Monke
     def refused(*args: Any, **kwargs: Any) -> Any:
         raise engine_flags.EngineFlagsError("vLLM's engine-argument parser refused: --no-such-flag")
 
-    monkeypatch.setattr(doctor, "environment", fake_environment("0.33.0"))
-    monkeypatch.setattr(doctor, "targets", fake_targets(1))
-    monkeypatch.setattr(doctor, "binder_coverage", lambda: {"module_level": False, "rows": [], "unknown": []})
+    monkeypatch.setattr(findings, "environment", fake_environment("0.33.0"))
+    monkeypatch.setattr(findings, "targets", fake_targets(1))
+    monkeypatch.setattr(findings, "binder_coverage", lambda: {"module_level": False, "rows": [], "unknown": []})
     monkeypatch.setattr(model_check, "run", refused)
     printed: list[str] = []
     report = doctor.new_report()
-    assert doctor.run(print_fn=printed.append, platform="cpu", model="/m", report=report) == 1
-    assert printed[-1] == doctor.VERDICT + "FAIL: vLLM's engine-argument parser refused: --no-such-flag"
-    assert report["verdict"]["stage"] == "engine_flags"
+    assert doctor.run(print_fn=printed.append, platform="cpu", model="/", report=report) == 1  # a path that exists
+    reason = "EngineFlagsError: vLLM's engine-argument parser refused: --no-such-flag"
+    assert printed[-1] == doctor.VERDICT + f"FAIL (engine_flags): {reason}. Next: {guide.ENGINE_FLAGS}"
+    assert (report["verdict"]["stage"], report["verdict"]["kind"]) == ("engine_start", "engine_flags")

@@ -34,7 +34,7 @@ class FakeAsyncLLM:
 
 def test_async_outputs_come_back_in_order_with_their_own_ids() -> None:
     engine = FakeAsyncLLM()
-    front = frontend.Frontend("AsyncLLM", engine, model_config=None, _loop=asyncio.new_event_loop())
+    front = frontend.Frontend("AsyncLLM", engine, model_config=None, vllm_config=None, _loop=asyncio.new_event_loop())
     first = front.generate(["a", "b", "c"], [1, 2, 3])
     second = front.generate(["d"], [4])  # a second call on the same loop (AsyncLLM's task lives there)
     assert first == [("final", "a", 1), ("final", "b", 2), ("final", "c", 3)] and second == [("final", "d", 4)]

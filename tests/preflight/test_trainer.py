@@ -14,7 +14,8 @@ import torch
 
 from vllm_ascend_routing.preflight import models, scenarios
 from vllm_ascend_routing.preflight.trainer import Mismatch, TrainerModel
-from vllm_ascend_routing.replay import INVALID, Aligned, MegatronReplay, align, to_megatron
+from vllm_ascend_routing.replay import Aligned, MegatronReplay, align, to_megatron
+from vllm_ascend_routing.replay.aligned import INVALID
 
 RESPONSE = 24
 

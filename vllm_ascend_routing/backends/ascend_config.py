@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from vllm_ascend_routing.compat.base import UnsupportedVllmError
+from vllm_ascend_routing.errors import UnsupportedVllmError
 
 _PACKAGE = "vllm_ascend"
 

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Steps every generation adapter shares: config refusals, load-time binding, the shape-checked attach."""
+"""Steps every generation adapter shares: ``prepare`` (``GenerationAdapter``), config refusals, load-time binding,
+the shape-checked attach."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 import torch
 
-from vllm_ascend_routing import backends
+from vllm_ascend_routing import backends, kv_transfer
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import (
     LayerCapture,
@@ -17,7 +18,7 @@ from vllm_ascend_routing.capture import (
     new_error_counter,
 )
 from vllm_ascend_routing.compat._runners import GROUP_0_SNAPSHOT_MODULES
-from vllm_ascend_routing.compat.base import CaptureAPI, UnsupportedVllmError
+from vllm_ascend_routing.compat.base import Generation, UnsupportedVllmError
 from vllm_ascend_routing.parallel import RankLayout
 
 logger = get_logger(__name__)
@@ -29,8 +30,38 @@ _PARALLELISM_REFUSED = {
 }
 
 
+class GenerationAdapter:
+    """What every generation's adapter does at model load (``CaptureAPI.prepare``): nothing where the engine did not
+    ask for routed experts, else its own refusals (``refuse_before_binding``), then ``prepare_capture`` on the
+    buffer shape its capturer sizes (``routing_shape``). Each adapter defines only what differs."""
+
+    generation: Generation
+    narrowed_by_expert_count: bool
+
+    def routed_experts_requested(self, vllm_config: Any) -> bool:
+        """``--enable-return-routed-experts``, on the model config (where every generation but aux-output keeps it)."""
+        return bool(vllm_config.model_config.enable_return_routed_experts)
+
+    def routing_shape(self, vllm_config: Any) -> tuple[int, int, int]:
+        """``(num_hidden_layers, top_k, num_experts)`` exactly as this generation's capturer sizes them."""
+        raise NotImplementedError
+
+    def refuse_before_binding(self, vllm_config: Any) -> None:
+        """This generation's own refusals, before the shared ones (``refuse_unsupported_config``): none here."""
+
+    def prepare(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> PreparedCapture | None:
+        if not self.routed_experts_requested(vllm_config):
+            return None
+        self.refuse_before_binding(vllm_config)
+        return prepare_capture(self, model, vllm_config, device, self.routing_shape(vllm_config))
+
+
 def prepare_capture(
-    api: CaptureAPI, model: torch.nn.Module, vllm_config: Any, device: torch.device, shape: tuple[int, int, int]
+    api: GenerationAdapter,
+    model: torch.nn.Module,
+    vllm_config: Any,
+    device: torch.device,
+    shape: tuple[int, int, int],
 ) -> PreparedCapture:
     """At model load, for an engine of ``api``'s generation that returns routed experts: refuse what cannot be
     served exactly (its name in the messages; ``api.narrowed_by_expert_count``: ``refuse_unrepresentable_ids``),
@@ -91,7 +122,7 @@ def misplaced_slot_group(runner: Any) -> int | None:
 
 
 def refuse_unsupported_config(vllm_config: Any, generation: str) -> None:
-    """Raise for parallel layouts and KV transfer, whose routing rows this plugin cannot place exactly."""
+    """Raise for parallel layouts and KV connectors whose routing rows this plugin cannot place exactly."""
     parallel = vllm_config.parallel_config
     for attr, what in _PARALLELISM_REFUSED.items():
         size = getattr(parallel, attr, 1) or 1
@@ -107,11 +138,7 @@ def refuse_unsupported_config(vllm_config: Any, generation: str) -> None:
             "remove --enable-dbo or unset VLLM_ASCEND_ROUTING."
         )
     backends.refuse_unsupported_config(vllm_config)
-    if getattr(vllm_config, "kv_transfer_config", None) is not None:
-        raise UnsupportedVllmError(
-            "vllm-ascend-routing: KV-transfer connectors (P/D disaggregation, KV offload) load KV blocks whose "
-            "routing was never captured here; remove --kv-transfer-config or unset VLLM_ASCEND_ROUTING."
-        )
+    kv_transfer.refuse_uncovered(vllm_config, generation)  # connectors whose loaded tokens' rows are not carried
 
 
 def rank_layout(vllm_config: Any) -> RankLayout | None:

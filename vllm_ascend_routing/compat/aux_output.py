@@ -32,7 +32,8 @@ from vllm_ascend_routing import patching
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import PreparedCapture
 from vllm_ascend_routing.compat import _aux_requests
-from vllm_ascend_routing.compat._common import attach_buffer, prepare_capture
+from vllm_ascend_routing.compat._common import GenerationAdapter, attach_buffer
+from vllm_ascend_routing.compat._kv_aux import AuxRows
 from vllm_ascend_routing.compat._runners import LOAD_MODEL, RUNNER_CLASSES
 from vllm_ascend_routing.compat.base import Generation, RunnerClass, RunnerHook, UnsupportedVllmError
 from vllm_ascend_routing.patching import RELY, Patch
@@ -140,12 +141,13 @@ def connector_class() -> Any:
     return patching.resolve(CONNECTOR.target)
 
 
-class AuxOutputAPI:
+class AuxOutputAPI(GenerationAdapter):
     generation = Generation.AUX_OUTPUT
     runner_hooks: tuple[RunnerHook, ...] = CONNECTOR_HOOKS
     runner_classes: Mapping[str, tuple[RunnerClass, ...]] = RUNNER_CLASSES
     rows_read_in_front_end = False  # rows travel through vLLM's AuxOutput connector
     narrowed_by_expert_count = True  # vLLM returns the array as uint8 where the routed experts fit it
+    kv_rows = AuxRows()  # rows of tokens a KV connector loaded: in the connector's block store (kv_transfer)
 
     def routed_experts_requested(self, vllm_config: Any) -> bool:
         return bool(vllm_config.aux_output_config.enable_return_routed_experts)
@@ -167,11 +169,6 @@ class AuxOutputAPI:
             int(model_config.get_num_experts_per_tok()),
             int(model_config.get_num_experts()),
         )
-
-    def prepare(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> PreparedCapture | None:
-        if not self.routed_experts_requested(vllm_config):
-            return None
-        return prepare_capture(self, model, vllm_config, device, self.routing_shape(vllm_config))
 
     def attach(self, runner: Any, prepared: PreparedCapture, capturer: Any) -> None:
         attach_buffer(prepared, capturer)  # snapshot_routing_data narrows it to uint8/uint16

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from vllm_ascend_routing.capture import PreparedCapture
 
+from vllm_ascend_routing.errors import UnsupportedVllmError
 from vllm_ascend_routing.releases import Generation, supported_releases_text
 
 __all__ = [
@@ -33,10 +34,6 @@ __all__ = [
 ]
 
 SUPPORTED_RELEASES = supported_releases_text()
-
-
-class UnsupportedVllmError(RuntimeError):
-    """Raised at start-up for a vLLM release or configuration the plugin refuses."""
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ import torch
 from vllm_ascend_routing import patching, validate
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import PreparedCapture
-from vllm_ascend_routing.compat._common import prepare_capture
+from vllm_ascend_routing.compat._common import GenerationAdapter
 from vllm_ascend_routing.compat._runners import LOAD_MODEL, RUNNER_CLASSES
 from vllm_ascend_routing.compat.base import Generation, RunnerClass, RunnerHook
 from vllm_ascend_routing.patching import Patch
@@ -192,7 +192,7 @@ def _block_size(kv_cache_config: Any, group: int) -> int:
     return int(kv_cache_config.kv_cache_groups[group].kv_cache_spec.block_size)
 
 
-class DeviceCacheAPI:
+class DeviceCacheAPI(GenerationAdapter):
     generation = Generation.DEVICE_CACHE
     narrowed_by_expert_count = False  # vLLM 0.21.0's arrays are int16 whatever the expert count
     runner_hooks: tuple[RunnerHook, ...] = HOOKS
@@ -201,9 +201,6 @@ class DeviceCacheAPI:
     runner_classes: Mapping[str, tuple[RunnerClass, ...]] = RUNNER_CLASSES
     # The front-end joins the chunks: an engine without the plugin would return one step's rows as the array.
     rows_read_in_front_end = True
-
-    def routed_experts_requested(self, vllm_config: Any) -> bool:
-        return bool(vllm_config.model_config.enable_return_routed_experts)
 
     def install(self) -> None:
         patching.replace(CAPTURER_INIT, _no_capturer)
@@ -224,11 +221,6 @@ class DeviceCacheAPI:
             int(model_config.hf_text_config.num_experts_per_tok),
             int(model_config.get_num_experts()),
         )
-
-    def prepare(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> PreparedCapture | None:
-        if not self.routed_experts_requested(vllm_config):
-            return None
-        return prepare_capture(self, model, vllm_config, device, self.routing_shape(vllm_config))
 
     def attach(self, runner: Any, prepared: PreparedCapture, capturer: Any) -> None:
         raise RuntimeError("vllm-ascend-routing: vLLM 0.21.0's capturer is never created under the plugin")

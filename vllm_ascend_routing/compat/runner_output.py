@@ -24,7 +24,8 @@ import torch
 
 from vllm_ascend_routing import patching
 from vllm_ascend_routing.capture import PreparedCapture
-from vllm_ascend_routing.compat._common import attach_buffer, misplaced_slot_group, prepare_capture
+from vllm_ascend_routing.compat._common import GenerationAdapter, attach_buffer, misplaced_slot_group
+from vllm_ascend_routing.compat._kv_slots import SlotRows
 from vllm_ascend_routing.compat._runners import CAPTURER_BINDER, CAPTURER_HOOKS, RUNNER_CLASSES
 from vllm_ascend_routing.compat.base import (
     Generation,
@@ -72,15 +73,13 @@ def _v2_runner_captures() -> bool:
     return True
 
 
-class RunnerOutputAPI(StepHooksNotUsed):
+class RunnerOutputAPI(GenerationAdapter, StepHooksNotUsed):
     generation = Generation.RUNNER_OUTPUT
     runner_hooks: tuple[RunnerHook, ...] = CAPTURER_HOOKS
     runner_classes: Mapping[str, tuple[RunnerClass, ...]] = RUNNER_CLASSES
     rows_read_in_front_end = False  # rows travel in vLLM's runner output
     narrowed_by_expert_count = True  # vLLM returns the array as uint8 where the routed experts fit it
-
-    def routed_experts_requested(self, vllm_config: Any) -> bool:
-        return bool(vllm_config.model_config.enable_return_routed_experts)
+    kv_rows = SlotRows()  # rows of tokens a KV connector loaded: in the scheduler's slot buffer (kv_transfer)
 
     def install(self) -> None:
         for patch in PATCHES:
@@ -103,16 +102,13 @@ class RunnerOutputAPI(StepHooksNotUsed):
             top_k = upstream._get_num_experts_per_tok(model_config.hf_text_config)
         return int(num_layers), int(top_k), int(model_config.get_num_experts())
 
-    def prepare(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> PreparedCapture | None:
-        if not self.routed_experts_requested(vllm_config):
-            return None
+    def refuse_before_binding(self, vllm_config: Any) -> None:
         if getattr(vllm_config, "use_v2_model_runner", False) and not _v2_runner_captures():
             raise UnsupportedVllmError(
                 "vllm-ascend-routing: this vLLM's Model Runner V2 has no routed-experts capture (vLLM 0.28.0 "
                 "added it; on 0.26-0.27 it would return no routed experts, and vllm-ascend 0.27.1rc1's V2 runner "
                 "fails at start-up); unset VLLM_USE_V2_MODEL_RUNNER or unset VLLM_ASCEND_ROUTING."
             )
-        return prepare_capture(self, model, vllm_config, device, self.routing_shape(vllm_config))
 
     def after_forward(self, runner: Any, prepared: PreparedCapture, num_tokens: int) -> None:
         """vLLM's runner copies the buffer to the host itself, asynchronously. Where the runner snapshotted

@@ -28,7 +28,7 @@ import torch
 from vllm_ascend_routing import contract, patching
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import PreparedCapture
-from vllm_ascend_routing.compat._common import misplaced_slot_group, prepare_capture
+from vllm_ascend_routing.compat._common import GenerationAdapter, misplaced_slot_group
 from vllm_ascend_routing.compat._runners import CAPTURER_HOOKS, RUNNER_CLASSES
 from vllm_ascend_routing.compat._shm_store import SegmentReader, SegmentSpec, SegmentWriter
 from vllm_ascend_routing.compat.base import (
@@ -232,15 +232,13 @@ def refuse_misplaced_slots(runner: Any) -> None:
         )
 
 
-class ShmAPI(StepHooksNotUsed):
+class ShmAPI(GenerationAdapter, StepHooksNotUsed):
     generation = Generation.SHM
     runner_hooks: tuple[RunnerHook, ...] = CAPTURER_HOOKS
     runner_classes: Mapping[str, tuple[RunnerClass, ...]] = RUNNER_CLASSES
     rows_read_in_front_end = True  # the front-end reads the plugin's shared-memory store
     narrowed_by_expert_count = False  # the plugin's own store, sized for every id (zero experts' too)
-
-    def routed_experts_requested(self, vllm_config: Any) -> bool:
-        return bool(vllm_config.model_config.enable_return_routed_experts)
+    routing_shape = staticmethod(_routing_shape)
 
     def install(self) -> None:
         patching.replace(CAPTURER, lambda _: ShmRoutedExpertsCapturer)
@@ -249,11 +247,6 @@ class ShmAPI(StepHooksNotUsed):
     def install_ascend(self) -> None:
         patching.replace(ASCEND_CAPTURER, lambda _: ShmRoutedExpertsCapturer)
         patching.replace(ASCEND_MOE_CAPTURER, lambda _: _CaptureOff)
-
-    def prepare(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> PreparedCapture | None:
-        if not self.routed_experts_requested(vllm_config):
-            return None
-        return prepare_capture(self, model, vllm_config, device, _routing_shape(vllm_config))
 
     def attach(self, runner: Any, prepared: PreparedCapture, capturer: Any) -> None:
         refuse_misplaced_slots(runner)

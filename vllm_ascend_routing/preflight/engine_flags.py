@@ -17,11 +17,13 @@ from typing import Any
 # Options the pre-flight needs; the user's flags win over each but the first (without it there is nothing to check).
 FORCED = {"enable_return_routed_experts": True}
 # Its defaults where the user's flags say nothing: a short context (the workload's prompts are short), chunked
-# prefill with a small step (long prompts then take several steps), prefix caching on (its hits are part of the
-# workload; vLLM 0.31+ return routed experts only with it), reproducible sampling.
+# prefill with a small step (long prompts then take several steps), a small batch (the workload fills it:
+# max_num_seqs + 2 requests), prefix caching on (its hits are part of the workload; vLLM 0.31+ return routed
+# experts only with it), reproducible sampling. Give yours after -- and the workload scales to them.
 DEFAULTS: dict[str, Any] = {
     "max_model_len": 1024,
     "max_num_batched_tokens": 64,
+    "max_num_seqs": 8,
     "enable_prefix_caching": True,
     "seed": 0,
 }

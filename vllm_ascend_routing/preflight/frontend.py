@@ -20,6 +20,7 @@ class Frontend:
     kind: str  # "LLM" or "AsyncLLM"
     engine: Any
     model_config: Any
+    vllm_config: Any  # the engine's resolved VllmConfig (the workload scales to its scheduler and cache configs)
     _loop: asyncio.AbstractEventLoop | None = None
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
@@ -49,7 +50,12 @@ class Frontend:
         return offline.sentinel_totals(self.engine)
 
     def close(self) -> None:
+        """Shut the engine down now (its processes included), so what vLLM logs while stopping comes before
+        doctor's verdict, not after it."""
+        from vllm_ascend_routing.preflight import offline
+
         if self.kind != "AsyncLLM":
+            offline.close(self.engine)
             return
         self.engine.shutdown()
         if self._loop is not None:  # AsyncLLM's output and stats tasks: cancelled, not left pending
@@ -66,11 +72,11 @@ def open_engine(options: dict[str, Any]) -> Frontend:
         from vllm import LLM
 
         llm = LLM(**options)
-        return Frontend("LLM", llm, llm.llm_engine.model_config)
+        return Frontend("LLM", llm, llm.llm_engine.model_config, llm.llm_engine.vllm_config)
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)  # AsyncLLM's output task lives on this loop: every call runs on it
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**options))
-    return Frontend("AsyncLLM", engine, engine.model_config, loop)
+    return Frontend("AsyncLLM", engine, engine.model_config, engine.vllm_config, loop)

@@ -58,8 +58,6 @@ def run(
     ``(ok, one-line summary or the problems, {"engine_flags", "engine_options", "consistency", "workload"})``."""
     os.environ["VLLM_ASCEND_ROUTING"] = "1"
     os.environ["VLLM_ASCEND_ROUTING_VALIDATE"] = "strict"  # a contract violation raises, naming the request
-    # The workers' always-on counters come back through collective_rpc with a function (this process only).
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from vllm import SamplingParams
 
     from vllm_ascend_routing.preflight import engine_flags as flags_module
@@ -68,8 +66,11 @@ def run(
     flags = list(engine_flags or [])
     given = flags_module.parse(path, flags)
     extra: dict[str, Any] = {"engine_flags": flags, "engine_options": sorted(set(given) - {"model"})}
-    if int(given.get("data_parallel_size", 1) or 1) <= 1:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # TP 1: the engine in this process
+    # The workers' always-on counters come back through collective_rpc with a function (this process only).
+    wanted = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    data_parallel = int(given.get("data_parallel_size", 1) or 1)
+    if data_parallel <= 1:
+        wanted["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
     own = {
         "tensor_parallel_size": tensor_parallel_size,
         "dtype": offline.platform_dtype() if dtype == "auto" else dtype,
@@ -83,12 +84,19 @@ def run(
             f"--tensor-parallel-size {tensor_parallel_size} and, after --, {given['tensor_parallel_size']}: give one"
         )
     options = flags_module.preflight_options(given, offline.on_cpu(), CPU_KV_CACHE_BYTES)
+    if offline.on_cpu():  # what the self-check knows about the CPU build: a NUMA node per rank, or explicit cores
+        local_data_parallel = int(given.get("data_parallel_size_local") or data_parallel)
+        binding = offline.cpu_thread_binding(int(options["tensor_parallel_size"]) * local_data_parallel)
+        if binding is not None:
+            wanted["VLLM_CPU_OMP_THREADS_BIND"] = binding
+    extra["engine_env"] = offline.set_engine_env(wanted)
     print_fn(
         f"model check: {path}, TP {options['tensor_parallel_size']}, DP {options.get('data_parallel_size', 1)}, "
         f"{options['dtype']}, "
         f"{'eager' if options['enforce_eager'] else 'compiled'}, {num_prompts} prompts; engine flags: "
         f"{' '.join(flags) or '(none)'}"
     )
+    print_fn(f"  {offline.engine_env_line(extra['engine_env'])}")
     engine = frontend.open_engine(options)
     try:
         return _check(engine, options, extra, num_prompts, max_tokens, print_fn, SamplingParams)
@@ -116,7 +124,7 @@ def _check(
     def rows(output: Any) -> Any:  # from token 0, every decoder layer (vLLM 0.21.0: its two arrays joined)
         return contract.request_rows(output, model_config.hf_text_config, num_layers)
 
-    problems = plausibility(outputs, num_layers, print_fn, rows)
+    problems = plausibility(outputs, num_layers, print_fn, rows, known_moe_layers(model_config.hf_text_config))
     totals = engine.sentinel_totals()
     if totals is None:  # engine cores in processes of their own (DP): strict validation still ran on every array
         checked = "always-on check: counters not fetched from the DP engine cores (they log what they find)"
@@ -129,21 +137,24 @@ def _check(
         if not totals.get("rows_checked", 0):
             problems.append("the always-on check saw no row (the workers' counters did not come back)")
 
+    layout = reprefill.Layout.of(engine.vllm_config)  # the workload scales to the engine as vLLM resolved it
     result, work = reprefill.run(
         engine.generate,
         lambda n: sampling_params(temperature=0.0, max_tokens=n, ignore_eos=True),
-        max(num_prompts, 8),
+        layout,
         int(model_config.get_vocab_size()),
-        int(model_config.max_model_len),
         max_tokens,
         str(model_config.dtype).removeprefix("torch."),  # as resolved (a flag's "auto": the model's)
         rows,
     )
     print_fn(
-        f"  re-prefill oracle: {work.requests} requests, {work.prompt_tokens} prompt tokens "
-        f"(longest {work.longest_prompt}, step budget {options.get('max_num_batched_tokens')}), "
-        f"{work.generated_tokens} generated, {work.cached_tokens} served from the prefix cache"
+        f"  re-prefill oracle: {work.requests} requests ({work.concurrent} at once, max_num_seqs "
+        f"{layout.max_num_seqs}), {work.prompt_tokens} prompt tokens (longest {work.longest_prompt}, step budget "
+        f"{layout.max_num_batched_tokens}: {work.chunked_prefills} chunked prefills), {work.generated_tokens} "
+        f"generated, {work.cached_tokens} served from the prefix cache (blocks of {layout.block_size})"
     )
+    for note in work.notes:
+        print_fn(f"  note: {note}")
     for line in result.table():
         print_fn(line)
     print_fn(f"  {result.summary()}")
@@ -157,11 +168,31 @@ def _check(
     return True, f"{len(outputs)} requests, {moe}, strict validation passed; {checked}; {result.summary()}", extra
 
 
+def known_moe_layers(hf_config: Any) -> tuple[int, ...] | None:
+    """The layers with a router, as vLLM builds the model (``contract.moe_layers``); ``None`` for a config of no
+    family the plugin can read."""
+    try:
+        return contract.moe_layers(hf_config)
+    except contract.UnknownMoELayersError:
+        return None
+
+
+def layer_kind(layer: int, moe_layers: tuple[int, ...] | None) -> str:
+    if moe_layers is None:
+        return "(config of an unknown family)"
+    return "MoE" if layer in moe_layers else "dense: no router, all zero by design"
+
+
 def plausibility(
-    outputs: list[Any], num_layers: int, print_fn: Callable[[str], Any], rows: Callable[[Any], Any]
+    outputs: list[Any],
+    num_layers: int,
+    print_fn: Callable[[str], Any],
+    rows: Callable[[Any], Any],
+    moe_layers: tuple[int, ...] | None = None,
 ) -> list[str]:
-    """Shape, all-zero rows and experts routed to, per layer (printed); the problems found. ``rows(output)``: the
-    request's rows from token 0 on the decoder-layer axis (``contract.request_rows``)."""
+    """Shape, all-zero rows and experts routed to, per layer (printed, each layer labelled MoE or dense where the
+    config says: a dense layer's rows are all zero by design, a MoE layer's never); the problems found.
+    ``rows(output)``: the request's rows from token 0 on the decoder-layer axis (``contract.request_rows``)."""
     layers = [LayerRows() for _ in range(num_layers)]
     problems: list[str] = []
     for index, output in enumerate(outputs):
@@ -179,9 +210,10 @@ def plausibility(
             layers[layer].rows += len(layer_rows)
             layers[layer].zero_rows += int(np.all(layer_rows == 0, axis=-1).sum())
             layers[layer].experts.update(int(e) for e in np.unique(layer_rows))
-    print_fn("  layer    rows  all-zero  experts routed to")
+    print_fn("  layer    rows  all-zero  experts routed to  layer type")
     for layer, seen in enumerate(layers):
-        print_fn(f"  {layer:5d}  {seen.rows:6d}  {seen.zero_rows:8d}  {len(seen.experts):6d}")
+        kind = layer_kind(layer, moe_layers)
+        print_fn(f"  {layer:5d}  {seen.rows:6d}  {seen.zero_rows:8d}  {len(seen.experts):17d}  {kind}")
     if not any(seen.experts - {0} for seen in layers):
         problems.append("no layer routed to any expert but 0")
     return problems

@@ -107,6 +107,21 @@ def model_config(architecture: str) -> Any:
             decoder_sparse_step=1,
             mlp_only_layers=[],
         )
+    if architecture == "qwen3_moe_deep":
+        # The oracle's calibration model (benchmarks/oracle_calibration.py): as deep and wide as a production MoE's
+        # routing (24 MoE layers, top-8 of 64 experts), tiny otherwise (hidden 128, experts of 2 x 32 gate/up rows:
+        # vLLM's CPU grouped GEMM), random weights (near-ties then come as rounding makes them, not tuned away).
+        return transformers.Qwen3MoeConfig(
+            **_common(),
+            num_hidden_layers=24,
+            num_experts=64,
+            num_experts_per_tok=8,
+            moe_intermediate_size=32,
+            intermediate_size=256,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
     if architecture == "qwen3_moe_dsv3_rows":
         # DeepSeek-V3's routed-experts rows on a tiny body: 61 decoder layers, the first 3 dense, top-8 of 256 experts
         # (vLLM's uint8 array: 61 x 8 = 488 bytes a token). The output benchmark's model (benchmarks/output.py).
@@ -140,7 +155,14 @@ def model_config(architecture: str) -> Any:
 
 
 ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen3_moe_dense")  # the e2e suite's models
-ALL_ARCHITECTURES = (*ARCHITECTURES, "qwen3_moe_bench", "qwen3_moe_wide", "qwen3_moe_robust", "qwen3_moe_dsv3_rows")
+ALL_ARCHITECTURES = (
+    *ARCHITECTURES,
+    "qwen3_moe_bench",
+    "qwen3_moe_wide",
+    "qwen3_moe_robust",
+    "qwen3_moe_deep",
+    "qwen3_moe_dsv3_rows",
+)
 # qwen3_moe_robust's attention and expert output projections, scaled by this at build time: unscaled, bfloat16's
 # rounding flips rows beyond the near-tie rule; scaled, only within it (the measurements: docs/evidence.md).
 BRANCH_SCALE = {"qwen3_moe_robust": 0.02}

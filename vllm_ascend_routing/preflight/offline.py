@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,49 @@ def make_llm(model: TinyMoE, *, enforce_eager: bool = True, dtype: str = "float3
         options["kv_cache_memory_bytes"] = KV_CACHE_BYTES
     options.update(kwargs)
     return LLM(**options)
+
+
+def close(llm: Any) -> None:
+    """Shut ``llm``'s engine down now, its worker processes included: what vLLM logs while stopping then comes
+    before whatever the caller prints next (doctor's verdict), not after it at interpreter exit."""
+    shutdown = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "shutdown", None)
+    if callable(shutdown):
+        shutdown()
+
+
+# vLLM's variables doctor sets for its engines where the environment has none, and why.
+ENGINE_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "the engine core in this process",
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "the workers' always-on check counters come back through collective_rpc",
+    "VLLM_CPU_OMP_THREADS_BIND": "one core list per CPU rank, where vLLM would bind each to a NUMA node of its own",
+}
+
+
+def set_engine_env(values: dict[str, str]) -> dict[str, str]:
+    """Each of ``values`` where the environment has no value of its own; the ones set here."""
+    set_here = {name: value for name, value in values.items() if name not in os.environ}
+    os.environ.update(set_here)
+    return set_here
+
+
+def engine_env_line(values: dict[str, str]) -> str:
+    """The report's line for what ``set_engine_env`` set: each variable, its value and why."""
+    if not values:
+        return "doctor set no vLLM variable for this engine (the environment had each)"
+    said = "; ".join(f"{name}={value} ({ENGINE_ENV.get(name, 'for this engine')})" for name, value in values.items())
+    return f"set by doctor for this engine: {said}"
+
+
+def cpu_thread_binding(ranks: int) -> str | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` local CPU workers: this process's allowed cores in ``ranks``
+    contiguous lists (a core shared where there are fewer cores than ranks); ``None`` for one rank. vLLM's CPU
+    build otherwise binds each rank to a NUMA node of its own, and refuses more ranks than nodes."""
+    if ranks <= 1:
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    per_rank = max(1, len(cores) // ranks)
+    lists = [cores[min(rank * per_rank, len(cores) - 1) :][:per_rank] for rank in range(ranks)]
+    return "|".join(",".join(map(str, group)) for group in lists)
 
 
 def on_cpu() -> bool:
@@ -88,10 +132,9 @@ def generate(
 
 
 def native_arrays(output: Any) -> tuple[np.ndarray | None, np.ndarray | None] | None:
-    """vLLM 0.21.0's two arrays as it returned them (prompt's, generated tokens'); ``None`` on other releases."""
-    if not hasattr(output, "prompt_routed_experts"):  # a field vLLM 0.21.0 alone has
-        return None
-    return output.prompt_routed_experts, output.outputs[0].routed_experts
+    """vLLM 0.21.0's two arrays as it returned them (prompt's, generated tokens'); ``None`` on other releases
+    (``contract.prompt_rows_apart``)."""
+    return contract.prompt_rows_apart(output)
 
 
 def routed_rows(llm: Any, output: Any) -> np.ndarray | None:

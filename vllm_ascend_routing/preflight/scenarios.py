@@ -52,13 +52,15 @@ def run_offline(
     tensor_parallel: int = 1,
     dtype: str = "float32",
     after: Callable[[Any], dict[str, Any]] | None = None,
+    engine: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """vLLM (in ``dtype``) on a tiny MoE: a batch, a chunked prefill and its prefix-cached repeat, every row
     against the float32 reference (near-ties by ``dtype``'s rule, counted in each part's ``ties``). ``after``,
-    given, runs on the same engine (the ``LLM``) last; its parts join the result (the test harness's oracle run)."""
-    if tensor_parallel > 1:  # vLLM's CPU workers need a NUMA node each, or explicit cores: one per rank
-        cores = sorted(os.sched_getaffinity(0))[:tensor_parallel]
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, cores)))
+    given, runs on the same engine (the ``LLM``) last; its parts join the result (the test harness's oracle run).
+    ``engine``: further ``LLM`` arguments (the GPU engine checks' memory, attention and scheduling settings)."""
+    binding = offline.cpu_thread_binding(tensor_parallel)  # a NUMA node per CPU worker, or explicit cores
+    if binding is not None:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", binding)
     from vllm_ascend_routing.runner_mixin import is_hooked
 
     model = models.build_tiny_moe(arch, model_dir() / arch)
@@ -73,6 +75,7 @@ def run_offline(
             if tensor_parallel > 1
             else {}
         ),
+        **(engine or {}),
     )
     reference = offline.reference_for(model)
     prompts = models.mixed_prompts(num_prompts, seed=1)
@@ -108,6 +111,7 @@ def run_offline(
     if after is not None:
         out.update(after(llm))
     out["sentinel"] = offline.sentinel_totals(llm)
+    offline.close(llm)  # now: what vLLM logs while stopping comes before what the caller prints next
     return out
 
 

@@ -1,0 +1,55 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``compat._common.GenerationAdapter``: the ``prepare`` every generation shares, each adapter defining only what
+differs (its buffer shape, its own refusals, where its flag lives)."""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from vllm_ascend_routing import releases
+from vllm_ascend_routing.compat import _common
+from vllm_ascend_routing.compat._common import GenerationAdapter
+
+
+def test_every_adapter_prepares_through_the_shared_steps() -> None:
+    for span in releases.implemented():
+        adapter = importlib.import_module(span.adapter).ADAPTER
+        assert issubclass(adapter, GenerationAdapter), span.adapter
+        assert "prepare" not in vars(adapter), f"{span.adapter} repeats prepare: define what differs instead"
+        assert "routing_shape" in vars(adapter), f"{span.adapter} must say how its capturer sizes the buffer"
+
+
+class Recording(GenerationAdapter):
+    narrowed_by_expert_count = False
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def refuse_before_binding(self, vllm_config: Any) -> None:
+        self.calls.append("refuse")
+
+    def routing_shape(self, vllm_config: Any) -> tuple[int, int, int]:
+        self.calls.append("shape")
+        return (2, 2, 4)
+
+
+def test_prepare_is_nothing_without_the_flag_then_refusals_shape_and_binding(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    bound = object()
+
+    def prepare_capture(api: Any, model: Any, vllm_config: Any, device: Any, shape: tuple[int, int, int]) -> Any:
+        calls.append(f"bind {shape}")
+        return bound
+
+    monkeypatch.setattr(_common, "prepare_capture", prepare_capture)
+    adapter = Recording(calls)
+    off = SimpleNamespace(model_config=SimpleNamespace(enable_return_routed_experts=False))
+    assert adapter.prepare(torch.nn.Module(), off, torch.device("cpu")) is None and calls == []
+    on = SimpleNamespace(model_config=SimpleNamespace(enable_return_routed_experts=True))
+    assert adapter.prepare(torch.nn.Module(), on, torch.device("cpu")) is bound
+    assert calls == ["refuse", "shape", "bind (2, 2, 4)"]

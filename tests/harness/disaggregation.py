@@ -1,0 +1,253 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Prefill/decode disaggregation through vLLM's ``ExampleConnector`` (shared-storage KV), every engine of it in
+this one process, one after the other (the connector's storage is a folder):
+
+  1. ``producer`` (kv_producer): the prompts of sets A and B prefilled, one token out (vLLM's P/D flow); its
+     prompt rows against the reference. The rows of set B's longest prompt are then removed from the storage:
+     the KV is there, its rows are not, as after a producer without the plugin or a store that lost them;
+  2. ``kv_both``: set C computed (stored, KV and rows), then set A's decode requests (prompt + the producer's
+     token) loading the producer's KV into slots C used before;
+  3. ``consumer`` (kv_consumer), fresh: set A's decode requests (no warm-up: free slots), a warm-up batch (chunked
+     prefills: its slots now hold rows), then set B's and set C's decode requests (stale slots), the one whose
+     rows were removed among them: that offer is declined and its prompt computed here (chunked);
+  4. ``single``: a plain engine (no connector) runs every prompt as one request of the same length (the single
+     engine each decode request must equal, row for row) and re-prefills each decode request's sequence (the
+     re-prefill consistency oracle's independent pass).
+
+Every row of every engine is compared with the transformers reference; the decode requests with the single
+engine's arrays and with the oracle. On releases whose generation carries no rows (``kv_rows`` absent), and for a
+connector the plugin does not cover, the refusal is recorded instead.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vllm_ascend_routing import kv_carrier, kv_transfer
+from vllm_ascend_routing.preflight import consistency, models, offline
+from vllm_ascend_routing.preflight.scenarios import MAX_TOKENS, _verdict, model_dir
+
+BLOCK_SIZE = 32  # the CPU attention backend's block sizes are multiples of 32
+PREFILL_BUDGET = 2048  # ExampleConnector stores a prompt's KV in its first step only: producers never chunk
+DECODE_BUDGET = 128  # the consumer and the single engine chunk long prompts
+# Prompt lengths: under one block (nothing to load), one to nine whole blocks and a tail. Never a multiple of the
+# block size: ExampleConnector's decode side then loads a folder named for one block more than its prefill side
+# stored (vLLM's own connector fails with FileNotFoundError, plugin or not).
+SET_A = (3, 65, 97, 300)
+SET_B = (40, 129, 200, 301)  # the last one's rows are removed from the storage
+SET_C = (50, 170)
+WARM_UP = (20, 77, 260, 45)
+
+
+def prompts(lengths: tuple[int, ...], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, models.VOCAB_SIZE) for _ in range(n)] for n in lengths]
+
+
+def run_disaggregation(arch: str) -> dict[str, Any]:
+    from vllm_ascend_routing.compat import get_api
+
+    model = models.build_tiny_moe(arch, model_dir() / arch)
+    storage = Path(tempfile.mkdtemp(prefix="vllm_ascend_routing_pd_"))
+    try:
+        out: dict[str, Any] = {"arch": arch, "generation": get_api().generation.value}
+        if getattr(get_api(), "kv_rows", None) is None:  # this generation refuses every connector
+            out["covered"] = _refused_at_load(model, storage)
+            out["refused_only"] = True  # no engine ran: no array to validate
+            return out
+        out["uncovered"] = _refused(model, storage, "NixlConnector", "kv_consumer")
+        out.update(_disaggregated(model, storage))
+        return out
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+
+
+def _engine(model: models.TinyMoE, storage: Path | None, role: str, budget: int) -> Any:
+    from vllm.config import KVTransferConfig
+
+    options: dict[str, Any] = {"max_num_batched_tokens": budget, "enable_prefix_caching": True}
+    if storage is not None:
+        extra = {"shared_storage_path": str(storage)}
+        options["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="ExampleConnector", kv_role=role, kv_connector_extra_config=extra
+        )
+    return offline.make_llm(model, enforce_eager=True, block_size=BLOCK_SIZE, **options)
+
+
+def _refused(model: models.TinyMoE, storage: Path, connector: str, role: str) -> dict[str, Any]:
+    """Start an engine with ``connector``: the refusal's type and message (or that it started)."""
+    from vllm.config import KVTransferConfig
+
+    start = time.monotonic()
+    try:
+        llm = offline.make_llm(
+            model,
+            enforce_eager=True,
+            block_size=BLOCK_SIZE,
+            enable_prefix_caching=True,
+            kv_transfer_config=KVTransferConfig(
+                kv_connector=connector, kv_role=role, kv_connector_extra_config={"shared_storage_path": str(storage)}
+            ),
+        )
+    except Exception as error:  # the refusal, in whichever process vLLM raised it
+        return {"refused": True, "error": type(error).__name__, "message": str(error)[-1500:], "seconds": _since(start)}
+    _close(llm)
+    return {"refused": False, "seconds": _since(start)}
+
+
+def _refused_at_load(model: models.TinyMoE, storage: Path) -> dict[str, Any]:
+    """The refusal every worker raises at model load (``kv_transfer.refuse_uncovered``, from the generation's
+    ``prepare``), on vLLM's own config for an ExampleConnector engine: an engine start would show it only in a
+    worker process's log (the CPU build's workers run apart on 0.20.x)."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_ascend_routing.compat import UnsupportedVllmError, get_api
+
+    args = EngineArgs(
+        model=str(model.path),
+        dtype="float32",
+        max_model_len=1024,
+        enable_return_routed_experts=True,
+        block_size=BLOCK_SIZE,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="ExampleConnector",
+            kv_role="kv_consumer",
+            kv_connector_extra_config={"shared_storage_path": str(storage)},
+        ),
+    )
+    try:
+        kv_transfer.refuse_uncovered(args.create_engine_config(), get_api().generation.value)
+    except UnsupportedVllmError as error:
+        return {"refused": True, "error": type(error).__name__, "message": str(error)}
+    return {"refused": False}
+
+
+def _since(start: float) -> float:
+    return round(time.monotonic() - start, 1)
+
+
+def _close(llm: Any) -> None:
+    """Shut the in-process engine down, its worker's connector with it: vLLM keeps that connector in a process
+    global, which the next engine of this process would otherwise find and reuse."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    llm.llm_engine.engine_core.shutdown()
+    ensure_kv_transfer_shutdown()
+    del llm
+    gc.collect()
+
+
+def _decode_prompts(prefill: list[offline.Completion]) -> list[list[int]]:
+    """vLLM's P/D flow as ExampleConnector serves it: the prompt and the token the producer generated."""
+    return [c.prompt_ids + c.output_ids[:1] for c in prefill]
+
+
+def _disaggregated(model: models.TinyMoE, storage: Path) -> dict[str, Any]:
+    reference = offline.reference_for(model)
+    sets = {"A": prompts(SET_A, 31), "B": prompts(SET_B, 32), "C": prompts(SET_C, 33)}
+    out: dict[str, Any] = {"storage_rows_files": 0, "phases": {}}
+    phases: dict[str, Any] = out["phases"]
+    started = time.monotonic()
+
+    def phase(name: str, llm: Any, batch: list[list[int]], max_tokens: int) -> list[offline.Completion]:
+        before = kv_transfer.stats()
+        done = offline.generate(llm, batch, max_tokens)
+        after = kv_transfer.stats()
+        verdict = _verdict(offline.check(reference, model, done))
+        verdict["rows_loaded"] = after.rows_loaded - before.rows_loaded
+        verdict["rows_declined"] = after.rows_declined - before.rows_declined
+        verdict["rows_stored"] = after.rows_stored - before.rows_stored
+        verdict["cached_tokens"] = [c.num_cached_tokens for c in done]
+        verdict["requests"] = len(done)
+        phases[name] = verdict
+        return done
+
+    producer = _engine(model, storage, "kv_producer", PREFILL_BUDGET)
+    prefill = phase("producer", producer, sets["A"] + sets["B"], 1)
+    out["sentinel_producer"] = offline.sentinel_totals(producer)
+    _close(producer)
+    out["storage_rows_files"] = len(list(storage.rglob(kv_carrier.ROWS_FILE)))
+    decode = {"A": _decode_prompts(prefill[: len(SET_A)]), "B": _decode_prompts(prefill[len(SET_A) :])}
+    # Set B's longest prompt: its KV stays, its rows go (a producer without the plugin leaves exactly this).
+    removed = _remove_rows(storage, decode["B"][-1])
+
+    both = _engine(model, storage, "kv_both", PREFILL_BUDGET)
+    computed_c = phase("kv_both_computes", both, sets["C"], MAX_TOKENS)
+    phase("kv_both_loads_after_use", both, decode["A"], MAX_TOKENS - 1)
+    decode["C"] = [c.prompt_ids + c.output_ids[:1] for c in computed_c]
+    out["sentinel_kv_both"] = offline.sentinel_totals(both)
+    _close(both)
+
+    consumer = _engine(model, storage, "kv_consumer", DECODE_BUDGET)
+    loaded = {"A": phase("consumer_fresh", consumer, decode["A"], MAX_TOKENS - 1)}
+    phase("consumer_warm_up", consumer, prompts(WARM_UP, 34), MAX_TOKENS)
+    loaded["B"] = phase("consumer_after_warm_up", consumer, decode["B"], MAX_TOKENS - 1)
+    loaded["C"] = phase("consumer_loads_kv_both", consumer, decode["C"], MAX_TOKENS - 1)
+    out["sentinel_consumer"] = offline.sentinel_totals(consumer)
+    _close(consumer)
+    out["reports"] = kv_transfer.first_reports()
+    out["removed_rows_file"] = removed
+
+    single = _engine(model, None, "", DECODE_BUDGET)
+    out["single"] = {}
+    for name, group in sets.items():
+        whole = offline.generate(single, group, MAX_TOKENS)
+        out["single"][name] = _against_single(whole, loaded[name])
+    out["oracle"] = _oracle(single, [c for name in sets for c in loaded[name]])
+    _close(single)
+    out["seconds"] = _since(started)
+    return out
+
+
+def _remove_rows(storage: Path, decode_prompt: list[int]) -> bool:
+    """Remove the rows file beside the KV of ``decode_prompt``'s loaded prefix (found by its token ids)."""
+    for path in storage.rglob(kv_carrier.ROWS_FILE):
+        with np.load(path) as stored:
+            tokens = stored["token_ids"]
+        if len(tokens) and list(tokens) == decode_prompt[: len(tokens)] and len(tokens) > 256:
+            os.unlink(path)
+            return True
+    return False
+
+
+def _against_single(whole: list[offline.Completion], decoded: list[offline.Completion]) -> dict[str, Any]:
+    """Each decode request (prompt + first token, the rest) against one engine's request (prompt, all tokens)."""
+    same_tokens = same_rows = 0
+    for one, two in zip(whole, decoded, strict=True):
+        same_tokens += int(one.output_ids == two.prompt_ids[len(one.prompt_ids) :] + two.output_ids)
+        same_rows += int(
+            one.routed_experts is not None
+            and two.routed_experts is not None
+            and np.array_equal(one.routed_experts, two.routed_experts)
+        )
+    return {"requests": len(whole), "same_tokens": same_tokens, "same_rows": same_rows}
+
+
+def _oracle(single: Any, decoded: list[offline.Completion]) -> dict[str, Any]:
+    """The re-prefill consistency oracle: each decode request's sequence prefilled again by the plain engine
+    (a cache salt of its own: no prefix-cache row), its rows against the decode request's."""
+    from vllm import SamplingParams
+
+    salt = f"pd-{time.monotonic_ns()}"
+    again = [
+        {"prompt_token_ids": c.prompt_ids + c.output_ids[:-1], "cache_salt": f"{salt}-{i}"}
+        for i, c in enumerate(decoded)
+    ]
+    redone = single.generate(again, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    pairs = [
+        consistency.Pair(str(i), c.routed_experts, r.outputs[0].routed_experts)
+        for i, (c, r) in enumerate(zip(decoded, redone, strict=True))
+    ]
+    result = consistency.analyse(pairs, "float32")
+    cached = sum(int(getattr(r, "num_cached_tokens", 0) or 0) for r in redone)
+    return {"verdict": result.verdict, "wrong": result.wrong, "requests": len(pairs), "cached_tokens": cached}

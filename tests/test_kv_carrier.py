@@ -1,0 +1,124 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Rows beside ExampleConnector's KV (no vLLM needed: a stand-in with the connector's folder naming; the real
+connector is run end to end by tests/e2e/test_disaggregation.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from vllm_ascend_routing import kv_carrier
+from vllm_ascend_routing.kv_carrier import ROWS_FILE, Missing, RowLayout, SharedStorageCarrier
+
+LAYOUT = RowLayout(3, 2, "uint8")
+BLOCK = 4
+
+
+def align(num_tokens: int, block_size: int) -> int:
+    """ExampleConnector's rule: the whole blocks strictly before the last token."""
+    return (num_tokens - 1) // block_size * block_size
+
+
+class StandInConnector:
+    """TEST-ONLY: ExampleConnector's block size and folder naming (a hash of the prefix's token ids)."""
+
+    def __init__(self, root: Path) -> None:
+        self._block_size = BLOCK
+        self.root = root
+
+    def _generate_foldername_debug(self, token_ids: Any, mm_hashes: list[str], create_folder: bool = False) -> str:
+        folder = self.root / hashlib.md5(token_ids.numpy().tobytes()).hexdigest()
+        if create_folder:
+            folder.mkdir(parents=True, exist_ok=True)
+        return str(folder)
+
+    def store_kv(self, prompt: list[int]) -> Path:
+        """What the connector does when it stores a prompt: a folder for its first whole blocks."""
+        import torch
+
+        return Path(self._generate_foldername_debug(torch.tensor(prompt)[: align(len(prompt), BLOCK)], [], True))
+
+
+def request(prompt: list[int]) -> Any:
+    return SimpleNamespace(request_id="r", prompt_token_ids=prompt, mm_features=[])
+
+
+def rows(count: int, seed: int = 0) -> np.ndarray:
+    """``count`` tokens' rows: two distinct experts per (token, layer), varying by token."""
+    base = (np.arange(count)[:, None, None] + seed + np.arange(3)[None, :, None]) % 7
+    return np.concatenate([base, base + 1], axis=2).astype(np.uint8)
+
+
+@pytest.fixture
+def carrier(tmp_path: Path) -> tuple[SharedStorageCarrier, StandInConnector]:
+    connector = StandInConnector(tmp_path)
+    return SharedStorageCarrier(connector, LAYOUT, align), connector
+
+
+def test_rows_travel_beside_the_kv_the_connector_stored(carrier: Any) -> None:
+    store, connector = carrier
+    prompt = list(range(10, 21))  # 11 tokens: the connector stores 8
+    folder = connector.store_kv(prompt)
+    prompt_rows = rows(len(prompt))
+    assert store.put(request(prompt), prompt_rows) == 8
+    assert (folder / ROWS_FILE).exists()
+    # The decode request (prompt + the producer's token) is offered tokens [4, 8) after a local hit of 4.
+    loaded = store.get(request([*prompt, 99]), 4, 4)
+    assert isinstance(loaded, np.ndarray) and np.array_equal(loaded, prompt_rows[4:8])
+    assert not [name for name in os.listdir(folder) if name.startswith(".vllm_ascend_routing_")]  # no temp left
+
+
+def test_nothing_is_stored_where_the_connector_stored_no_kv(carrier: Any) -> None:
+    store, connector = carrier
+    assert store.put(request(list(range(10, 21))), rows(11)) == 0  # no folder: the connector stored nothing
+    assert store.put(request([1, 2, 3]), rows(3)) == 0  # under one block: nothing stored
+    prompt = list(range(30, 41))
+    connector.store_kv(prompt)
+    assert store.put(request(prompt), rows(5)) == 0  # fewer rows than stored tokens: not written
+    assert store.put(request(prompt), rows(11)) == 8
+    assert store.put(request(prompt), rows(11, seed=1)) == 0  # already there: never overwritten
+
+
+def test_kv_without_rows_is_missing_with_the_reason(carrier: Any) -> None:
+    store, connector = carrier
+    prompt = list(range(50, 61))
+    connector.store_kv(prompt)  # a producer without the plugin: KV, no rows
+    missing = store.get(request(prompt), 0, 8)
+    assert isinstance(missing, Missing) and "no routing rows are stored beside that KV" in missing.reason
+
+
+def test_rows_of_other_tokens_or_another_layout_are_missing(carrier: Any, tmp_path: Path) -> None:
+    store, connector = carrier
+    prompt = list(range(70, 81))
+    folder = connector.store_kv(prompt)
+    assert store.put(request(prompt), rows(11)) == 8
+    # The same folder name with other token ids inside (a hash collision, a stale file): refused.
+    stored = dict(np.load(folder / ROWS_FILE))
+    stored["token_ids"] = stored["token_ids"] + 1
+    np.savez(folder / ROWS_FILE, **stored)
+    other = store.get(request(prompt), 0, 8)
+    assert isinstance(other, Missing) and "other tokens" in other.reason
+    wide = SharedStorageCarrier(connector, RowLayout(3, 2, "uint16"), align)
+    prompt2 = list(range(90, 101))
+    connector.store_kv(prompt2)
+    assert store.put(request(prompt2), rows(11)) == 8
+    mismatch = wide.get(request(prompt2), 0, 8)
+    assert isinstance(mismatch, Missing) and "another model or configuration" in mismatch.reason
+
+
+def test_patches_are_optional_relied_on_rows() -> None:
+    from vllm_ascend_routing.patching import RELY
+    from vllm_ascend_routing.releases import Generation
+
+    rows_ = kv_carrier.patches((Generation.RUNNER_OUTPUT,))
+    assert rows_ and all(row.action == RELY and not row.required for row in rows_)
+    assert {row.target.rpartition(":")[2] for row in rows_} == {
+        "ExampleConnector._generate_foldername_debug",
+        "align_to_block_size",
+    }

@@ -1,0 +1,260 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Rows follow a KV connector's loads and saves in the scheduler (no vLLM needed: stand-ins for the connector,
+the carrier and the generation's store; the real ones run end to end in tests/e2e/test_disaggregation.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from vllm_ascend_routing import kv_carrier, kv_transfer, validate
+from vllm_ascend_routing.compat.base import UnsupportedVllmError
+from vllm_ascend_routing.kv_carrier import Missing, RowLayout
+from vllm_ascend_routing.patching import RELY
+
+LAYOUT = RowLayout(3, 2, "uint8")
+MODEL = validate.ModelRouting(num_experts=8, num_layers=3, moe_layers=frozenset({0, 2}))
+
+
+def rows(count: int, start: int = 0) -> np.ndarray:
+    """Valid rows of tokens ``[start, start + count)``: two distinct experts in MoE layers 0 and 2, layer 1 dense."""
+    base = (np.arange(start, start + count)[:, None] + np.array([0, 3])[None, :]) % 7
+    out = np.zeros((count, 3, 2), dtype=np.uint8)
+    out[:, [0, 2], 0], out[:, [0, 2], 1] = base, base + 1
+    return out
+
+
+class OfferingConnector:
+    """TEST-ONLY: the scheduler half of a connector that offers ``offers[request]`` tokens after the local hit."""
+
+    def __init__(self, offers: dict[str, int]) -> None:
+        self.offers = offers
+        self.allocated: list[tuple[str, int]] = []
+        self.finished: list[str] = []
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        return self.offers.get(request.request_id, 0), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.allocated.append((request.request_id, num_external_tokens))
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, None]:
+        self.finished.append(request.request_id)
+        return False, None
+
+
+class StandInCarrier:
+    """TEST-ONLY: rows stored per request id, as a carrier would keep them beside the KV."""
+
+    connector = "OfferingConnector"
+
+    def __init__(self, connector: Any, layout: RowLayout) -> None:
+        self.stored: dict[str, np.ndarray] = {}
+        self.puts: list[tuple[str, int]] = []
+
+    def put(self, request: Any, prompt_rows: np.ndarray) -> int:
+        self.puts.append((request.request_id, len(prompt_rows)))
+        return len(prompt_rows)
+
+    def get(self, request: Any, start: int, count: int) -> np.ndarray | Missing:
+        stored = self.stored.get(request.request_id)
+        if stored is None:
+            return Missing("no routing rows are stored beside that KV (test)")
+        return stored[start : start + count]
+
+
+class StandInRows:
+    """TEST-ONLY: a generation's store, recording what it is given."""
+
+    layout = LAYOUT
+
+    def __init__(self) -> None:
+        self.injected: list[tuple[str, int, np.ndarray]] = []
+        self.prompts: dict[str, np.ndarray] = {}
+        self.forgotten: list[str] = []
+
+    def prompt_rows(self, request: Any, block_ids: Any) -> np.ndarray | None:
+        return self.prompts.get(request.request_id)
+
+    def inject(self, request: Any, blocks: Any, start: int, carried: np.ndarray) -> None:
+        self.injected.append((request.request_id, start, carried))
+
+    def forget(self, request_id: str) -> None:
+        self.forgotten.append(request_id)
+
+
+def request(request_id: str, outputs: int = 0) -> Any:
+    return SimpleNamespace(request_id=request_id, num_output_tokens=outputs, num_prompt_tokens=20)
+
+
+def follow(offers: dict[str, int]) -> tuple[OfferingConnector, StandInCarrier, StandInRows]:
+    connector, store = OfferingConnector(offers), StandInRows()
+    follower = kv_transfer._Follower(connector, store, StandInCarrier(connector, LAYOUT), MODEL)
+    carrier = follower.carrier
+    assert isinstance(carrier, StandInCarrier)
+    for name, make in (
+        ("get_num_new_matched_tokens", follower.matched),
+        ("update_state_after_alloc", follower.allocated),
+        ("request_finished", follower.finished),
+    ):
+        setattr(connector, name, make(getattr(connector, name)))
+    return connector, carrier, store
+
+
+def test_loaded_tokens_get_the_rows_carried_with_their_kv() -> None:
+    connector, carrier, store = follow({"r1": 8})
+    carrier.stored["r1"] = rows(20)
+    before = kv_transfer.stats()
+    r1 = request("r1")
+    assert connector.get_num_new_matched_tokens(r1, 4) == (8, False)  # local hit of 4, 8 more offered
+    connector.update_state_after_alloc(r1, "blocks", 8)
+    (injected,) = store.injected
+    assert injected[:2] == ("r1", 4) and np.array_equal(injected[2], rows(20)[4:12])
+    assert kv_transfer.loaded_span(r1) == (4, 8) and kv_transfer.loaded_rows(r1) == 8
+    assert kv_transfer.loaded_rows(request("r2")) == 0 and kv_transfer.loaded_span(request("r2")) is None
+    after = kv_transfer.stats()
+    assert (after.requests_loaded - before.requests_loaded, after.rows_loaded - before.rows_loaded) == (1, 8)
+
+
+def test_an_offer_without_rows_is_declined_and_reported_by_request_and_token() -> None:
+    connector, _, store = follow({"r7": 12})
+    before = kv_transfer.stats()
+    r7 = request("r7")
+    assert connector.get_num_new_matched_tokens(r7, 4) == (0, False)  # declined: vLLM computes them here
+    connector.update_state_after_alloc(r7, "blocks", 0)
+    assert store.injected == [] and kv_transfer.loaded_rows(r7) == 0
+    after = kv_transfer.stats()
+    assert (after.offers_declined - before.offers_declined, after.rows_declined - before.rows_declined) == (1, 12)
+    assert any(
+        "request r7" in text and "[4, 16)" in text and "no routing rows" in text for text in kv_transfer.first_reports()
+    )
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_carried_rows_that_break_the_contract_are_never_passed_on(
+    monkeypatch: pytest.MonkeyPatch, strict: bool
+) -> None:
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING_VALIDATE", "strict" if strict else "1")
+    connector, carrier, store = follow({"r3": 8})
+    carrier.stored["r3"] = rows(20)
+    carrier.stored["r3"][6, 0] = 0  # an all-zero MoE row: a slot never written
+    if strict:
+        with pytest.raises(validate.RoutingValidationError, match="request r3"):
+            connector.get_num_new_matched_tokens(request("r3"), 0)
+        return
+    assert connector.get_num_new_matched_tokens(request("r3"), 0) == (0, False)
+    assert store.injected == []
+
+
+def test_loading_tokens_no_rows_were_carried_for_is_refused() -> None:
+    connector, carrier, _ = follow({"r4": 4})
+    carrier.stored["r4"] = rows(20)
+    connector.get_num_new_matched_tokens(request("r4"), 0)
+    with pytest.raises(RuntimeError, match="r4 loads 6 tokens"):
+        connector.update_state_after_alloc(request("r4"), "blocks", 6)
+
+
+def test_a_finished_request_stores_its_prompt_rows_beside_its_kv() -> None:
+    connector, carrier, store = follow({})
+    store.prompts["done"] = rows(20)
+    store.prompts["aborted"] = rows(20)
+    before = kv_transfer.stats()
+    assert connector.request_finished(request("done", outputs=1), [0, 1]) == (False, None)
+    connector.request_finished(request("aborted", outputs=0), [0, 1])  # its prompt rows may be incomplete
+    assert carrier.puts == [("done", 20)]
+    assert connector.finished == ["done", "aborted"] and store.forgotten == ["done", "aborted"]
+    assert kv_transfer.stats().rows_stored - before.rows_stored == 20
+    store.prompts["bad"] = rows(20)
+    store.prompts["bad"][3, 1] = 5  # a dense layer with ids: not routing, not stored
+    connector.request_finished(request("bad", outputs=1), [0, 1])
+    assert carrier.puts == [("done", 20)]
+
+
+def kv_config(name: str | None, role: str = "kv_consumer") -> Any:
+    return SimpleNamespace(kv_connector=name, kv_role=role)
+
+
+def test_refusals_name_the_connector_and_what_to_do() -> None:
+    nixl = kv_transfer.refusal(kv_config("NixlConnector"), "runner-output")
+    assert "NixlConnector (kv_consumer) is not covered" in nixl and "Covered: ExampleConnector" in nixl
+    assert "remove --kv-transfer-config" in nixl and kv_transfer.DOCS in nixl
+    offload = kv_transfer.refusal(kv_config("OffloadingConnector", "kv_both"), "runner-output")
+    assert "offload tier" in offload
+    unknown = kv_transfer.refusal(kv_config("MyConnector"), "aux-output")
+    assert "MyConnector" in unknown and "does not know where it keeps KV" in unknown
+    old = kv_transfer.refusal(kv_config("ExampleConnector"), "shm", carried_here=False)
+    assert "served from vLLM 0.22 on" in old and "'shm'" in old
+    assert kv_transfer.carries(kv_config("ExampleConnector")) and not kv_transfer.carries(kv_config("NixlConnector"))
+    assert not kv_transfer.carries(None) and kv_transfer.connector_name(kv_config(None)) is None
+
+
+def test_refuse_uncovered_at_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_ascend_routing import compat
+
+    carrying = SimpleNamespace(kv_rows=SimpleNamespace(patches=()))
+    monkeypatch.setattr(compat, "get_api", lambda: carrying)
+    kv_transfer.refuse_uncovered(SimpleNamespace(kv_transfer_config=None), "runner-output")
+    kv_transfer.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config(None)), "runner-output")
+    kv_transfer.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config("ExampleConnector")), "runner-output")
+    with pytest.raises(UnsupportedVllmError, match="NixlConnector"):
+        kv_transfer.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config("NixlConnector")), "runner-output")
+    monkeypatch.setattr(compat, "get_api", lambda: SimpleNamespace())  # a generation without kv_rows (0.20, 0.21)
+    with pytest.raises(UnsupportedVllmError, match="served from vLLM 0.22 on"):
+        kv_transfer.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config("ExampleConnector")), "shm")
+    absent = kv_carrier.patches(())[0]
+    monkeypatch.setattr(compat, "get_api", lambda: SimpleNamespace(kv_rows=SimpleNamespace(patches=(absent,))))
+    with pytest.raises(UnsupportedVllmError, match="lacks what the plugin carries its rows with"):
+        kv_transfer.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config("ExampleConnector")), "aux")
+
+
+def test_the_scheduler_hook_follows_only_a_connector_with_routed_experts(monkeypatch: pytest.MonkeyPatch) -> None:
+    followed: list[Any] = []
+    monkeypatch.setattr(kv_transfer, "_follow", lambda scheduler, connector, rows: followed.append(connector))
+    store = StandInRows()
+
+    class KvRows:
+        patches = ()
+
+        def install(self) -> None: ...
+
+        def attach(self, scheduler: Any) -> Any:
+            return store if scheduler.routed else None
+
+    def init(self: Any, connector: Any, routed: bool) -> None:
+        self.connector, self.routed = connector, routed
+
+    wrapped = kv_transfer.attaching(init, KvRows())
+    for connector, routed in (("c1", True), (None, True), ("c3", False)):
+        wrapped(SimpleNamespace(), connector, routed)
+    assert followed == ["c1"]
+
+
+def test_connector_rows_are_relied_on_not_replaced() -> None:
+    rows_ = kv_transfer.connector_patches(())
+    assert [row.target.rpartition(".")[2] for row in rows_] == [
+        "get_num_new_matched_tokens",
+        "update_state_after_alloc",
+        "request_finished",
+    ]
+    assert all(row.action == RELY and not row.required for row in rows_)  # checked once a connector is configured
+
+
+def test_model_load_refuses_through_the_kv_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_common.refuse_unsupported_config`` (every generation's prepare) asks ``refuse_uncovered``: a covered
+    connector passes where the generation carries rows, anything else is refused by name."""
+    from vllm_ascend_routing import compat
+    from vllm_ascend_routing.compat import _common
+
+    def config(name: str) -> Any:
+        return SimpleNamespace(parallel_config=SimpleNamespace(), kv_transfer_config=kv_config(name))
+
+    monkeypatch.setattr(compat, "get_api", lambda: SimpleNamespace(kv_rows=SimpleNamespace(patches=())))
+    _common.refuse_unsupported_config(config("ExampleConnector"), "runner-output")
+    with pytest.raises(UnsupportedVllmError, match="LMCacheConnectorV1 .kv_consumer. is not covered"):
+        _common.refuse_unsupported_config(config("LMCacheConnectorV1"), "runner-output")
+    monkeypatch.setattr(compat, "get_api", lambda: SimpleNamespace())
+    with pytest.raises(UnsupportedVllmError, match="served from vLLM 0.22 on"):
+        _common.refuse_unsupported_config(config("ExampleConnector"), "device-cache")

@@ -1,0 +1,186 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Where routing rows travel with KV that a connector moves: beside that KV, in the connector's own storage,
+under the connector's own key, so that whatever finds the KV finds its rows.
+
+One carrier per covered connector (``CARRIERS``, by the name in ``--kv-transfer-config``):
+
+  * ``ExampleConnector`` (vLLM's shared-storage connector: KV of a prompt's first whole blocks, one folder per
+    prompt prefix, named by a hash of its token ids): the rows of those tokens go into the same folder as one
+    file, ``ROWS_FILE``, with the token ids they belong to. Written by the scheduler of the instance whose
+    connector stored the KV, when the request finishes (its rows are complete then); read by the scheduler of an
+    instance whose connector offers that KV, before it loads it.
+
+A carrier never guesses: rows are returned only for exactly the tokens asked, stored with those very token ids,
+in this engine's layout; anything else is ``Missing`` with the reason, and the caller computes those tokens
+instead of loading them.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from vllm_ascend_routing.patching import RELY, Patch
+from vllm_ascend_routing.releases import Generation
+
+ROWS_FILE = "vllm_ascend_routing_rows.npz"
+_FORMAT = 1
+_EXAMPLE = "vllm.distributed.kv_transfer.kv_connector.v1.example_connector"
+
+
+def patches(generations: tuple[Generation, ...]) -> tuple[Patch, ...]:
+    """What the carriers rely on in vLLM, for the generations that carry rows (optional: checked when the
+    connector is configured, ``missing_symbols``)."""
+    return (
+        Patch(
+            f"{_EXAMPLE}:ExampleConnector._generate_foldername_debug",
+            "ExampleConnector's folder for a prompt prefix: the rows are stored beside that KV",
+            "never while ExampleConnector is covered",
+            generations,
+            ("self", "token_ids", "mm_hashes"),
+            required=False,
+            action=RELY,
+        ),
+        Patch(
+            f"{_EXAMPLE}:align_to_block_size",
+            "how many prompt tokens ExampleConnector stores (its whole blocks)",
+            "never while ExampleConnector is covered",
+            generations,
+            ("num_tokens", "block_size"),
+            required=False,
+            action=RELY,
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """The shape of one token's rows in this engine: ``[num_layers, top_k]`` of ``dtype``."""
+
+    num_layers: int
+    top_k: int
+    dtype: str
+
+    def matches(self, rows: np.ndarray) -> bool:
+        return rows.ndim == 3 and rows.shape[1:] == (self.num_layers, self.top_k) and rows.dtype.name == self.dtype
+
+
+@dataclass(frozen=True)
+class Missing:
+    """Why no rows can be carried for a load."""
+
+    reason: str
+
+
+class Carrier(Protocol):
+    """Rows beside one connector's KV."""
+
+    connector: str
+
+    def put(self, request: Any, prompt_rows: np.ndarray) -> int:
+        """Store the rows of the request's prompt tokens (``prompt_rows[i]``: token ``i``) beside the KV its
+        connector stored for it; returns how many rows were stored (0: the connector stored no KV for it, or
+        they are stored already)."""
+
+    def get(self, request: Any, start: int, count: int) -> np.ndarray | Missing:
+        """The rows of the request's prompt tokens ``[start, start + count)``, whose KV the connector offers."""
+
+
+class SharedStorageCarrier:
+    """vLLM's ``ExampleConnector``: one folder per stored prompt prefix (its whole blocks), named from the
+    prefix's token ids by the connector's own method; the rows go into that folder."""
+
+    connector = "ExampleConnector"
+
+    def __init__(self, connector: Any, layout: RowLayout, align: Callable[[int, int], int] | None = None) -> None:
+        """``align(num_tokens, block_size)``: how many of a prompt's tokens the connector stores (default: the
+        connector module's own ``align_to_block_size``)."""
+        if align is None:
+            from vllm.distributed.kv_transfer.kv_connector.v1 import example_connector
+
+            align = example_connector.align_to_block_size
+        self._connector = connector
+        self._align = align
+        self._block_size = int(connector._block_size)
+        self.layout = layout
+
+    def _folder(self, request: Any, num_tokens: int) -> str:
+        import torch
+
+        tokens = torch.tensor(list(request.prompt_token_ids or []))[:num_tokens]
+        mm_hashes = [feature.identifier for feature in getattr(request, "mm_features", None) or []]
+        return str(self._connector._generate_foldername_debug(tokens, mm_hashes, create_folder=False))
+
+    def put(self, request: Any, prompt_rows: np.ndarray) -> int:
+        prompt = list(request.prompt_token_ids or [])
+        stored = self._align(len(prompt), self._block_size)  # the tokens whose KV the connector stores
+        if stored <= 0 or len(prompt_rows) < stored:
+            return 0
+        folder = self._folder(request, stored)
+        path = os.path.join(folder, ROWS_FILE)
+        if not os.path.isdir(folder) or os.path.exists(path):
+            return 0  # no KV stored for this prompt here, or its rows are there already
+        _write(path, np.asarray(prompt[:stored], dtype=np.int64), prompt_rows[:stored], self.layout)
+        return stored
+
+    def get(self, request: Any, start: int, count: int) -> np.ndarray | Missing:
+        end = start + count
+        path = os.path.join(self._folder(request, end), ROWS_FILE)
+        if not os.path.exists(path):
+            return Missing(
+                f"no routing rows are stored beside that KV ({path} is absent: the instance that stored the KV "
+                "ran without vllm-ascend-routing or without --enable-return-routed-experts, or the file was removed)"
+            )
+        try:
+            tokens, rows = _read(path, self.layout)
+        except (OSError, ValueError, KeyError) as error:
+            return Missing(f"the rows stored beside that KV cannot be read ({path}: {error})")
+        prompt = np.asarray(list(request.prompt_token_ids or [])[:end], dtype=np.int64)
+        if len(tokens) < end or not np.array_equal(tokens[:end], prompt):
+            return Missing(f"the rows stored in {path} are of other tokens than this prompt's first {end}")
+        return np.ascontiguousarray(rows[start:end])
+
+
+def _write(path: str, tokens: np.ndarray, rows: np.ndarray, layout: RowLayout) -> None:
+    """Write atomically (a reader sees the whole file or none): a private temporary file, then a rename."""
+    folder = os.path.dirname(path)
+    descriptor, temporary = tempfile.mkstemp(dir=folder, prefix=".vllm_ascend_routing_", suffix=".npz")
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            np.savez(
+                file,
+                format=np.int64(_FORMAT),
+                layout=np.array([layout.num_layers, layout.top_k], dtype=np.int64),
+                dtype=np.array(layout.dtype),
+                token_ids=tokens,
+                rows=np.ascontiguousarray(rows),
+            )
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+
+
+def _read(path: str, layout: RowLayout) -> tuple[np.ndarray, np.ndarray]:
+    with np.load(path, allow_pickle=False) as stored:
+        if int(stored["format"]) != _FORMAT:
+            raise ValueError(f"format {int(stored['format'])}, this version reads {_FORMAT}")
+        rows, tokens = stored["rows"], stored["token_ids"]
+    if not layout.matches(rows):
+        raise ValueError(
+            f"rows {rows.shape[1:]} {rows.dtype.name} per token, this engine's are "
+            f"({layout.num_layers}, {layout.top_k}) {layout.dtype}: stored by another model or configuration"
+        )
+    if len(rows) != len(tokens):
+        raise ValueError(f"{len(rows)} rows for {len(tokens)} token ids")
+    return tokens, rows
+
+
+# The connectors whose KV the plugin carries rows beside, by the name ``--kv-transfer-config`` gives them.
+CARRIERS: dict[str, type[SharedStorageCarrier]] = {SharedStorageCarrier.connector: SharedStorageCarrier}
