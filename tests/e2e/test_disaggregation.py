@@ -60,6 +60,8 @@ def test_rows_of_loaded_tokens_are_exact_on_every_role(result: dict[str, Any], g
     assert phases["consumer_warm_up"]["rows_loaded"] == 0
     assert phases["consumer_after_warm_up"]["rows_loaded"] == LOADED["B"]  # stale rows without the plugin
     assert phases["consumer_loads_kv_both"]["rows_loaded"] == LOADED["C"]  # stored by the kv_both engine
+    for name, phase in phases.items():  # each request's routed_experts_info counts the rows its KV hand-over loaded
+        assert None not in phase["info_loaded"] and sum(phase["info_loaded"]) == phase["rows_loaded"], (name, phase)
     for engine in ("sentinel_producer", "sentinel_kv_both", "sentinel_consumer"):
         checked = result[engine]
         assert checked["rows_checked"] > 0 and checked["zero_rows"] == checked["invalid_ids"] == 0, (engine, checked)

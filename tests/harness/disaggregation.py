@@ -165,6 +165,8 @@ def _disaggregated(model: models.TinyMoE, storage: Path) -> dict[str, Any]:
         after = kv_transfer.stats()
         verdict = _verdict(offline.check(reference, model, done))
         verdict["rows_loaded"] = after.rows_loaded - before.rows_loaded
+        # what each request's provenance record says was loaded (routed_experts_info, output/engine.py)
+        verdict["info_loaded"] = [None if c.info is None else c.info["loaded"] for c in done]
         verdict["rows_declined"] = after.rows_declined - before.rows_declined
         verdict["rows_stored"] = after.rows_stored - before.rows_stored
         verdict["cached_tokens"] = [c.num_cached_tokens for c in done]

@@ -11,7 +11,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vllm_ascend_routing.output import engine, weights
+from tests.test_kv_transfer import follow
+from tests.test_kv_transfer import rows as kv_rows
+from vllm_ascend_routing import kv_transfer
+from vllm_ascend_routing.output import engine, provenance, weights
 
 
 @dataclass
@@ -133,12 +136,42 @@ def test_a_prefix_cache_reset_moves_cached_from_to_the_next_steps_version(schedu
     assert record["weight_version"] == {"first": 3, "last": 3, "cached_from": 3}
 
 
-def test_loaded_rows_fed_by_kv_connector_code(scheduler: Scheduler) -> None:
-    r = request("r", 20)
+@pytest.mark.parametrize(
+    ("extra_args", "start", "first", "cached", "loaded"),
+    [
+        (None, 0, 0, 8, 12),  # tokens 0..7 from the local prefix cache, 8..19 loaded, 20.. computed here
+        (None, 10, 10, 0, 10),  # rows from token 10: the loaded tokens 10..19 only
+        ({"routed_experts_omit": "cached"}, 0, 8, 0, 12),  # the cached rows omitted, every loaded one returned
+    ],
+)
+def test_loaded_rows_are_the_kv_connectors_hand_over(
+    scheduler: Scheduler, extra_args: dict[str, Any] | None, start: int, first: int, cached: int, loaded: int
+) -> None:
+    """P/D: the record's ``loaded`` is what ``kv_transfer`` followed the connector load (tokens 8..19 here, after
+    a local hit of 8), counted from the request's first row; those rows are not ``computed``."""
+    r = request("r", 30, extra_args, cached=8, start=start)
+    connector, carrier, _ = follow({"r": 12})
+    carrier.stored["r"] = kv_rows(30)
     scheduler.add_request(r)
+    assert connector.get_num_new_matched_tokens(r, 8) == (12, False)  # vLLM's scheduler: the local hit, then this
+    connector.update_state_after_alloc(r, "blocks", 12)
+    assert kv_transfer.loaded_span(r) == (8, 12)
     step(scheduler, ["r"], ["r"], [], 1)
-    engine.record_loaded(r, 12)
-    assert step(scheduler, ["r"], [], ["r"], 1)["r"].kv_transfer_params[engine.RECORD_KEY]["loaded"] == 12
+    part = step(scheduler, ["r"], [], ["r"], 1)["r"].kv_transfer_params[engine.RECORD_KEY]
+    assert (part["first_token"], part["cached"], part["loaded"]) == (first, cached, loaded)
+    returned = np.zeros((30 + 4 - 1 - first, 3, 2), np.uint8)  # prompt 30, 4 tokens out: rows first..32
+    record = provenance.complete(part, returned, "runner-output", "0.30.0")
+    assert (record["computed"], record["cached"], record["loaded"]) == (len(returned) - cached - loaded, cached, loaded)
+
+
+def test_a_request_nothing_was_loaded_for_has_no_loaded_rows(scheduler: Scheduler) -> None:
+    r = request("r", 30, cached=8)
+    connector, _, _ = follow({"r": 12})  # offered, but no rows beside that KV: declined, computed here
+    scheduler.add_request(r)
+    assert connector.get_num_new_matched_tokens(r, 8) == (0, False)
+    connector.update_state_after_alloc(r, "blocks", 0)
+    step(scheduler, ["r"], ["r"], [], 1)
+    assert step(scheduler, ["r"], [], ["r"], 1)["r"].kv_transfer_params[engine.RECORD_KEY]["loaded"] == 0
 
 
 def test_an_unstamped_step_has_an_unknown_version(scheduler: Scheduler) -> None:

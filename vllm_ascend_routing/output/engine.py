@@ -10,7 +10,8 @@ In the scheduler, for engines that return routed experts:
     where vLLM's own transport starts the rows (0.22-0.30: the slot-buffer read at prefill completion; 0.31+:
     the AuxOutput connector's emit start). An opted-out request's first row is its last prompt token's, so vLLM
     reads one prompt row for it (not the prompt's), and its rows never leave this process (dropped from its outputs);
-  * ``_free_request``: a finished request's record (first row, cached and loaded rows, weight versions) goes to
+  * ``_free_request``: a finished request's record (first row, cached rows, rows a KV connector loaded as
+    ``kv_transfer`` followed them (P/D hand-over), weight versions) goes to
     the front end with its last output, under ``RECORD_KEY`` in ``kv_transfer_params``, which the front end
     removes again (``output.frontend``): vLLM's array is never touched;
   * ``reset_prefix_cache``: rows served from the prefix cache afterwards were computed at or after the next
@@ -27,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_ascend_routing import patching
+from vllm_ascend_routing import kv_transfer, patching
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.compat._requests import local_cached_tokens
 from vllm_ascend_routing.output import options, weights
@@ -79,7 +80,6 @@ class RequestState:
     options: options.RequestOptions = options.NONE
     scheduled: bool = False
     cached: int = 0  # prompt tokens served from the local prefix cache at the first scheduling
-    loaded: int = 0  # rows loaded through a KV connector (``record_loaded``)
     first_token: int | None = None  # the token of the first row, once decided (``select``)
     first_version: Any = _UNSET  # the weight version of the request's first forward
 
@@ -107,13 +107,6 @@ def install() -> None:
     patching.replace(UPDATE_FROM_OUTPUT, _updating)
     patching.replace(FREE_REQUEST, _freeing)
     patching.replace(RESET_PREFIX_CACHE, _resetting)
-
-
-def record_loaded(request: Any, rows: int) -> None:
-    """For KV-connector (P/D) code in the engine core: ``rows`` of this request's returned rows were loaded through
-    a KV connector rather than computed here or served from the local prefix cache. The record reports them as
-    ``loaded`` (and not as ``computed``); call it before the request finishes."""
-    state_of(request).loaded = int(rows)
 
 
 def state_of(request: Any) -> RequestState:
@@ -254,13 +247,23 @@ def engine_record(request: Any, engine: EngineState) -> dict[str, Any]:
     return {
         "first_token": first,
         "cached": cached,
-        "loaded": state.loaded,
+        "loaded": loaded_from(request, first),
         "weight_version": {
             "first": first_version,
             "last": engine.version,
             "cached_from": engine.cached_from if cached else None,
         },
     }
+
+
+def loaded_from(request: Any, first: int) -> int:
+    """The request's rows from token ``first`` on whose tokens' KV, and rows, a KV connector loaded (P/D: the
+    tokens ``kv_transfer.loaded_span`` names, computed on the instance that stored that KV)."""
+    span = kv_transfer.loaded_span(request)
+    if span is None:
+        return 0
+    start, count = span
+    return max(0, start + count - max(start, first))
 
 
 def _resetting(reset_prefix_cache: Callable[..., Any]) -> Callable[..., Any]:

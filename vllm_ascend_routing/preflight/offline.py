@@ -25,6 +25,7 @@ class Completion:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # vLLM 0.21.0 only: (prompt_routed_experts, routed_experts) as returned (int16, MoE-layer axis)
     native: tuple[np.ndarray | None, np.ndarray | None] | None = None
+    info: dict[str, Any] | None = None  # the plugin's routed_experts_info (vLLM 0.22+; docs/output.md)
 
 
 def make_llm(model: TinyMoE, *, enforce_eager: bool = True, dtype: str = "float32", **kwargs: Any) -> Any:
@@ -126,6 +127,7 @@ def generate(
             routed_rows(llm, o),
             int(getattr(o, "num_cached_tokens", 0) or 0),
             native_arrays(o),
+            getattr(o.outputs[0], "routed_experts_info", None),
         )
         for o in outputs
     ]
