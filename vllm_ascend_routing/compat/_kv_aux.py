@@ -36,7 +36,7 @@ SCHEDULER_INIT = Patch(
     "with a KV connector and routed experts on: rows follow the connector's loads and saves (kv_transfer)",
     _REMOVE,
     _AUX,
-    ("self",),
+    ("self", "vllm_config"),
 )
 BEGIN_STEP = Patch(
     f"{_WORKER}.begin_step",

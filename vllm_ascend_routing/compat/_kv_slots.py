@@ -44,7 +44,7 @@ SCHEDULER_INIT = Patch(
     "with a KV connector and routed experts on: rows follow the connector's loads and saves (kv_transfer)",
     _REMOVE,
     _RUNNER,
-    ("self",),
+    ("self", "vllm_config"),
 )
 IS_KV_TRANSFER_INSTANCE = Patch(
     "vllm.config.kv_transfer:KVTransferConfig.is_kv_transfer_instance",
