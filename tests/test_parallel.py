@@ -380,6 +380,23 @@ def test_graph_capture_freezes_only_a_span_replays_share(
         assert torch.equal(buffer[: len(step.expected), 0].to(torch.int32), step.expected)
 
 
+def test_graph_capturing_asks_the_devices_own_stream_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ACL graph capture is seen through torch_npu's ``torch.npu.is_current_stream_capturing`` (stood in here: no
+    torch_npu), a CUDA graph capture through ``torch.cuda``'s: each device's own probe, never another's; the CPU
+    captures none."""
+    capturing = {"npu": True, "cuda": False}
+    npu = types.SimpleNamespace(is_current_stream_capturing=lambda: capturing["npu"])
+    monkeypatch.setattr(torch, "npu", npu, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["cuda"])
+    ascend = types.SimpleNamespace(type="npu")  # torch.device("npu") exists only once torch_npu is imported
+    assert parallel.graph_capturing(ascend) is True
+    assert parallel.graph_capturing(torch.device("cuda")) is False
+    capturing.update(npu=False, cuda=True)
+    assert parallel.graph_capturing(ascend) is False
+    assert parallel.graph_capturing(torch.device("cuda")) is True
+    assert parallel.graph_capturing(torch.device("cpu")) is False
+
+
 def captured(fn: Any) -> torch.cuda.CUDAGraph:
     """``fn()`` run once on a side stream (warm-up, as vLLM does before capturing), then captured in a CUDA graph."""
     stream = torch.cuda.Stream()

@@ -167,6 +167,10 @@ def test_the_aux_store_keeps_prompt_rows_and_sends_carried_rows_with_the_step() 
     assert aux.take_output(request, {"r": SimpleNamespace(token_start=0, rows=rows(6, 2))}) is not None
     aux.take_output(request, {"r": later})  # a later chunk: not the prompt's
     assert np.array_equal(store.prompt_rows(request, None), rows(5, 2))
+    # rows from token 3 on, however many, are not the prompt's: kept only from an output starting at token 0
+    short = SimpleNamespace(request_id="s", num_prompt_tokens=2)
+    aux.take_output(short, {"s": SimpleNamespace(token_start=3, rows=rows(4, 6))})
+    assert store.prompt_rows(short, None) is None
     store.inject(request, None, 4, rows(4, 1))
     idle = aux.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"x": 1}), {})
     assert not hasattr(idle, _kv_aux._CARRIED)  # not scheduled yet: kept for its step

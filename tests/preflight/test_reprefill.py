@@ -186,6 +186,18 @@ def test_prefix_caching_off_in_the_engine_is_a_note_not_a_failure() -> None:
     assert work.problems == [] and any("prefix caching is off" in note for note in work.notes)
 
 
+def test_a_long_prompt_served_from_the_prefix_cache_is_no_chunked_prefill() -> None:
+    """The same workload again on an engine whose prefix cache holds it: every prompt is longer than its cached part
+    by less than the step budget, so nothing prefilled in chunks, whatever the prompts' lengths, and the pre-flight
+    says so."""
+    front = StandInFrontEnd()
+    assert collect(front).work.chunked_prefills > 0
+    work = collect(front).work  # the same prompts (the same seed), their full blocks cached now
+    assert work.longest_prompt > SMALL.max_num_batched_tokens and work.cached_tokens > 0
+    assert work.chunked_prefills == 0
+    assert [p for p in work.problems if p.startswith("chunked prefill not exercised")], work.problems
+
+
 def test_no_chunked_prefill_fails_saying_what_to_do() -> None:
     """A step budget the context cannot exceed (the user's 8192 with doctor's max_model_len 1024): no prompt
     prefills in chunks, and the pre-flight says to give a longer --max-model-len."""

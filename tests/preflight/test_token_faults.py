@@ -153,8 +153,39 @@ def test_single_layer_flips_are_never_token_faults() -> None:
     """One MoE layer disagreeing is a per-layer event whatever the rates (MIN_TOKEN_LAYERS)."""
     codes = [np.zeros((10, 3), dtype=np.int8)]
     codes[0][4, 1] = token_faults.LATE
-    faults, _ = token_faults.find(["0"], codes, [np.full((10, 3), -1)], [0, 1, 2])
+    faults, thresholds = token_faults.find(["0"], codes, [np.full((10, 3), -1)], [0, 1, 2])
     assert faults == []
+    # the threshold reported with the verdict is never one layer, not even for a kind this run never saw (rate 0)
+    assert thresholds == dict.fromkeys(("any", *token_faults.KINDS), 2)
+
+
+def test_one_of_the_two_layers_where_the_previous_token_differs_is_no_whole_token() -> None:
+    """whole_kinds files a token's rows as its origin's only in 2 layers at least, or in every layer where the origin
+    differs: the previous token's row in 1 of the 2 layers where the two tokens differ is a near-tie's landing."""
+    refs = [np.array([[[0, 1]] * 3, [[2, 3]] * 3, [[2, 3], [4, 5], [6, 7]]])]  # tokens 1, 2 differ in layers 1, 2
+    codes = [np.zeros((3, 3), dtype=np.int8)]
+    codes[0][2, 1] = token_faults.LATE
+    sources = [np.full((3, 3), -1)]
+    assert token_faults.whole_kinds(codes, sources, refs)[0][2] == token_faults.AGREE
+    codes[0][2, 2] = token_faults.LATE  # in both layers where they differ: the previous token's rows, whole
+    assert token_faults.whole_kinds(codes, sources, refs)[0][2] == token_faults.LATE
+
+
+def test_a_count_independent_near_ties_give_in_a_run_is_no_token_fault() -> None:
+    """100 tokens, 2 MoE layers, 5% of each layer's rows disagreeing: a token disagreeing in both has p = 0.25% from
+    independent near-ties, yet with 500 tests (tokens x kinds) the run expects more than one such token by chance:
+    not named (Bonferroni). The same token among 1,000 otherwise agreeing tokens (p = 1e-6) is."""
+
+    def named(tokens: int, background: int) -> list[tuple[int, str]]:
+        codes = [np.zeros((tokens, 2), dtype=np.int8)]
+        for layer in (0, 1):  # rows of no single origin, one layer per token: near-ties
+            codes[0][layer * background : (layer + 1) * background, layer] = token_faults.UNTRACED
+        codes[0][tokens - 1] = token_faults.UNTRACED  # the token under test, in both layers
+        faults, _ = token_faults.find(["0"], codes, [np.full((tokens, 2), -1)], [0, 1])
+        return [(fault.row, fault.kind) for fault in faults]
+
+    assert named(100, 4) == []
+    assert named(1000, 0) == [(999, "any")]
 
 
 def test_requests_sharing_a_prefix_are_no_other_requests_rows_there() -> None:
@@ -182,6 +213,23 @@ def test_requests_sharing_a_prefix_are_no_other_requests_rows_there() -> None:
     # shared prefix as well (why the oracle is given the tokens)
     unknown = consistency.analyse(pairs(generation, reprefill, prompts), "bfloat16")
     assert ("1", 5, "other", "0") in [(f.request, f.row, f.kind, f.source) for f in unknown.token_faults]
+
+
+def test_a_row_misfiled_at_the_first_token_after_a_shared_prefix_is_named() -> None:
+    """Requests 0 and 1 share their first 30 tokens; token 30 is the first they do not share. Request 1's rows there
+    filed from request 0 are another request's (the same position, other tokens before it): named, with request 0
+    as their source."""
+    rows, prompts = deep_truth(6)
+    rows[1][:30] = rows[0][:30]
+    tokens = [np.random.default_rng(1).integers(100, 900, len(r)).tolist() for r in rows]
+    tokens[1][:30] = tokens[0][:30]
+    tokens[1][30] = tokens[0][30] + 1
+    generation = plant(rows, 1, 30, rows[0][30])
+    known = [
+        Pair(str(i), g, r, p, t) for i, (g, r, p, t) in enumerate(zip(generation, rows, prompts, tokens, strict=True))
+    ]
+    result = consistency.analyse(known, "float32")
+    assert [(f.request, f.row, f.kind, f.source) for f in result.token_faults] == [("1", 30, "other", "0")]
 
 
 def test_a_near_tie_that_lands_on_the_previous_tokens_routing_is_no_misfiled_row() -> None:
