@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from vllm_ascend_routing import patching
-from vllm_ascend_routing.compat import _kv_aux, _kv_slots
+from vllm_ascend_routing.compat import _aux_requests, _kv_aux, _kv_slots
 from vllm_ascend_routing.compat.base import UnsupportedVllmError
 
 BLOCK = 4
@@ -179,6 +179,26 @@ def test_the_aux_store_keeps_prompt_rows_and_sends_carried_rows_with_the_step() 
     assert list(carried) == ["r"] and carried["r"][0] == 4 and np.array_equal(carried["r"][1], rows(4, 1))
     store.forget("r")
     assert store.prompt_rows(request, None) is None and store.carried == {}
+
+
+def test_the_aux_store_wraps_around_the_per_request_options_on_the_connector_class() -> None:
+    """The per-request options replace ``take_output`` and ``build_connector_meta`` on vLLM's class on every engine
+    (compat/_aux_requests.py); the store's per-instance wrappers must go around them, not be skipped as if already
+    installed (P/D on 0.32.0 then stored no prompt rows at all)."""
+
+    class OptionsInstalled(AuxScheduler):
+        pass
+
+    patching.wrap(OptionsInstalled, "take_output", _aux_requests._taking)
+    patching.wrap(OptionsInstalled, "build_connector_meta", _aux_requests._building)
+    aux = OptionsInstalled()
+    store = _kv_aux._BlockStore(aux, aux_config())
+    request = SimpleNamespace(request_id="r", num_prompt_tokens=5)
+    assert aux.take_output(request, {"r": SimpleNamespace(token_start=0, rows=rows(6, 2))}) is not None
+    assert np.array_equal(store.prompt_rows(request, None), rows(5, 2))
+    store.inject(request, None, 4, rows(4, 1))
+    step = aux.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r": 3}), {"r": request})
+    assert list(getattr(step, _kv_aux._CARRIED)) == ["r"]
 
 
 class AuxWorker:
