@@ -33,7 +33,7 @@ from tests.harness.data_parallel import run_data_parallel
 from tests.harness.disaggregation import run_disaggregation
 from tests.harness.server import Server, post
 from tests.harness.vllm_0_21_cases import run_device_cache
-from vllm_ascend_routing import validate
+from vllm_ascend_routing import envs, validate
 from vllm_ascend_routing.preflight import models, offline
 
 # doctor's scenario and its constants, re-exported: tests and benchmarks name them through this module.
@@ -244,12 +244,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.scenario == "offline":
         # The re-prefill oracle (clean and each planted fault) on one engine per release, the compiled one; the
-        # output features on another.
+        # output features on another. Both are the plugin's: never on a run with it off (test_plugin_off_...).
         run = (args.arch, args.mode, args.tp)
         parts = [
             part
             for runs, part in ((ORACLE_RUNS, oracle.oracle_part), (OUTPUT_RUNS, output_features.output_part))
-            if run in runs
+            if run in runs and envs.VLLM_ASCEND_ROUTING
         ]
         result = run_offline(args.arch, args.mode, args.prompts, args.tp, after=_after(parts) if parts else None)
     elif args.scenario == "data-parallel":
