@@ -112,13 +112,15 @@ def replace(patch: Patch, make: Callable[[Any], Any]) -> bool:
     return True
 
 
-def wrap(owner: Any, name: Any, make: Callable[[Any], Any], *, rebind: bool = False, add: bool = False) -> Any:
+def wrap(
+    owner: Any, name: Any, make: Callable[[Any], Any], *, rebind: bool = False, add: bool = False, around: bool = False
+) -> Any:
     """Set ``owner``'s ``name`` to ``make(current)``, marked with ``current``; returns what is installed there.
 
     ``owner`` is a class (``name`` found through its bases, set on the class itself), a module or an instance
     (an attribute), or a mapping (an entry: a module's globals, a table). Where ``current`` is already a
-    replacement: left alone, or with ``rebind``, replaced by ``make(original)`` (an instance's attribute that is its
-    class's replacement is wrapped around, without ``rebind``: another patch). Where there is no ``current``:
+    replacement: left alone, or with ``rebind``, replaced by ``make(original)``; with ``around``, an instance's
+    attribute that is its class's replacement (another patch) is wrapped around. Where there is no ``current``:
     ``None`` is returned and nothing set, unless ``add`` (then ``make(None)`` is added).
     """
     if isinstance(owner, MutableMapping):
@@ -129,7 +131,7 @@ def wrap(owner: Any, name: Any, make: Callable[[Any], Any], *, rebind: bool = Fa
         current = getattr(owner, name, None)
     if current is None and not add:
         return None
-    if is_wrapped(current) and (rebind or not _from_the_class(owner, name)):
+    if is_wrapped(current) and not (around and _from_the_class(owner, name)):
         if not rebind:
             return current
         current = original_of(current)
@@ -144,8 +146,8 @@ def wrap(owner: Any, name: Any, make: Callable[[Any], Any], *, rebind: bool = Fa
 
 def _from_the_class(owner: Any, name: Any) -> bool:
     """Whether ``owner`` is an instance whose ``name`` is its class's: a replacement there (e.g. the per-request
-    options' ``take_output``) is another patch, which this instance's own wrapper (without ``rebind``) goes around;
-    leaving it alone would silently drop the instance's wrapper (P/D's prompt rows on 0.31+ did)."""
+    options' ``take_output``) is another patch, which an ``around`` wrapper of the instance goes around; leaving it
+    alone would silently drop that wrapper (P/D's prompt rows on 0.31+ were)."""
     if isinstance(owner, (type, MutableMapping, types.ModuleType)):
         return False
     return name not in getattr(owner, "__dict__", {})

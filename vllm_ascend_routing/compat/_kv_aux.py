@@ -113,8 +113,8 @@ class _BlockStore:
         )
         self.prompts: dict[str, np.ndarray] = {}  # request id -> its prompt rows, from its first chunk
         self.carried: dict[str, tuple[int, np.ndarray]] = {}  # request id -> rows for its next step's metadata
-        patching.wrap(aux, "take_output", self._keeping_prompt)
-        patching.wrap(aux, "build_connector_meta", self._with_carried)
+        patching.wrap(aux, "take_output", self._keeping_prompt, around=True)
+        patching.wrap(aux, "build_connector_meta", self._with_carried, around=True)
 
     def _keeping_prompt(self, take_output: Any) -> Any:
         def keeping_prompt(request: Any, output: Any, *args: Any, **kwargs: Any) -> Any:
