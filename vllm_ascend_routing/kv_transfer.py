@@ -79,6 +79,18 @@ UNCOVERED: dict[str, str] = {
 }
 
 
+def scheduler_init_patch(generations: tuple[Generation, ...], remove: str) -> Patch:
+    """vLLM's ``Scheduler.__init__``, wrapped by :func:`attaching`; ``vllm_config`` is relied on: each generation's
+    row store reads the scheduler's config after it."""
+    return Patch(
+        "vllm.v1.core.sched.scheduler:Scheduler.__init__",
+        "with a KV connector and routed experts on: rows follow the connector's loads and saves (kv_transfer)",
+        remove,
+        generations,
+        ("self", "vllm_config"),
+    )
+
+
 def connector_patches(generations: tuple[Generation, ...]) -> tuple[Patch, ...]:
     """The connector API the scheduler hooks follow (wrapped per connector instance, not replaced)."""
     why = "followed per connector instance: which tokens are loaded, and when a request's KV is stored"

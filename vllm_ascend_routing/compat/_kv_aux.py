@@ -32,13 +32,7 @@ _AUX = (Generation.AUX_OUTPUT,)
 _REMOVE = "vLLM carries aux outputs through KV connectors itself"
 _SCHEDULER = "vllm.distributed.aux_output_connector.connector:AuxOutputSchedulerConnector"
 _WORKER = "vllm.distributed.aux_output_connector.worker:AuxOutputWorkerConnector"
-SCHEDULER_INIT = Patch(
-    "vllm.v1.core.sched.scheduler:Scheduler.__init__",
-    "with a KV connector and routed experts on: rows follow the connector's loads and saves (kv_transfer)",
-    _REMOVE,
-    _AUX,
-    ("self", "vllm_config"),  # the scheduler's config and connector are read after it
-)
+SCHEDULER_INIT = kv_transfer.scheduler_init_patch(_AUX, _REMOVE)
 BEGIN_STEP = Patch(
     f"{_WORKER}.begin_step",
     "after vLLM registers a step's block hashes: carried rows of loaded blocks staged and published",

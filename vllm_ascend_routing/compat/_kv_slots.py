@@ -39,13 +39,7 @@ logger = get_logger(__name__)
 _RUNNER = (Generation.RUNNER_OUTPUT,)
 _REMOVE = "the lowest supported vLLM is 0.31.0 or newer"
 _MANAGER = "vllm.model_executor.layers.fused_moe.routed_experts_capturer:RoutedExpertsManager"
-SCHEDULER_INIT = Patch(
-    "vllm.v1.core.sched.scheduler:Scheduler.__init__",
-    "with a KV connector and routed experts on: rows follow the connector's loads and saves (kv_transfer)",
-    _REMOVE,
-    _RUNNER,
-    ("self", "vllm_config"),  # the scheduler's config and connector are read after it
-)
+SCHEDULER_INIT = kv_transfer.scheduler_init_patch(_RUNNER, _REMOVE)
 IS_KV_TRANSFER_INSTANCE = Patch(
     "vllm.config.kv_transfer:KVTransferConfig.is_kv_transfer_instance",
     "read at vLLM's refusal of routed experts with KV connectors: False there for covered connectors",
