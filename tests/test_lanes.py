@@ -116,6 +116,49 @@ def test_test_native_without_nvcc_says_skipped_or_fails_where_required(tmp_path:
         assert done.returncode == 0 and done.stdout.startswith(lanes.SKIPPED), done.stdout + done.stderr
 
 
+@needs_make
+def test_the_queue_runs_two_targets_at_once_tagged_by_target(tmp_path: Path) -> None:
+    code, out = run(tmp_path, "--jobs", "2", "wait-for-flag", "flag", "after")
+    assert code == 0, out
+    lines = out.splitlines()
+    assert "[wait-for-flag] saw-flag" in lines and "[flag] made-flag" in lines and "[after] after-ran" in lines
+    table = out[out.index("lanes: ") :]
+    assert "worker 1" in table and "worker 2" in table
+
+
+@needs_make
+def test_the_queue_goes_on_after_a_failure_and_records_each_targets_seconds(tmp_path: Path) -> None:
+    history = tmp_path / "cache" / "lane-seconds.json"
+    code, out = run(tmp_path, "--jobs", "1", "--history", str(history), "broken", "after")
+    assert code == 1 and "[after] after-ran" in out, out
+    recorded = json.loads(history.read_text())
+    assert set(recorded) == {"broken", "after"} and all(seconds >= 0 for seconds in recorded.values())
+
+
+def test_the_queue_is_longest_first_by_last_time_and_new_targets_lead() -> None:
+    history = {"short": 60.0, "long": 1500.0, "middle": 300.0}
+    assert lanes.longest_first(["short", "new", "middle", "long", "newer"], history) == [
+        "new",
+        "newer",
+        "long",
+        "middle",
+        "short",
+    ]
+
+
+def test_an_unreadable_history_orders_nothing(tmp_path: Path) -> None:
+    broken = tmp_path / "history.json"
+    broken.write_text("{not json")
+    assert lanes.read_history(str(broken)) == {} and lanes.read_history(str(tmp_path / "absent.json")) == {}
+    broken.write_text('["a list"]')
+    assert lanes.read_history(str(broken)) == {}
+
+
+def test_queue_targets_and_lanes_are_not_mixed(tmp_path: Path) -> None:
+    code, out = run(tmp_path, "after", "one=flag")
+    assert code == 2
+
+
 def test_a_lane_needs_a_name_and_targets() -> None:
     for text in ("no-equals-sign", "=target", "name=  "):
         with pytest.raises(Exception, match="NAME=TARGET"):

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC: str = ""
     VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS: str = ""
     VLLM_ASCEND_ROUTING_TEST_TRAINER_RELEASES: str = ""
+    VLLM_ASCEND_ROUTING_TEST_EVERY_RELEASE: bool = False
 
 
 def _bool(name: str) -> Callable[[], bool]:
@@ -101,6 +102,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS": lambda: os.getenv("VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS", ""),
     # vLLM releases besides 0.30.0 the trainer hand-off test runs on (space-separated, or "all").
     "VLLM_ASCEND_ROUTING_TEST_TRAINER_RELEASES": lambda: os.getenv("VLLM_ASCEND_ROUTING_TEST_TRAINER_RELEASES", ""),
+    # 1: the e2e cases make test runs once per API generation (tests/harness/generation_cases.py) run on every
+    # release, e.g. `VLLM_ASCEND_ROUTING_TEST_EVERY_RELEASE=1 make e2e-0.23.0`.
+    "VLLM_ASCEND_ROUTING_TEST_EVERY_RELEASE": _bool("VLLM_ASCEND_ROUTING_TEST_EVERY_RELEASE"),
 }
 # The ones that change what the plugin does at run time (the others build it or drive the tooling and tests).
 runtime_variables: tuple[str, ...] = (

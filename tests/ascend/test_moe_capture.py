@@ -72,9 +72,9 @@ def test_every_method_is_found_and_none_hides() -> None:
 
 
 def test_the_kernel_path_in_use() -> None:
-    """The suite runs twice in make test-ascend's release pairs: once with the CPU's direct write / host
-    kernel, once with ``VLLM_ASCEND_ROUTING_FORCE_REFERENCE=1`` (the PyTorch reference the NPU runs unless
-    the AscendC kernel is built): this says which one this process exercises."""
+    """make test-ascend runs the suite with ``VLLM_ASCEND_ROUTING_FORCE_REFERENCE=1`` (the PyTorch reference the
+    NPU runs unless the AscendC kernel is built); run by hand without it, the CPU's direct write / host kernel
+    serve instead: this says which one this process exercises."""
     from vllm_ascend_routing.ops import _library, eager_view
 
     buffer = new_capture_buffer(2, 1, 2, 8, "cpu")

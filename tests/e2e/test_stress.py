@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import pythonpath
+from tests.harness import distributed, pythonpath
+from tests.harness.generation_cases import once_per_generation
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
@@ -20,6 +21,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 def test_exact_routing_under_load(generation: str, tmp_path: Path) -> None:
     if generation == "shm":
         pytest.skip("vLLM 0.20.x has no routed-experts field in its OpenAI server (the offline suite covers it)")
+    # The server's and the scheduler's paths under load are the generation's, not the MoE capture's.
+    once_per_generation("the load test", distributed.vllm_release())
     env = {
         **os.environ,
         "VLLM_ASCEND_ROUTING": "1",

@@ -1,0 +1,33 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Cases ``make test`` runs once per vLLM API generation, not on every e2e release.
+
+Two e2e releases share the runner-output generation: 0.23.0 (vLLM's CPU MoE bypassing the router, like Ascend)
+and 0.30.0 (the router's capture hook). What differs between them is how the MoE's top-k is captured, which
+every capture test (offline batches, TP 2, DP behind one server, the bypass checks, the oracle) covers on both.
+A case whose code is the generation's own (the server under load, the multi-node DP front end) runs on
+``releases.FULL_E2E_RELEASE`` for its generation, and on the only e2e release of any other generation;
+``VLLM_ASCEND_ROUTING_TEST_EVERY_RELEASE=1`` runs it everywhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_ascend_routing import envs, releases
+
+
+def runs_here(release: str) -> bool:
+    """Whether this release is where ``make test`` runs its generation's once-per-generation cases."""
+    if envs.VLLM_ASCEND_ROUTING_TEST_EVERY_RELEASE or release == releases.FULL_E2E_RELEASE:
+        return True
+    here, full = releases.generation_of(release), releases.generation_of(releases.FULL_E2E_RELEASE)
+    return here is None or full is None or here.generation != full.generation
+
+
+def once_per_generation(case: str, release: str) -> None:
+    """Skip ``case`` on a release whose generation's cases run on ``releases.FULL_E2E_RELEASE``."""
+    if not runs_here(release):
+        pytest.skip(
+            f"{case} runs once per API generation: on {releases.FULL_E2E_RELEASE} for this one (same generation, "
+            f"another MoE capture path); VLLM_ASCEND_ROUTING_TEST_EVERY_RELEASE=1 runs it on {release} too"
+        )
