@@ -40,7 +40,7 @@ demo:
 replay-check:
 	@py=$(call VENV,$(RELEASE)) && $$py -m vllm_ascend_routing replay-check
 
-## make test: lint, then every environment made (make venvs), then the stages two at a time from one queue
+## make test: every environment made (make venvs), then the stages, lint among them, two at a time from one queue
 ## (scripts/lanes.py: a vLLM engine on the CPU keeps about one core busy; each worker takes the next stage when its
 ## last one ends, longest first by the minutes each took last time here, LANE_HISTORY). The stages: unit tests (no
 ## vLLM), the fast mutations (test-mutate), the native builds (CUDA, CPU), the static and trainer suites,
@@ -50,8 +50,8 @@ LANES        ?= 2
 LANE_HISTORY ?= $(or $(VLLM_ASCEND_ROUTING_CACHE),$(HOME)/.cache/vllm_ascend_routing)/lane-seconds.json
 reverse       = $(if $(1),$(call reverse,$(wordlist 2,$(words $(1)),$(1))) $(firstword $(1)))
 TEST_STAGES   = $(addprefix e2e-,$(call reverse,$(E2E_RELEASES))) $(addprefix ascend-,$(ASCEND_NAMES)) test-native test-unit \
-	test-mutate test-spec test-contract test-native-cpu test-static test-trainer
-test: lint venvs
+	test-mutate test-spec test-contract test-native-cpu test-static test-trainer lint
+test: venvs
 	@$(PYTHON) scripts/lanes.py --jobs $(LANES) --history $(LANE_HISTORY) $(TEST_STAGES)
 
 ## make venvs: every environment make test uses, made (or found cached) one after another

@@ -333,9 +333,39 @@ def install_checkout(venv: Path) -> None:
     if digest is not None and stamp_file.exists() and json.loads(stamp_file.read_text()) == digest:
         return
     stamp_file.unlink(missing_ok=True)
-    pip(venv_python(venv), "--no-deps", "--no-build-isolation", "--force-reinstall", str(ROOT))
+    py = venv_python(venv)
+    if digest is None or os.environ.get("VLLM_ASCEND_ROUTING_TARGET_DEVICE"):  # a native build: this venv's own
+        pip(py, "--no-deps", "--no-build-isolation", "--force-reinstall", str(ROOT))
+    else:
+        pip(py, "--no-deps", "--force-reinstall", str(checkout_wheel(py, digest)))
     if digest is not None:
         stamp_file.write_text(json.dumps(digest))
+
+
+def checkout_wheel(py: Path, digest: str) -> Path:
+    """The pure-Python wheel of the checkout whose sources hash to ``digest``, built once (by ``py``) and kept
+    under the cache: every venv then installs that file, in seconds, and no two venvs build in the checkout's
+    ``build/`` at once. The last few digests' wheels are kept."""
+    wheels = cache_root() / "checkout-wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    folder = wheels / digest
+    with open(wheels / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        found = sorted(folder.glob("vllm_ascend_routing-*.whl"))
+        if len(found) == 1:
+            return found[0]
+        partial = wheels / f"{digest}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        run([str(py), "-m", "pip", "wheel", "--disable-pip-version-check", "-q", "--no-deps",
+             "--no-build-isolation", "-w", str(partial), str(ROOT)])  # fmt: skip
+        shutil.rmtree(folder, ignore_errors=True)
+        partial.rename(folder)
+        older = sorted((path for path in wheels.iterdir() if path.is_dir() and path != folder),
+                       key=lambda path: path.stat().st_mtime)  # fmt: skip
+        for stale in older[:-4]:
+            shutil.rmtree(stale, ignore_errors=True)
+    (built,) = sorted(folder.glob("vllm_ascend_routing-*.whl"))
+    return built
 
 
 def checkout_digest() -> str | None:

@@ -175,6 +175,7 @@ def test_the_checkout_is_reinstalled_only_when_its_sources_change(
     """A lane asking for a venv another lane runs tests in must not reinstall the package under it."""
     installs: list[tuple[str, ...]] = []
     monkeypatch.setattr(venv_script, "pip", lambda py, *args: installs.append(args))
+    monkeypatch.setattr(venv_script, "checkout_wheel", lambda py, digest: Path(f"{digest}.whl"))
     digest = ["first"]
     monkeypatch.setattr(venv_script, "checkout_digest", lambda: digest[0])
     venv_script.install_checkout(tmp_path)
@@ -201,3 +202,42 @@ def test_the_checkout_digest_follows_the_package_sources() -> None:
     finally:
         probe.unlink()
     assert venv_script.checkout_digest() == first
+
+
+def test_the_checkout_wheel_is_built_once_per_digest_and_installed_everywhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each venv installs the one wheel of the checkout's sources: no venv builds in the checkout's build/ while
+    another does, and the second venv's install costs no build."""
+    built: list[str] = []
+
+    def fake_run(cmd: list[str]) -> None:
+        assert cmd[1:4] == ["-m", "pip", "wheel"] and "--no-deps" in cmd
+        out = Path(cmd[cmd.index("-w") + 1])
+        out.mkdir(parents=True)
+        (out / "vllm_ascend_routing-0.0.0-py3-none-any.whl").write_text("wheel")
+        built.append(str(out))
+
+    installs: list[tuple[str, ...]] = []
+    monkeypatch.setattr(venv_script, "run", fake_run)
+    monkeypatch.setattr(venv_script, "pip", lambda py, *args: installs.append(args))
+    monkeypatch.setattr(venv_script, "cache_root", lambda: tmp_path / "cache")
+    monkeypatch.setattr(venv_script, "checkout_digest", lambda: "d1")
+    monkeypatch.delenv("VLLM_ASCEND_ROUTING_TARGET_DEVICE", raising=False)
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        venv_script.install_checkout(tmp_path / name)
+    wheel = tmp_path / "cache" / "checkout-wheels" / "d1" / "vllm_ascend_routing-0.0.0-py3-none-any.whl"
+    assert len(built) == 1 and installs == [("--no-deps", "--force-reinstall", str(wheel))] * 2, (built, installs)
+    wheels = tmp_path / "cache" / "checkout-wheels"
+    os.utime(wheels / "d1", (1, 1))
+    for age, digest in enumerate(("d2", "d3", "d4", "d5", "d6"), start=2):
+        venv_script.checkout_wheel(Path("python"), digest)
+        os.utime(wheels / digest, (age, age))  # each newer than the last, whatever the clock's resolution
+    kept = sorted(path.name for path in wheels.iterdir() if path.is_dir())
+    assert len(kept) == 5 and "d6" in kept and "d1" not in kept, kept
+    # A native build is the venv's own: built in the checkout, never a shared wheel.
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING_TARGET_DEVICE", "cpu")
+    monkeypatch.setattr(venv_script, "checkout_digest", lambda: "d7")
+    venv_script.install_checkout(tmp_path / "a")
+    assert installs[-1][-1] == str(venv_script.ROOT) and len(built) == 6
