@@ -67,3 +67,26 @@ def test_dry_run_runs_no_python(target: str, tmp_path: Path) -> None:
     assert done.stdout.strip()  # the recipe was printed
     assert not mark.exists(), f"make -n {target} ran: {mark.read_text()}"
     assert not (tmp_path / "cache").exists()
+
+
+def test_make_test_queues_every_stage_the_ci_workflow_runs() -> None:
+    """``make test``'s one queue (scripts/lanes.py) holds every make target a job of the fork CI workflow runs, the
+    Ascend and e2e releases of the release table included, and lint: none is left out of the test command."""
+    from tests import scripts
+    from vllm_ascend_routing import releases
+
+    workflow = scripts.load("scripts/workflow.py", "_workflow_for_make_test")
+    done = subprocess.run(
+        ["make", "-n", "--no-print-directory", "test"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    (line,) = [line for line in done.stdout.splitlines() if "scripts/lanes.py" in line]
+    queued = line.split("scripts/lanes.py", 1)[1].split()
+    assert "--history" in queued
+    stages = {word for word in queued if not word.startswith("-") and "/" not in word and not word.isdigit()}
+    wanted = {
+        target for entry in workflow.jobs(releases, workflow.trainer_pythons()) for target in entry["make"].split()
+    }
+    assert wanted <= stages, wanted - stages
+    assert {f"e2e-{release}" for release in releases.E2E_RELEASES} <= stages
+    assert {f"ascend-{release}" for release in releases.ASCEND_TEST_RELEASES} <= stages
