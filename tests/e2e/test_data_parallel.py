@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.harness import data_parallel, distributed, scenarios
-from tests.harness.generation_cases import once_per_generation
+from tests.harness.generation_cases import once
 from vllm_ascend_routing.preflight import models
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
@@ -35,9 +35,10 @@ def test_data_parallel_rows_exact(scenario: Any, generation: str, layout: str) -
     if layout not in layouts_for(generation):
         pytest.skip(f"{layout} DP is tested on another generation ({generation} runs {layouts_for(generation)})")
     if layout == "headless":
-        # Which tokens the router sees (naive dispatch up to 0.27, local tokens from 0.28) is the server
-        # layout's case on each release; the headless rank differs from it only in the generation's front end.
-        once_per_generation("headless DP", distributed.vllm_release())
+        # Which tokens the router sees (naive dispatch up to 0.27, local tokens from 0.28) and how each engine's
+        # rows reach the front end are the server layout's case on each release: the headless rank differs from
+        # it only in where rank 1's engine process is launched (and how it finds the coordinator).
+        once("headless DP", distributed.vllm_release())
     result = scenario("data-parallel", "--layout", layout, in_process=False)
     print(
         f"DP=2 {layout}: {result['matched']}/{result['rows']} rows, requests per rank "

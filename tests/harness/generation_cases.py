@@ -1,12 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Cases ``make test`` runs once per vLLM API generation, not on every e2e release.
+"""Cases ``make test`` runs once per vLLM API generation, or once, not on every e2e release.
 
 Two e2e releases share the runner-output generation: 0.23.0 (vLLM's CPU MoE bypassing the router, like Ascend)
 and 0.30.0 (the router's capture hook). What differs between them is how the MoE's top-k is captured, which
 every capture test (offline batches, TP 2, DP behind one server, the bypass checks, the oracle) covers on both.
 A case whose code is the generation's own (the server under load, the multi-node DP front end) runs on
 ``releases.FULL_E2E_RELEASE`` for its generation, and on the only e2e release of any other generation;
-``VLLM_ASCEND_ROUTING_TEST_EVERY_RELEASE=1`` runs it everywhere.
+A case whose code is neither (how a process is launched, e.g. a headless DP rank, whose engine's outputs travel
+to the front end as a DP server's own engines' do) runs once, on ``releases.FULL_E2E_RELEASE``.
+``VLLM_ASCEND_ROUTING_TEST_EVERY_RELEASE=1`` runs both kinds everywhere.
 """
 
 from __future__ import annotations
@@ -30,4 +32,13 @@ def once_per_generation(case: str, release: str) -> None:
         pytest.skip(
             f"{case} runs once per API generation: on {releases.FULL_E2E_RELEASE} for this one (same generation, "
             f"another MoE capture path); VLLM_ASCEND_ROUTING_TEST_EVERY_RELEASE=1 runs it on {release} too"
+        )
+
+
+def once(case: str, release: str) -> None:
+    """Skip ``case`` except on ``releases.FULL_E2E_RELEASE``."""
+    if release != releases.FULL_E2E_RELEASE and not envs.VLLM_ASCEND_ROUTING_TEST_EVERY_RELEASE:
+        pytest.skip(
+            f"{case} runs once, on {releases.FULL_E2E_RELEASE} (it does not depend on the API generation or the "
+            f"MoE capture path); VLLM_ASCEND_ROUTING_TEST_EVERY_RELEASE=1 runs it on {release} too"
         )

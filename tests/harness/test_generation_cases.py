@@ -26,3 +26,15 @@ def test_every_release_runs_them_when_asked(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("VLLM_ASCEND_ROUTING_TEST_EVERY_RELEASE", "1")
     assert envs.VLLM_ASCEND_ROUTING_TEST_EVERY_RELEASE
     assert all(generation_cases.runs_here(release) for release in releases.E2E_RELEASES)
+
+
+def test_once_runs_on_the_full_release_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_ASCEND_ROUTING_TEST_EVERY_RELEASE", raising=False)
+    for release in releases.E2E_RELEASES:
+        if release == releases.FULL_E2E_RELEASE:
+            generation_cases.once("a case", release)  # no skip
+        else:
+            with pytest.raises(pytest.skip.Exception, match=f"runs once, on {releases.FULL_E2E_RELEASE}"):
+                generation_cases.once("a case", release)
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING_TEST_EVERY_RELEASE", "1")
+    generation_cases.once("a case", "0.32.0")
