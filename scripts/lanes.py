@@ -60,15 +60,34 @@ class Lane:
 
 
 class Queue:
-    """The targets not started yet, shared by the workers: each takes the next when its last one ends."""
+    """The targets not started yet, shared by the workers: each takes the next when its last one ends, skipping
+    one that must not run beside a target running now (``apart``: groups of targets that share a resource, e.g.
+    the per-user shared-memory segments of vLLM 0.20.x's store), and waiting while only such ones are left."""
 
-    def __init__(self, stages: list[Stage]) -> None:
+    def __init__(self, stages: list[Stage], apart: list[set[str]] | None = None) -> None:
         self._waiting = list(stages)
-        self._lock = threading.Lock()
+        self._running: set[str] = set()
+        self._apart = apart or []
+        self._changed = threading.Condition()
+
+    def _clashes(self, target: str) -> bool:
+        return any(target in group and group & self._running for group in self._apart)
 
     def take(self) -> Stage | None:
-        with self._lock:
-            return self._waiting.pop(0) if self._waiting else None
+        with self._changed:
+            while self._waiting:
+                stage = next((stage for stage in self._waiting if not self._clashes(stage.target)), None)
+                if stage is not None:
+                    self._waiting.remove(stage)
+                    self._running.add(stage.target)
+                    return stage
+                self._changed.wait()
+            return None
+
+    def done(self, stage: Stage) -> None:
+        with self._changed:
+            self._running.discard(stage.target)
+            self._changed.notify_all()
 
 
 def longest_first(targets: list[str], history: dict[str, float]) -> list[str]:
@@ -120,7 +139,10 @@ def run_worker(worker: Lane, queue: Queue, make: list[str], started: float) -> N
     """Take targets from ``queue`` until none is left; the worker's lane lists what it ran, in order."""
     while (stage := queue.take()) is not None:
         worker.stages.append(stage)
-        run_stage(stage.target, stage, make, started, worker=worker.name)
+        try:
+            run_stage(stage.target, stage, make, started, worker=worker.name)
+        finally:
+            queue.done(stage)
 
 
 def run_stage(tag: str, stage: Stage, make: list[str], started: float, worker: str = "") -> None:
@@ -158,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("targets", nargs="+", metavar="TARGET | NAME=TARGETS", help="a queue's targets, or lanes")
     parser.add_argument("--jobs", type=int, default=2, help="targets (or lanes) at once (1: one after another)")
     parser.add_argument("--history", default="", help="JSON of each target's last seconds: the queue's order")
+    parser.add_argument(
+        "--apart", action="append", default=[], metavar="T1,T2", help="targets never run at the same time (repeatable)"
+    )
     parser.add_argument("--make", default=os.environ.get("MAKE", "make"), help="the make to run targets with")
     args = parser.parse_args(argv)
     jobs = max(1, args.jobs)
@@ -176,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                 done.result()
     else:
         history = read_history(args.history) if args.history else {}
-        queue = Queue([Stage(target) for target in longest_first(args.targets, history)])
+        apart = [set(filter(None, group.split(","))) for group in args.apart]
+        queue = Queue([Stage(target) for target in longest_first(args.targets, history)], apart)
         lanes = [Lane(f"worker {number + 1}") for number in range(jobs)]
         with ThreadPoolExecutor(max_workers=jobs) as pool:
             for done in [pool.submit(run_worker, worker, queue, make, started) for worker in lanes]:

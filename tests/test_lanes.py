@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,26 @@ def test_the_queue_goes_on_after_a_failure_and_records_each_targets_seconds(tmp_
     assert code == 1 and "[after] after-ran" in out, out
     recorded = json.loads(history.read_text())
     assert set(recorded) == {"broken", "after"} and all(seconds >= 0 for seconds in recorded.values())
+
+
+def test_targets_kept_apart_never_overlap_and_nothing_waits_forever() -> None:
+    """A worker skips a target that clashes with a running one, takes the next, and waits when only clashing
+    ones are left; every target still runs once."""
+    queue = lanes.Queue([lanes.Stage(name) for name in ("shm-e2e", "shm-ascend", "other")], [{"shm-e2e", "shm-ascend"}])
+    first = queue.take()
+    second = queue.take()
+    assert first is not None and second is not None
+    assert (first.target, second.target) == ("shm-e2e", "other")  # shm-ascend skipped while shm-e2e runs
+    taken: list[str] = []
+    waiter = threading.Thread(target=lambda: taken.append(getattr(queue.take(), "target", "")))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and not taken  # only a clashing target is left: it waits
+    queue.done(first)
+    waiter.join(5)
+    assert taken == ["shm-ascend"]
+    queue.done(second)
+    assert queue.take() is None
 
 
 def test_the_queue_is_longest_first_by_last_time_and_new_targets_lead() -> None:

@@ -25,6 +25,30 @@ def segments() -> set[str]:
     return {p.name for p in store.SHM_DIR.glob(f"{store.PREFIX}_*")}
 
 
+def owner_pid(segment: str) -> int | None:
+    """The pid the segment's owner file names (the store's own reading of it), if it names this segment."""
+    owner = store._owner(store.key_of(segment))
+    return owner[0] if owner is not None and owner[1] == segment else None
+
+
+def in_session(pid: int | None, session: int) -> bool:
+    try:
+        return pid is not None and os.getsid(pid) == session
+    except ProcessLookupError:
+        return False
+
+
+def others_live() -> set[str]:
+    """Segments of live engines this test did not start (another test or stage of this user running now): an
+    engine's own start leaves them alone, and so does every assertion here."""
+    found = set()
+    for name in segments():
+        pid = owner_pid(name)
+        if pid is not None and store._alive(pid):
+            found.add(name)
+    return found
+
+
 def test_two_engines_at_once_both_exact(scenario: Any) -> None:
     first = scenario.start("offline", "--arch", "qwen3_moe", "--prompts", "6")
     second = scenario.start("offline", "--arch", "mixtral", "--prompts", "6")
@@ -32,18 +56,21 @@ def test_two_engines_at_once_both_exact(scenario: Any) -> None:
     for result in results:
         for part in ("batch", "chunked_prefill", "prefix_repeat"):
             assert result[part]["ok"], (result["arch"], part, result[part]["problems"])
-    assert not segments(), "a clean exit must leave no segment behind"
+    assert not segments() - others_live(), "a clean exit must leave no segment behind"
 
 
 def test_sigkilled_engine_leaves_segment_next_start_removes_it(scenario: Any) -> None:
-    before = segments()
     engine = scenario.start("offline", "--arch", "mixtral", "--prompts", "4")
     deadline = time.monotonic() + 600
-    while not (segments() - before):
+
+    def engines_own() -> set[str]:  # its engine runs in the session the scenario started (start_new_session)
+        return {name for name in segments() if in_session(owner_pid(name), engine.pid)}
+
+    while not engines_own():
         assert engine.poll() is None, "engine exited before creating its segment"
         assert time.monotonic() < deadline, "engine never created its segment"
         time.sleep(0.5)
-    leftover = segments() - before
+    leftover = engines_own()
     os.killpg(engine.pid, signal.SIGKILL)  # the whole tree, resource tracker included: nothing cleans up
     engine.wait()
     time.sleep(1)
@@ -55,4 +82,4 @@ def test_sigkilled_engine_leaves_segment_next_start_removes_it(scenario: Any) ->
     assert result["batch"]["ok"], result["batch"]["problems"]
     assert not (leftover & segments()), "the next engine start must remove the dead engine's segment"
     assert not any(owner.exists() for owner in owners)
-    assert not segments()
+    assert not segments() - others_live()
