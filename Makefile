@@ -51,10 +51,8 @@ LANE_HISTORY ?= $(or $(VLLM_ASCEND_ROUTING_CACHE),$(HOME)/.cache/vllm_ascend_rou
 reverse       = $(if $(1),$(call reverse,$(wordlist 2,$(words $(1)),$(1))) $(firstword $(1)))
 TEST_STAGES   = $(addprefix e2e-,$(call reverse,$(E2E_RELEASES))) $(addprefix ascend-,$(ASCEND_NAMES)) test-native test-unit \
 	test-mutate test-spec test-contract test-native-cpu test-static test-trainer lint
-# Never at the same time: the stages running vLLM 0.20.x's shared-memory store (this user's /dev/shm segments; the
-# e2e test of a SIGKILLed engine's leftover segment would see another stage's).
-SHM_STAGES    = $(addprefix e2e-,$(filter 0.20.%,$(E2E_RELEASES))) $(addprefix ascend-,$(foreach pair,$(ASCEND_RELEASES),\
-	$(if $(filter 0.20.%,$(lastword $(subst :, ,$(pair)))),$(firstword $(subst :, ,$(pair))))))
+# Never at the same time: SHM_STAGES (releases.py), the stages running the shm generation's store (this user's
+# /dev/shm segments; the e2e test of a SIGKILLed engine's leftover segment would see another stage's).
 comma        := ,
 empty        :=
 space        := $(empty) $(empty)

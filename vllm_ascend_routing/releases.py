@@ -270,7 +270,21 @@ def make_variables() -> dict[str, str]:
         "SEAMS_RELEASES": " ".join(SEAMS_RELEASES),
         "STATIC_RELEASES": " ".join(STATIC_RELEASES),
         "ASCEND_RELEASES": " ".join(ascend_test_pairs()),
+        # make test's stages that run the shm generation's store (this user's /dev/shm segments): never at once.
+        "SHM_STAGES": " ".join(shm_stages()),
     }
+
+
+def shm_stages() -> list[str]:
+    """The e2e and Ascend make stages whose vLLM is of the shm generation (``e2e-0.20.2 ascend-0.20.2rc1``)."""
+
+    def shm(release: str) -> bool:
+        span = generation_of(release)
+        return span is not None and span.generation is Generation.SHM
+
+    return [f"e2e-{release}" for release in E2E_RELEASES if shm(release)] + [
+        f"ascend-{release}" for release in ASCEND_TEST_RELEASES if shm(_ascend(release).vllm)
+    ]
 
 
 def main(argv: list[str]) -> int:
