@@ -14,7 +14,7 @@ import pytest
 
 from tests.harness import disaggregation as pd
 from tests.harness import distributed
-from vllm_ascend_routing import releases
+from tests.harness.generation_cases import once_per_generation
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
@@ -37,8 +37,7 @@ LOADED = {
 def result(scenario: Any, generation: str) -> dict[str, Any]:
     """One scenario process per generation (about two minutes): runner-output on its full release only (its
     slot-buffer path is one for 0.22-0.30), aux-output on its release, the refusing generations too."""
-    if generation == "runner-output" and distributed.vllm_release() != releases.FULL_E2E_RELEASE:
-        pytest.skip(f"runner-output's P/D scenario runs on {releases.FULL_E2E_RELEASE}")
+    once_per_generation("the P/D scenario", distributed.vllm_release())
     return dict(scenario("disaggregation", "--arch", ARCH))
 
 
