@@ -1,19 +1,17 @@
 #!/usr/bin/env python3
-"""Run make targets two at a time: from one queue, longest first, or in fixed lanes.
+"""Run make targets two at a time, from one queue, longest first.
 
     python scripts/lanes.py --jobs 2 --history ~/.cache/x/lanes.json test-unit e2e-0.30.0 e2e-0.32.0 ...
-    python scripts/lanes.py "checks=test-unit test-ascend" "e2e=e2e-0.30.0 e2e-0.32.0"   # fixed lanes
     python scripts/lanes.py --jobs 1 ...   # one after another
 
 Why: one end-to-end stage keeps about one core busy (a vLLM engine process on the CPU build, mostly
-single-threaded start-up and compilation), and the machines ``make test`` runs on have two. Targets given
-bare form one queue: each of ``--jobs`` workers takes the next target when its last one ends, so the run
-lasts about half the stages' sum, however their minutes shift. The queue is ordered longest first by the
-minutes each target took last time (``--history``, a JSON file this script rewrites after the run); a target
-with no recorded minutes goes first, in the order given. ``NAME=TARGET ...`` arguments are fixed lanes instead:
-one lane's targets one after another. Every line a target prints is passed through as it comes, tagged with its
-target (queue) or lane; every target runs even after one fails (a CI run reports all its failures), and a table
-of each target's minutes and verdict ends the run. A target that passes but printed a line starting
+single-threaded start-up and compilation), and the machines ``make test`` runs on have two. Each of ``--jobs``
+workers takes the next target when its last one ends, so the run lasts about half the stages' sum, however their
+minutes shift. The queue is ordered longest first by the minutes each target took last time (``--history``, a
+JSON file this script rewrites after the run); a target with no recorded minutes goes first, in the order given.
+``--apart`` groups never run at the same time. Every line a target prints is passed through as it comes, tagged
+with its target; every target runs even after one fails (a CI run reports all its failures), and a table of each
+worker's targets, minutes and verdicts ends the run. A target that passes but printed a line starting
 ``SKIPPED:`` (e.g. test-native without nvcc) is shown as skipped, with that line's reason, never as ok. Exit
 status: 0 only if every target passed.
 
@@ -54,7 +52,7 @@ class Stage:
 
 
 @dataclass
-class Lane:
+class Worker:
     name: str
     stages: list[Stage] = field(default_factory=list)
 
@@ -108,7 +106,7 @@ def read_history(path: str) -> dict[str, float]:
     return {str(target): float(seconds) for target, seconds in recorded.items() if isinstance(seconds, (int, float))}
 
 
-def write_history(path: str, lanes: list[Lane]) -> None:
+def write_history(path: str, lanes: list[Worker]) -> None:
     recorded = read_history(path)
     recorded.update({stage.target: round(stage.seconds, 1) for lane in lanes for stage in lane.stages})
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -117,25 +115,13 @@ def write_history(path: str, lanes: list[Lane]) -> None:
     os.replace(path + ".tmp", path)
 
 
-def parse_lane(text: str) -> Lane:
-    name, sep, targets = text.partition("=")
-    if not sep or not name.strip() or not targets.split():
-        raise argparse.ArgumentTypeError(f"{text!r}: a lane is NAME=TARGET [TARGET ...]")
-    return Lane(name.strip(), [Stage(target) for target in targets.split()])
-
-
 def say(lane: str, line: str) -> None:
     with _PRINT:
         sys.stdout.write(f"[{lane}] {line}\n")
         sys.stdout.flush()
 
 
-def run_lane(lane: Lane, make: list[str], started: float) -> None:
-    for stage in list(lane.stages):
-        run_stage(lane.name, stage, make, started)
-
-
-def run_worker(worker: Lane, queue: Queue, make: list[str], started: float) -> None:
+def run_worker(worker: Worker, queue: Queue, make: list[str], started: float) -> None:
     """Take targets from ``queue`` until none is left; the worker's lane lists what it ran, in order."""
     while (stage := queue.take()) is not None:
         worker.stages.append(stage)
@@ -165,7 +151,7 @@ def run_stage(tag: str, stage: Stage, make: list[str], started: float, worker: s
     stage.seconds = time.monotonic() - began
 
 
-def summary(lanes: list[Lane], wall: float) -> list[str]:
+def summary(lanes: list[Worker], wall: float) -> list[str]:
     lines = [f"lanes: {wall / 60:.1f} min in all"]
     for lane in lanes:
         total = sum(stage.seconds for stage in lane.stages)
@@ -177,8 +163,8 @@ def summary(lanes: list[Lane], wall: float) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("targets", nargs="+", metavar="TARGET | NAME=TARGETS", help="a queue's targets, or lanes")
-    parser.add_argument("--jobs", type=int, default=2, help="targets (or lanes) at once (1: one after another)")
+    parser.add_argument("targets", nargs="+", metavar="TARGET", help="the make targets to run")
+    parser.add_argument("--jobs", type=int, default=2, help="targets at once (1: one after another)")
     parser.add_argument("--history", default="", help="JSON of each target's last seconds: the queue's order")
     parser.add_argument(
         "--apart", action="append", default=[], metavar="T1,T2", help="targets never run at the same time (repeatable)"
@@ -186,32 +172,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--make", default=os.environ.get("MAKE", "make"), help="the make to run targets with")
     args = parser.parse_args(argv)
     jobs = max(1, args.jobs)
-    lane_mode = any("=" in text for text in args.targets)
-    if lane_mode and not all("=" in text for text in args.targets):
-        parser.error("give either a queue's targets or NAME=TARGET lanes, not both")
     make = [args.make, "--no-print-directory"]
     started = time.monotonic()
-    if lane_mode:
-        try:
-            lanes = [parse_lane(text) for text in args.targets]
-        except argparse.ArgumentTypeError as error:
-            parser.error(str(error))
-        with ThreadPoolExecutor(max_workers=jobs) as pool:
-            for done in [pool.submit(run_lane, lane, make, started) for lane in lanes]:
-                done.result()
-    else:
-        history = read_history(args.history) if args.history else {}
-        apart = [set(filter(None, group.split(","))) for group in args.apart]
-        queue = Queue([Stage(target) for target in longest_first(args.targets, history)], apart)
-        lanes = [Lane(f"worker {number + 1}") for number in range(jobs)]
-        with ThreadPoolExecutor(max_workers=jobs) as pool:
-            for done in [pool.submit(run_worker, worker, queue, make, started) for worker in lanes]:
-                done.result()
-    for line in summary(lanes, time.monotonic() - started):
+    history = read_history(args.history) if args.history else {}
+    apart = [set(filter(None, group.split(","))) for group in args.apart]
+    queue = Queue([Stage(target) for target in longest_first(args.targets, history)], apart)
+    workers = [Worker(f"worker {number + 1}") for number in range(jobs)]
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for done in [pool.submit(run_worker, worker, queue, make, started) for worker in workers]:
+            done.result()
+    for line in summary(workers, time.monotonic() - started):
         print(line, flush=True)
     if args.history:
-        write_history(args.history, lanes)
-    return 0 if all(stage.returncode == 0 for lane in lanes for stage in lane.stages) else 1
+        write_history(args.history, workers)
+    return 0 if all(stage.returncode == 0 for worker in workers for stage in worker.stages) else 1
 
 
 if __name__ == "__main__":
