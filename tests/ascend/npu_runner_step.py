@@ -163,7 +163,7 @@ def vllm_config(v2: bool, kv_config: Any) -> Any:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("kind", choices=sorted(RUNNER_MODULES))
     parser.add_argument("--async", dest="use_async", action="store_true")
@@ -171,7 +171,7 @@ def main() -> None:
     # verl's order: with VERL_VLLM_ASCEND_GLM52_PATCH=1 its vLLM utilities import vllm-ascend's own capture
     # patch when imported, before vLLM loads any plugin.
     parser.add_argument("--capture-patch-first", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from tests.ascend import (
         conftest,  # noqa: F401 (vllm-ascend's source on sys.path, torch_npu stubbed)

@@ -3,7 +3,8 @@
 imports the runner module, capturer created by vLLM's real ``init_routed_experts_capturer``, every step run
 through the methods installed on the runner class (``execute_model`` / ``sample_tokens``), rows handed off by
 the runner's own statements, synchronous and asynchronous, over real MoE forwards — see ``npu_runner_step``.
-Each case runs in a fresh process: the post-import patch must see the runner module's first import.
+Each case runs in a process of its own (forked after the imports every case makes): the post-import patch must
+see the runner module's first import.
 
 Which runner serves routed experts, per vllm-ascend release (``releases.py`` ``ASCEND_RELEASES``): the
 V1 runner up to 0.29.0rc1;
@@ -47,22 +48,40 @@ CASES = [
 VERL_ORDER_CASE = CASES[0] if CASES else None
 
 
-@functools.cache
-def run_step(kind: str, mode: str, hybrid: bool) -> dict[str, Any]:
+def step_args(kind: str, mode: str, hybrid: bool) -> list[str]:
     args = [kind] + (["--async"] if mode == "async" else []) + (["--hybrid"] if hybrid else [])
     if (kind, mode, hybrid) == VERL_ORDER_CASE:
         args.append("--capture-patch-first")
+    return args
+
+
+@functools.cache
+def run_cases() -> tuple[dict[str, dict[str, Any]], str]:
+    """Every case, each in a process of its own forked after the imports all make (``npu_runner_cases``): each
+    case's RESULT by its arguments, and the whole output."""
     done = subprocess.run(
-        [sys.executable, "-m", "tests.ascend.npu_runner_step", *args],
+        [sys.executable, "-m", "tests.ascend.npu_runner_cases", *(" ".join(step_args(*case)) for case in CASES)],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=900,
         env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
     )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-6000:]
-    return json.loads(lines[-1].removeprefix("RESULT "))  # type: ignore[no-any-return]
+    results: dict[str, dict[str, Any]] = {}
+    case = None
+    for line in done.stdout.splitlines():
+        if line.startswith("CASE "):
+            case = line.removeprefix("CASE ")
+        elif line.startswith("RESULT ") and case is not None:
+            results[case] = json.loads(line.removeprefix("RESULT "))
+    return results, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+def run_step(kind: str, mode: str, hybrid: bool) -> dict[str, Any]:
+    results, output = run_cases()
+    case = " ".join(step_args(kind, mode, hybrid))
+    assert case in results, f"case {case!r} printed no RESULT:\n{output}"
+    return results[case]
 
 
 def case_id(case: tuple[str, str, bool]) -> str:

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Token-split layouts on vllm-ascend's real source: 4 real processes in a gloo group, each a TP rank
+"""Token-split layouts on vllm-ascend's real source: 3 real processes in a gloo group, each a TP rank
 running every real MoE method's ``apply`` (and its ``select_experts``) on its TP shard, split by vllm-ascend's
 own MC2 / all-to-all ``prepare`` or arriving split as flash-comm leaves it (``token_split_rank``). The plugin
 assembles the shards over vLLM's TP group inside the step: on every rank the buffer equals the unsplit
@@ -48,10 +48,11 @@ def run_ranks(world: int) -> list[dict[str, Any]]:
     return results
 
 
-# 4 ranks, not 2 as well: with 4, a rank's offset is the sum of several uneven shards before it (with 2 it is
-# rank 0's size, which a wrong formula also gets right), and 1- and 2-token batches are smaller than the TP size.
-# Each rank imports vLLM and vllm-ascend: 2 more ranks cost about half a minute per Ascend release.
-@pytest.mark.parametrize("world", [4])
+# 3 ranks, not 2 or 4: with 3, the last rank's offset is the sum of two uneven shards before it (with 2 it is
+# rank 0's size, which a wrong formula also gets right), 1- and 2-token batches are smaller than the TP size, and
+# MC2 pads to a multiple of 3, not of a power of two. Each rank imports vLLM and vllm-ascend (about 15 s of CPU):
+# a fourth rank added nothing these do not check, for about 15 s per Ascend release.
+@pytest.mark.parametrize("world", [3])
 def test_every_rank_holds_the_whole_step(world: int) -> None:
     results = run_ranks(world)
     assert [r["rank"] for r in results] == list(range(world))

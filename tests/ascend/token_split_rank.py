@@ -100,7 +100,11 @@ def run_mode(mode: str, cls: type, rank: int, world: int) -> dict[str, bool]:
 
 
 # Tokens per DP rank, per step (uneven, a rank with one token, equal counts).
-DP_STEPS = {2: ([5, 2], [1, 7], [4, 4]), 4: ([5, 2, 7, 1], [1, 1, 1, 9], [3, 3, 3, 3])}
+DP_STEPS = {
+    2: ([5, 2], [1, 7], [4, 4]),
+    3: ([5, 2, 7], [1, 1, 9], [3, 3, 3]),
+    4: ([5, 2, 7, 1], [1, 1, 1, 9], [3, 3, 3, 3]),
+}
 
 
 def run_dp_mode(mode: str, cls: type, rank: int, world: int) -> dict[str, bool]:

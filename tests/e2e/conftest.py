@@ -13,11 +13,12 @@ from typing import Any
 import pytest
 
 from tests.harness import cpu_moe_choice, pythonpath
+from tests.harness.vllm_cache import fresh_cache_root
 
 
 class Scenarios:
     def __init__(self, cache_root: Path) -> None:
-        self.cache_root = cache_root  # a fresh compile cache: really compile
+        self.cache_root = fresh_cache_root(cache_root)  # no compiled graph: really compile
         self.results: dict[tuple[Any, ...], dict[str, Any]] = {}
         # TEST-ONLY, only where this vLLM refuses the float32 test models on this CPU (0.27 on AMX).
         self.standin = cpu_moe_choice.engine_pythonpath_standin()

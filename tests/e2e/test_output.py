@@ -13,6 +13,9 @@ from typing import Any
 
 import pytest
 
+from tests.harness import distributed
+from tests.harness.generation_cases import once_per_generation
+
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
 SERVES = ("runner-output", "aux-output")  # the generations with per-request options (vLLM 0.22+)
@@ -117,6 +120,7 @@ def test_a_request_straddling_a_weight_update_says_so(scenario: Any, generation:
 def serve(scenario: Any, generation: str) -> dict[str, Any]:
     if generation not in SERVES:
         pytest.skip("vLLM 0.20.x has no routed_experts field in its OpenAI API (nothing to stream)")
+    once_per_generation("the serve scenario", distributed.vllm_release())
     return dict(scenario("serve", "--arch", "mixtral", "--prompts", "4", in_process=False)["output"])
 
 

@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from tests.harness import scenarios
+from tests.harness import distributed, scenarios
 from tests.harness.cpu_moe_choice import CpuMoeKernel, vllm_cpu_moe_kernel
+from tests.harness.generation_cases import once_per_generation
 from vllm_ascend_routing.preflight import models
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
@@ -98,6 +99,8 @@ def test_serve_openai_completions_exact(scenario: Any, generation: str) -> None:
     """Through `vllm serve` (multi-process engine: the plugin loads in the engine-core process too)."""
     if generation == "shm":
         pytest.skip("vLLM 0.20.x has no routed_experts field in its OpenAI API (nothing to return over HTTP)")
+    # The front end's and engine core's processes are the generation's; the capture inside is the offline runs'.
+    once_per_generation("the serve scenario", distributed.vllm_release())
     result = scenario("serve", "--arch", "mixtral", "--prompts", "4", in_process=False)["serve"]
     assert result["ok"], result["problems"]
     assert result["arrays"] == expected_arrays(models.mixed_prompts(4, seed=2), "mixtral", generation)

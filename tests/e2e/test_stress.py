@@ -14,6 +14,7 @@ import pytest
 
 from tests.harness import distributed, pythonpath
 from tests.harness.generation_cases import once_per_generation
+from tests.harness.vllm_cache import fresh_cache_root
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
@@ -27,7 +28,7 @@ def test_exact_routing_under_load(generation: str, tmp_path: Path) -> None:
         **os.environ,
         "VLLM_ASCEND_ROUTING": "1",
         "VLLM_ASCEND_ROUTING_VALIDATE": "strict",
-        "VLLM_CACHE_ROOT": str(tmp_path),
+        "VLLM_CACHE_ROOT": str(fresh_cache_root(tmp_path / "cache")),
     }
     pythonpath(env)  # the stress harness is the checkout's (tests/harness), not the installed package's
     cmd = [

@@ -3,9 +3,11 @@
 
 Two e2e releases share the runner-output generation: 0.23.0 (vLLM's CPU MoE bypassing the router, like Ascend)
 and 0.30.0 (the router's capture hook). What differs between them is how the MoE's top-k is captured, which
-every capture test (offline batches, TP 2, DP behind one server, the bypass checks, the oracle) covers on both.
-A case whose code is the generation's own (the server under load, the multi-node DP front end) runs on
-``releases.FULL_E2E_RELEASE`` for its generation, and on the only e2e release of any other generation;
+every capture test (offline batches of every model, compiled and eager, TP 2, DP behind one server, a removed
+hook, plugin off, the oracle and its plants) covers on both. A case whose code is the generation's own (the server
+under load, the serve scenario's HTTP front end, doctor's and replay-check's reports around the offline engine, an
+xlite-style runner where no MoE Python runs at all) runs on ``releases.FULL_E2E_RELEASE`` for its generation, and
+on the only e2e release of any other generation;
 A case whose code is neither (how a process is launched, e.g. a headless DP rank, whose engine's outputs travel
 to the front end as a DP server's own engines' do) runs once, on ``releases.FULL_E2E_RELEASE``.
 ``VLLM_ASCEND_ROUTING_TEST_EVERY_RELEASE=1`` runs both kinds everywhere.

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from tests.harness.vllm_cache import fresh_cache_root
 from tests.preflight.test_doctor import fake_environment, fake_targets
 from vllm_ascend_routing import __version__
 from vllm_ascend_routing.preflight import doctor, findings, guide, model_check, startup
@@ -286,7 +287,8 @@ def test_a_model_that_is_not_there_ends_in_a_model_verdict(tmp_path: Path) -> No
     """``--model /nonexistent``: doctor's own check, before any engine; a hub name that cannot be had offline:
     vLLM's (transformers') error, classified."""
     on_the_newest_generation()
-    status, last, report = doctor_process(sys.executable, "--model", "/nonexistent", cwd=tmp_path)
+    # --json alone: text and JSON agree is the bare-venv test's case (an engine-free start costs ~17 s of imports)
+    status, last, report = doctor_process(sys.executable, "--model", "/nonexistent", cwd=tmp_path, text_too=False)
     assert status == 1 and last.startswith(doctor.VERDICT + "FAIL (model): --model /nonexistent: no such path here")
     offline = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     status, last, report = doctor_process(
@@ -313,10 +315,10 @@ def test_vllms_numa_refusal_ends_in_a_numa_verdict(tmp_path: Path) -> None:
     if numa_nodes() >= 2:
         pytest.skip(f"{numa_nodes()} NUMA nodes here: vLLM binds TP 2 without complaint")
     model = models.build_tiny_moe("qwen3_moe", tmp_path / "model")
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "auto", "VLLM_CACHE_ROOT": str(fresh_cache_root(tmp_path / "cache"))}
     status, last, report = doctor_process(
-        sys.executable, "--model", str(model.path), "--", "--tensor-parallel-size", "2",
-        cwd=tmp_path, env={"VLLM_CPU_OMP_THREADS_BIND": "auto", "VLLM_CACHE_ROOT": str(tmp_path / "cache")},
-    )  # fmt: skip
+        sys.executable, "--model", str(model.path), "--", "--tensor-parallel-size", "2", cwd=tmp_path, env=env
+    )
     assert status == 1 and last.startswith(doctor.VERDICT + "FAIL (numa_binding): AssertionError: Not enough allowed")
     assert report["verdict"]["next_step"] == guide.NUMA_BINDING and report["verdict"]["stage"] == "engine_start"
     print(last)
