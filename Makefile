@@ -130,7 +130,7 @@ test-trainer:
 		echo "== $$env"; \
 		py=$$($(PYTHON) scripts/venv.py $$env --print); \
 		VLLM_ASCEND_ROUTING_TEST_REQUIRE=verl,megatron $$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider \
-			tests/test_replay.py tests/test_replay_megatron.py tests/test_verl_recipe.py; \
+			tests/test_replay.py tests/test_replay_megatron.py tests/test_replay_megatron_shards.py tests/test_verl_recipe.py; \
 	done
 
 ## make test-e2e: the exact end-to-end tests on every release in E2E_RELEASES, then speculative decoding;

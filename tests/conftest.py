@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -93,3 +94,18 @@ def _engine_asked_its_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm_ascend_routing import peers
 
     monkeypatch.setattr(peers, "_checked_by_engine", True)
+
+
+@pytest.fixture(scope="module")
+def model_parallel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Megatron-Core's model parallel state on one gloo rank: what its layers need to be built on a CPU (the
+    Megatron tests, ``tests/test_replay_megatron*.py``; they skip through the ``megatron`` marker without it)."""
+    import torch
+    from megatron.core import parallel_state
+
+    init = tmp_path_factory.mktemp("megatron") / "process_group"
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    yield
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()

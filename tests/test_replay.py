@@ -205,7 +205,7 @@ def test_to_megatron_refuses_broken_rows() -> None:
 
 
 def test_shard_materialises_only_the_ranks_rows_and_layers() -> None:
-    """A rank's shard is its slice of the whole (Megatron's own split: tests/test_replay_megatron.py); bad
+    """A rank's shard is its slice of the whole (Megatron's own split: tests/test_replay_megatron_shards.py); bad
     layouts are refused naming the padding Megatron needs."""
     samples = [align(vllm_rows(11 - 1, 4, 2, 8, dense=(1,), seed=s), 6, 5) for s in range(4)]  # T = 11, padded 12
     whole = to_megatron(samples, (0, 2, 3), 8, pad_to=4)

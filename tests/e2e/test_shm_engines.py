@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The 0.20.x shared-memory store with real engines: two at once, crash leftovers, clean exit."""
+"""The 0.20.x shared-memory store with real engines: crash leftovers removed by the next start, two at once, clean
+exit. One engine is SIGKILLed, then two start at once (three engine starts for both claims, not four)."""
 
 from __future__ import annotations
 
@@ -49,17 +50,10 @@ def others_live() -> set[str]:
     return found
 
 
-def test_two_engines_at_once_both_exact(scenario: Any) -> None:
-    first = scenario.start("offline", "--arch", "qwen3_moe", "--prompts", "6")
-    second = scenario.start("offline", "--arch", "mixtral", "--prompts", "6")
-    results = [scenario.finish(first), scenario.finish(second)]
-    for result in results:
-        for part in ("batch", "chunked_prefill", "prefix_repeat"):
-            assert result[part]["ok"], (result["arch"], part, result[part]["problems"])
-    assert not segments() - others_live(), "a clean exit must leave no segment behind"
-
-
-def test_sigkilled_engine_leaves_segment_next_start_removes_it(scenario: Any) -> None:
+@pytest.fixture(scope="module")
+def after_a_crash(scenario: Any) -> dict[str, Any]:
+    """An engine SIGKILLed once its segment exists (nothing of it cleans up), then two engines at once: the first
+    starts since the crash (an engine's start removes a dead engine's segment) and two stores side by side."""
     engine = scenario.start("offline", "--arch", "mixtral", "--prompts", "4")
     deadline = time.monotonic() + 600
 
@@ -74,12 +68,27 @@ def test_sigkilled_engine_leaves_segment_next_start_removes_it(scenario: Any) ->
     os.killpg(engine.pid, signal.SIGKILL)  # the whole tree, resource tracker included: nothing cleans up
     engine.wait()
     time.sleep(1)
-    assert leftover <= segments(), "SIGKILL should leave the segment behind"
     owners = [store.owner_file(store.key_of(name)) for name in leftover]
-    assert any(owner.exists() for owner in owners)
+    crashed = {"leftover": leftover, "left_behind": leftover <= segments(), "owners": owners}
+    crashed["owner_files_left"] = any(owner.exists() for owner in owners)
 
-    result = scenario.finish(scenario.start("offline", "--arch", "mixtral", "--prompts", "4"))
-    assert result["batch"]["ok"], result["batch"]["problems"]
+    first = scenario.start("offline", "--arch", "qwen3_moe", "--prompts", "6")
+    second = scenario.start("offline", "--arch", "mixtral", "--prompts", "6")
+    results = [scenario.finish(first), scenario.finish(second)]
+    return {**crashed, "results": results, "after": segments() - others_live()}
+
+
+def test_two_engines_at_once_both_exact(after_a_crash: dict[str, Any]) -> None:
+    for result in after_a_crash["results"]:
+        for part in ("batch", "chunked_prefill", "prefix_repeat"):
+            assert result[part]["ok"], (result["arch"], part, result[part]["problems"])
+    assert not after_a_crash["after"], "a clean exit must leave no segment behind"
+
+
+def test_sigkilled_engine_leaves_segment_next_start_removes_it(after_a_crash: dict[str, Any]) -> None:
+    assert after_a_crash["left_behind"], "SIGKILL should leave the segment behind"
+    assert after_a_crash["owner_files_left"]
+    leftover = after_a_crash["leftover"]
     assert not (leftover & segments()), "the next engine start must remove the dead engine's segment"
-    assert not any(owner.exists() for owner in owners)
-    assert not segments() - others_live()
+    assert not any(owner.exists() for owner in after_a_crash["owners"])
+    assert not after_a_crash["after"]
