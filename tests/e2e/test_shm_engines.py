@@ -16,7 +16,6 @@ from vllm_ascend_routing.compat import _shm_store as store
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
 
-@pytest.fixture(autouse=True)
 def shm_generation_only(generation: str) -> None:
     if generation != "shm":
         pytest.skip("the shared-memory store is the vLLM 0.20.x (shm) generation only")
@@ -51,9 +50,10 @@ def others_live() -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def after_a_crash(scenario: Any) -> dict[str, Any]:
+def after_a_crash(scenario: Any, generation: str) -> dict[str, Any]:
     """An engine SIGKILLed once its segment exists (nothing of it cleans up), then two engines at once: the first
     starts since the crash (an engine's start removes a dead engine's segment) and two stores side by side."""
+    shm_generation_only(generation)  # here, not in a function-scoped fixture: this one is set up before those
     engine = scenario.start("offline", "--arch", "mixtral", "--prompts", "4")
     deadline = time.monotonic() + 600
 
