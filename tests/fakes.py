@@ -52,9 +52,16 @@ class FakeMoEKernel:
 class FakeQuantMethod:
     def __init__(self, cpu: bool, cpu_experts: bool = False) -> None:
         self.is_monolithic = cpu or cpu_experts
-        if cpu:
+        self.cpu, self.cpu_experts = cpu, cpu_experts
+        self.processed = 0
+        self.process_weights_after_loading(None)
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        """As vLLM's CPU MoE does on every (re)load: new kernel objects (a weight update included)."""
+        self.processed += 1
+        if self.cpu:
             self.cpu_fused_moe = FakeCPUFusedMoE()
-        if cpu_experts:
+        if self.cpu_experts:
             self.moe_kernel = FakeMoEKernel(FakeMonolithicCPUExperts())
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from vllm_ascend_routing import _cpu_compat, envs, peers, releases, runner_mixin, validate
-from vllm_ascend_routing.backends import ascend, ascend_router, cpu_moe, zero_expert_router
+from vllm_ascend_routing.backends import _rebind, ascend, ascend_router, cpu_moe, zero_expert_router
 from vllm_ascend_routing.compat import _aux_requests, _kv_aux, _kv_slots
 from vllm_ascend_routing.compat.base import CaptureAPI, Generation, UnsupportedVllmError
 from vllm_ascend_routing.output import engine, frontend, serving, weights
@@ -41,6 +41,7 @@ def adapters() -> tuple[type[CaptureAPI], ...]:
 # Modules outside the generations that patch or rely on something (the generation modules are added to these).
 _DECLARING = (
     cpu_moe,
+    _rebind,  # bound layers bound again after their weights are processed again
     zero_expert_router,
     ascend,
     ascend_router,

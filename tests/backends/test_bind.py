@@ -174,3 +174,25 @@ def test_capture_sources_outside_the_bound_layers_are_left_to_vllm(monkeypatch: 
     alone.layers[1] = FakeCaptureSource(1)
     with pytest.raises(backends.UnboundLayerError, match="RoutedExpertsCaptureSource"):
         backends.bind_model(alone, make)  # no binder to leave it to: refused, never zeros
+
+
+@pytest.mark.parametrize("kind", ["cpu_moe", "cpu_experts"])
+def test_a_layer_stays_bound_when_its_weights_are_processed_again(kind: str) -> None:
+    # vLLM's reload_weights (and weight syncs ending in process_weights_after_loading) rebuild the CPU MoE's
+    # kernel objects: the wrapper installed on the old ones would be gone and every later row zero.
+    model = FakeModel(cpu=kind == "cpu_moe", cpu_experts=kind == "cpu_experts")
+    buffer = bind(model)
+    layer = model.layers[2]
+    for _ in range(2):  # two weight updates: bound again each time, never stacked
+        layer.quant_method.process_weights_after_loading(layer)
+    assert layer.quant_method.processed == 3
+    if kind == "cpu_moe":
+        impl = layer.quant_method.cpu_fused_moe
+        impl.forward_method(layer, torch.zeros(2, 2), torch.ones(2, 2), torch.tensor([[4, 1], [0, 6]]))
+        assert impl.calls == 1
+        assert buffer[:2, 2].tolist() == [[4, 1], [0, 6]]
+    else:
+        experts = layer.quant_method.moe_kernel.fused_experts
+        experts.apply(torch.zeros(1, 1), torch.tensor([[0.1, 0.9, 0.5, 0.0]]))
+        assert experts.calls == 1
+        assert buffer[:1, 2].tolist() == [[1, 2]]

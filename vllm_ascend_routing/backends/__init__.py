@@ -33,6 +33,7 @@ from vllm_ascend_routing.backends import (
     zero_expert_router,
 )
 from vllm_ascend_routing.backends._layer import quant_method
+from vllm_ascend_routing.backends._rebind import bind_again_after_processing
 from vllm_ascend_routing.capture import LayerCapture
 
 __all__ = [
@@ -162,6 +163,7 @@ class _ModelBinding:
         counted = getattr(chosen, "zero_experts", None)
         capture = self.make_capture(layer_id, int(counted(module)) if counted is not None else 0)
         chosen.bind(module, capture, name)
+        bind_again_after_processing(module, lambda: chosen.bind(module, capture, name))  # weight updates
         self._count(backend)
         self.recorded_ids.add(layer_id)
 
