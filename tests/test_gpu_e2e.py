@@ -266,6 +266,18 @@ def good_result(name: str) -> dict[str, Any]:
             "workers": [{"kernel_backend": wanted}],
         },
         **({"preemption": {"rows": 10, "matched": 10, "ok": True, "preemptions": 3}} if case.preempt else {}),
+        **({"reload": good_reload()} if case.reload else {}),
+    }
+
+
+def good_reload() -> dict[str, Any]:
+    exact = {"rows": 105, "matched": 105, "ok": True, "problems": []}
+    return {
+        "same_tokens": [True, True, True],
+        "before": dict(exact, rows=315, matched=315),
+        "after": dict(exact, rows=315, matched=315),
+        "after_first_moe_layer": dict(exact),
+        "checked_after": {"rows_checked": 315, "zero_rows": 0, "invalid_ids": 0},
     }
 
 
@@ -280,6 +292,10 @@ def good_result(name: str) -> dict[str, Any]:
         ("graphs_f32_sync_native", lambda r: r["engine"].update(workers=[{"kernel_backend": "triton on cuda"}]),
          "expected native-cuda"),
         ("cache_preempt", lambda r: r["preemption"].update(preemptions=0), "preempted nothing"),
+        ("graphs_f32", lambda r: r["reload"]["checked_after"].update(zero_rows=9), "after the reload counted"),
+        ("graphs_f32", lambda r: r["reload"]["after"].update(matched=300, ok=False), "after: 300 of 315 rows exact"),
+        ("graphs_f32", lambda r: r["reload"].update(same_tokens=[True, False, True])
+         or r["reload"]["after_first_moe_layer"].update(matched=100, ok=False), "after_first_moe_layer: 100 of 105"),
     ],
 )  # fmt: skip
 def test_verdict_names_each_failure(name: str, change: Any, failure: str) -> None:

