@@ -131,6 +131,10 @@ def test_doctor_passes_on_this_release(tmp_path: Path) -> None:
     detail = next(line for line in lines if "rows exact" in line and "batch" in line)
     # The workers' always-on check counted the run's rows (their counters fetched, wherever the workers run).
     assert re.search(r"always-on check: [1-9]\d* rows in \d+ steps, 0 all-zero, 0 invalid ids", detail), detail
+    # vLLM's reload_weights on the same engine, then the same prompts (the first MoE layer where vLLM's reload
+    # changes the model, with a note saying so).
+    assert re.search(r"after_reload [1-9]\d*/[1-9]\d* rows exact", detail), detail
+    print(detail)
     forced = r"^\s+VLLM_ASCEND_ROUTING\s+True \(set by doctor: its engine runs the plugin\)$"
     assert any(re.match(forced, line) for line in lines)
 

@@ -2,8 +2,10 @@
 """doctor's self-check: vLLM with the plugin on the embedded tiny MoE, every row against the float32 reference.
 
 Runs the offline scenario (``preflight.scenarios``: a batch, a chunked prefill and its prefix-cached repeat) in the
-platform's dtype (``--dtype``: float32 on the CPU, bfloat16 or float16 on GPUs and NPUs); near-tie flips within
-that dtype's rounding are counted (``compare.tie_tolerance``), then the capture's and validation mode's counters.
+platform's dtype (``--dtype``: float32 on the CPU, bfloat16 or float16 on GPUs and NPUs), then vLLM's weight reload
+on the same engine (``preflight.weight_reload``: the rows after ``reload_weights``, as after an RL weight sync);
+near-tie flips within that dtype's rounding are counted (``compare.tie_tolerance``), then the capture's and
+validation mode's counters.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-PARTS = ("batch", "chunked_prefill", "prefix_repeat")  # the self-check's scenarios, in the order printed
+PARTS = ("batch", "chunked_prefill", "prefix_repeat")  # the offline scenario's parts, in the order printed
+RELOAD = "after_reload"  # then the weight reload's part
 
 
 def run(num_prompts: int, mode: str, dtype: str = "float32") -> dict[str, Any]:
@@ -19,13 +22,18 @@ def run(num_prompts: int, mode: str, dtype: str = "float32") -> dict[str, Any]:
     reference, but for near-ties within ``dtype``'s rounding, which are counted (``compare.tie_tolerance``).
     ``{"ok", "detail", "parts", "near_ties", "capture", "capture_problems", ...}``: ``detail`` is the line
     printed (the summary, or every failure). The caller (doctor) set the plugin's variables and the engine's."""
-    from vllm_ascend_routing.preflight import scenarios
+    from vllm_ascend_routing.preflight import scenarios, weight_reload
 
-    result = scenarios.run_offline(model_for(dtype), mode, num_prompts, dtype=dtype)
+    arch = model_for(dtype)
+    result = scenarios.run_offline(
+        arch, mode, num_prompts, dtype=dtype, after=lambda llm: {RELOAD: weight_reload.check(llm, arch, dtype)}
+    )
     capture, capture_problems = capture_report(result.get("sentinel"))
     validated, validation_problems = validation_report()
     capture, capture_problems = f"{capture}; {validated}", capture_problems + validation_problems
-    return summary({name: result[name] for name in PARTS}, capture, capture_problems, num_prompts, mode, dtype)
+    parts = {name: result[name] for name in PARTS}
+    parts[RELOAD] = weight_reload.self_check_part(result[RELOAD])
+    return summary(parts, capture, capture_problems, num_prompts, mode, dtype)
 
 
 def summary(
@@ -46,7 +54,7 @@ def summary(
             "near_ties": int(part["near_ties"]),
             "ok": bool(part["ok"]),
             "problems": [str(problem) for problem in part["problems"]],
-            "verdict": f"{part['matched']}/{part['rows']} rows exact",
+            "verdict": f"{part['matched']}/{part['rows']} rows exact{part.get('note', '')}",
         }
         for name, part in results.items()
     ]

@@ -1,0 +1,66 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The verdict on the rows across vLLM's weight reload (``preflight.weight_reload``), on results shaped as ``check``'s:
+the e2e suite's, the GPU run's and doctor's self-check part."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_ascend_routing.preflight import weight_reload
+
+
+def result(same_tokens: bool = True) -> dict[str, Any]:
+    def exact(rows: int) -> dict[str, Any]:
+        return {"rows": rows, "matched": rows, "near_ties": 0, "ok": True, "problems": []}
+
+    return {
+        "vllm": "0.30.0",
+        "same_tokens": [True, same_tokens],
+        "before": exact(200),
+        "after": exact(200),
+        "first_moe_layer": 0,
+        "after_first_moe_layer": exact(70),
+        "checked_after": {"rows_checked": 200, "zero_rows": 0, "invalid_ids": 0, "steps_checked": 12},
+    }
+
+
+def test_a_reload_that_kept_every_layer_recorded_passes() -> None:
+    assert weight_reload.failures(result()) == []
+    part = weight_reload.self_check_part(result())
+    assert part["ok"] and part["rows"] == part["matched"] == 200 and part["note"] == ""
+
+
+def test_zero_rows_after_the_reload_fail_even_when_the_model_changed() -> None:
+    # vLLM's reload changed the model (other tokens): later layers are not compared, but a dropped capture's zeros are
+    changed = result(same_tokens=False)
+    changed["after"].update(matched=90, ok=False)
+    assert weight_reload.failures(changed) == []
+    changed["checked_after"]["zero_rows"] = 4
+    assert any("counted" in line for line in weight_reload.failures(changed))
+
+
+def test_rows_after_a_reload_that_kept_the_model_must_all_be_exact() -> None:
+    kept = result()
+    kept["after"].update(matched=199, ok=False)
+    assert any("after: 199 of 200" in line for line in weight_reload.failures(kept))
+
+
+def test_the_first_moe_layer_must_be_exact_even_when_the_model_changed() -> None:
+    changed = result(same_tokens=False)
+    changed["after_first_moe_layer"].update(matched=69, ok=False)
+    assert any("after_first_moe_layer: 69 of 70" in line for line in weight_reload.failures(changed))
+
+
+def test_a_check_that_counted_nothing_fails() -> None:
+    silent = result()
+    silent["checked_after"]["rows_checked"] = 0
+    assert weight_reload.failures(silent) != []
+
+
+def test_doctor_shows_the_first_layer_and_says_why_when_vllm_changed_the_model() -> None:
+    part = weight_reload.self_check_part(result(same_tokens=False))
+    assert part["ok"] and part["rows"] == part["matched"] == 70
+    assert "vLLM 0.30.0's reload_weights changed what the model computes" in part["note"]
+    zeros = result(same_tokens=False)
+    zeros["checked_after"]["zero_rows"] = 3
+    assert not weight_reload.self_check_part(zeros)["ok"]

