@@ -12,3 +12,9 @@ def test_other_tokens_after_the_reload_fail_where_vllms_reload_keeps_the_model()
     assert weight_reload.failures(changed) == []  # 0.30.0: its own reload changes the model
     changed["vllm"] = "0.23.0"
     assert any("changed the generated tokens" in line for line in weight_reload.failures(changed))
+
+
+def test_a_reload_that_did_not_run_fails_the_suite() -> None:
+    assert weight_reload.failures({"not_run": "no reload_weights (Worker)"}) == [
+        "reload_weights not run: no reload_weights (Worker)"
+    ]

@@ -64,3 +64,22 @@ def test_doctor_shows_the_first_layer_and_says_why_when_vllm_changed_the_model()
     zeros = result(same_tokens=False)
     zeros["checked_after"]["zero_rows"] = 3
     assert not weight_reload.self_check_part(zeros)["ok"]
+
+
+def test_an_engine_whose_workers_cannot_reload_is_said_so_not_passed() -> None:
+    # vllm-ascend's NPUWorker before 0.26 has no reload_weights: doctor says the part was not checked; the e2e suite
+    # and the GPU run, whose workers have it, fail.
+    not_run = {"not_run": "the engine's workers have no reload_weights (NPUWorker)"}
+    assert weight_reload.self_check_part(not_run) is None
+    assert weight_reload.failures(not_run) == ["reload_weights not run: " + not_run["not_run"]]
+
+
+def test_the_workers_without_reload_weights_are_named() -> None:
+    class NPUWorker:
+        pass
+
+    class Worker:
+        def reload_weights(self) -> None: ...
+
+    assert weight_reload._reload_weights_of(NPUWorker()) == "NPUWorker"
+    assert weight_reload._reload_weights_of(Worker()) == ""

@@ -32,7 +32,11 @@ def run(num_prompts: int, mode: str, dtype: str = "float32") -> dict[str, Any]:
     validated, validation_problems = validation_report()
     capture, capture_problems = f"{capture}; {validated}", capture_problems + validation_problems
     parts = {name: result[name] for name in PARTS}
-    parts[RELOAD] = weight_reload.self_check_part(result[RELOAD])
+    reload = weight_reload.self_check_part(result[RELOAD])
+    if reload is not None:
+        parts[RELOAD] = reload
+    else:
+        capture += f"; {RELOAD} not checked: {result[RELOAD]['not_run']}"
     return summary(parts, capture, capture_problems, num_prompts, mode, dtype)
 
 

@@ -29,6 +29,9 @@ def check(llm: Any, arch: str, dtype: str = "float32") -> dict[str, Any]:
     from vllm_ascend_routing.preflight.scenarios import _verdict, model_dir
 
     start = time.monotonic()
+    missing = [worker for worker in llm.collective_rpc(_reload_weights_of) if worker]
+    if missing:  # e.g. vllm-ascend's NPUWorker before 0.26 has no reload_weights
+        return {"not_run": f"the engine's workers have no reload_weights ({', '.join(sorted(set(missing)))})"}
     model = models.build_tiny_moe(arch, model_dir() / arch)
     reference = offline.reference_for(model)
     prompts = models.mixed_prompts(NUM_PROMPTS, seed=61, min_len=20, max_len=40)
@@ -53,6 +56,11 @@ def check(llm: Any, arch: str, dtype: str = "float32") -> dict[str, Any]:
     }
 
 
+def _reload_weights_of(worker: Any = None) -> str:
+    """In each worker (``collective_rpc``): ``""`` where it has vLLM's ``reload_weights``, else its class's name."""
+    return "" if callable(getattr(worker, "reload_weights", None)) else type(worker).__name__
+
+
 def model_changed(result: dict[str, Any]) -> bool:
     """Whether vLLM's reload changed what the model computes (other tokens for the same greedy prompts)."""
     return not all(result["same_tokens"])
@@ -60,6 +68,8 @@ def model_changed(result: dict[str, Any]) -> bool:
 
 def failures(result: dict[str, Any]) -> list[str]:
     """What is wrong with the rows of a ``check`` (empty: the rows after the reload are what the engine routed)."""
+    if "not_run" in result:
+        return [f"reload_weights not run: {result['not_run']}"]
     found = []
     for part in ("before", "after_first_moe_layer") + (() if model_changed(result) else ("after",)):
         verdict = result[part]
@@ -74,8 +84,11 @@ def failures(result: dict[str, Any]) -> list[str]:
     return found
 
 
-def self_check_part(result: dict[str, Any]) -> dict[str, Any]:
-    """The result as one of doctor's self-check parts (rows, matched, near-ties, ok, problems, note)."""
+def self_check_part(result: dict[str, Any]) -> dict[str, Any] | None:
+    """The result as one of doctor's self-check parts (rows, matched, near-ties, ok, problems, note); ``None`` where
+    the engine's workers cannot reload (doctor then says so instead)."""
+    if "not_run" in result:
+        return None
     changed = model_changed(result)
     shown = result["after_first_moe_layer" if changed else "after"]
     problems = failures(result)
