@@ -29,7 +29,10 @@ def check(llm: Any, arch: str, dtype: str = "float32") -> dict[str, Any]:
     from vllm_ascend_routing.preflight.scenarios import _verdict, model_dir
 
     start = time.monotonic()
-    missing = [worker for worker in llm.collective_rpc(_reload_weights_of) if worker]
+    try:
+        missing = [worker for worker in llm.collective_rpc(_reload_weights_of) if worker]
+    except Exception as error:  # vLLM refuses to send a function (VLLM_ALLOW_INSECURE_SERIALIZATION=0)
+        return {"not_run": f"the workers could not be asked whether they can reload ({type(error).__name__}: {error})"}
     if missing:  # e.g. vllm-ascend's NPUWorker before 0.26 has no reload_weights
         return {"not_run": f"the engine's workers have no reload_weights ({', '.join(sorted(set(missing)))})"}
     model = models.build_tiny_moe(arch, model_dir() / arch)
