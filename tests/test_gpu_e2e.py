@@ -267,6 +267,7 @@ def good_result(name: str) -> dict[str, Any]:
         },
         **({"preemption": {"rows": 10, "matched": 10, "ok": True, "preemptions": 3}} if case.preempt else {}),
         **({"reload": good_reload()} if case.reload else {}),
+        **({"sleep": {**good_reload(), "label": "sleep / wake-up"}} if case.sleep else {}),
     }
 
 
@@ -293,7 +294,11 @@ def good_reload() -> dict[str, Any]:
         ("graphs_f32_sync_native", lambda r: r["engine"].update(workers=[{"kernel_backend": "triton on cuda"}]),
          "expected native-cuda"),
         ("cache_preempt", lambda r: r["preemption"].update(preemptions=0), "preempted nothing"),
-        ("graphs_f32", lambda r: r["reload"]["checked_after"].update(zero_rows=9), "after the reload counted"),
+        ("graphs_f32", lambda r: r["reload"]["checked_after"].update(zero_rows=9), "reload_weights: the always-on"),
+        ("graphs_f32", lambda r: r["sleep"]["checked_after"].update(invalid_ids=7), "sleep / wake-up: the always-on"),
+        ("graphs_f32", lambda r: r.update(sleep={"label": "sleep / wake-up", "not_run": "RuntimeError: x"}),
+         "sleep / wake-up not run: RuntimeError: x"),
+        ("graphs_f32", lambda r: r.pop("sleep"), "the sleep / wake-up part did not run"),
         ("graphs_f32", lambda r: r["reload"]["after"].update(matched=300, ok=False), "after: 300 of 315 rows exact"),
         ("graphs_f32", lambda r: r["reload"]["after_first_moe_layer"].update(matched=100, ok=False),
          "after_first_moe_layer: 100 of 105"),

@@ -62,7 +62,8 @@ class Case:
     cpu: dict[str, Any] = field(default_factory=dict)  # ... on the CPU build
     oracle: bool = False  # the re-prefill consistency oracle and its planted faults
     preempt: bool = False  # a batch that does not fit the KV cache: preemption, recompute
-    reload: bool = False  # last: vLLM's reload_weights between two runs of the same prompts (weight_reload.py)
+    reload: bool = False  # vLLM's reload_weights between two runs of the same prompts (preflight/weight_reload.py)
+    sleep: bool = False  # last, on a GPU: an RL framework's sleep / wake-up cycle between two runs (``sleep_part``)
     expect_async: bool | None = None  # vLLM's resolved async scheduling, on a GPU
     native: bool = False  # runs on the native CUDA kernel (after the build), else on Triton's
 
@@ -73,8 +74,9 @@ CASES = {
         Case("eager_f32", "qwen3_moe", "eager", "enforce_eager, float32, async scheduling (vLLM's GPU default)",
              oracle=True, expect_async=True),
         Case("graphs_f32", "qwen3_moe_dense", "graphs",
-             "vLLM's default compilation and CUDA graphs, float32, async scheduling; then vLLM's reload_weights",
-             oracle=True, expect_async=True, reload=True),
+             "vLLM's default compilation and CUDA graphs, float32, async scheduling, sleep mode on; then vLLM's "
+             "reload_weights, then sleep / wake-up at levels 1 and 2", gpu={"enable_sleep_mode": True},
+             oracle=True, expect_async=True, reload=True, sleep=True),
         Case("graphs_bf16", "qwen3_moe_robust", "graphs",
              "CUDA graphs, bfloat16, Triton attention, async scheduling", dtype="bfloat16",
              oracle=True, expect_async=True),
@@ -160,12 +162,36 @@ def run_offline_case(case: Case, cpu: bool) -> dict[str, Any]:
             parts.update(preemption_part(llm, case.arch, case.dtype))
         if case.reload:
             parts.update(weight_reload.reload_part(llm))
+        if case.sleep and not cpu:  # vLLM's CPU build has no sleep mode
+            parts.update(sleep_part(llm, case.arch, case.dtype))
         return parts
 
     engine = {**on_gpu(cpu), **(case.cpu if cpu else case.gpu)}
     result = scenarios.run_offline(case.arch, case.mode, 10, dtype=case.dtype, after=after, engine=engine)
     result["what"] = case.what
     return result
+
+
+def sleep_part(llm: Any, arch: str, dtype: str) -> dict[str, Any]:
+    """verl's cycle between rollouts, between two runs of the same prompts: sleep at level 1 (weights to host memory,
+    KV cache dropped) and wake; sleep at level 2 (all device memory dropped; vLLM restores only the model's
+    registered buffers), wake the weights, reload them (as a weight sync does), wake the KV cache. The plugin's capture
+    buffer and invalid-id counter live in that device memory: what comes back in them must not read as zero rows or
+    invalid ids. An exception is the part's verdict, not the case's end."""
+    from vllm_ascend_routing.preflight import weight_reload
+
+    def cycle() -> None:
+        llm.sleep(level=1)
+        llm.wake_up()
+        llm.sleep(level=2)
+        llm.wake_up(tags=["weights"])
+        llm.collective_rpc("reload_weights")
+        llm.wake_up(tags=["kv_cache"])
+
+    try:
+        return {"sleep": weight_reload.across(llm, arch, cycle, "sleep / wake-up", dtype)}
+    except Exception as error:
+        return {"sleep": {"label": "sleep / wake-up", "not_run": f"{type(error).__name__}: {error}"[:400]}}
 
 
 def run_ngram(cpu: bool) -> dict[str, Any]:
@@ -229,17 +255,20 @@ def verdict(name: str, result: dict[str, Any], cpu: bool) -> list[str]:
             failures.append("the always-on check counted no rows")
         if sentinel.get("zero_rows") or sentinel.get("invalid_ids"):
             failures.append(f"the always-on check reported {sentinel}")
-    if "reload" in result:
-        from tests.harness import weight_reload
+    case = CASES.get(name)
+    from tests.harness import weight_reload  # the suite's verdict: the same tokens where vLLM keeps the model
 
-        failures.extend(weight_reload.failures(result["reload"]))
+    for part in ("reload", "sleep"):
+        if part in result:
+            failures.extend(weight_reload.failures(result[part]))
+    if case is not None and case.sleep and not cpu and "sleep" not in result:
+        failures.append("the sleep / wake-up part did not run")
     if "preemption" in result and not result["preemption"].get("preemptions"):
         failures.append("the preemption batch preempted nothing")
     spec = result.get("spec_decode")
     if spec is not None and not spec.get("accepted_tokens"):
         failures.append(f"speculative decoding accepted no draft token ({spec})")
     engine = result.get("engine", {})
-    case = CASES.get(name)
     if not cpu and engine and case is not None:
         if case.expect_async is not None and engine.get("async_scheduling") != case.expect_async:
             failures.append(f"async scheduling {engine.get('async_scheduling')}, expected {case.expect_async}")

@@ -17,6 +17,7 @@ not the rows'. Always: no all-zero row after the reload (the always-on check's c
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 NUM_PROMPTS = 3
@@ -25,36 +26,43 @@ MAX_TOKENS = 6
 
 def check(llm: Any, arch: str, dtype: str = "float32") -> dict[str, Any]:
     """Generate, reload the weights, generate the same prompts again; both runs against the reference."""
-    from vllm_ascend_routing.preflight import models, offline
-    from vllm_ascend_routing.preflight.scenarios import _verdict, model_dir
-
-    start = time.monotonic()
     try:
         missing = [worker for worker in llm.collective_rpc(_reload_weights_of) if worker]
     except Exception as error:  # vLLM refuses to send a function (VLLM_ALLOW_INSECURE_SERIALIZATION=0)
         return {"not_run": f"the workers could not be asked whether they can reload ({type(error).__name__}: {error})"}
     if missing:  # e.g. vllm-ascend's NPUWorker before 0.26 has no reload_weights
         return {"not_run": f"the engine's workers have no reload_weights ({', '.join(sorted(set(missing)))})"}
+    return across(llm, arch, lambda: llm.collective_rpc("reload_weights"), "reload_weights", dtype)
+
+
+def across(llm: Any, arch: str, between: Callable[[], Any], label: str, dtype: str = "float32") -> dict[str, Any]:
+    """The same prompts before and after ``between()`` (a weight reload, a sleep and wake-up cycle), every row against
+    the reference; ``label`` names ``between`` in the verdict."""
+    from vllm_ascend_routing.preflight import models, offline
+    from vllm_ascend_routing.preflight.scenarios import _verdict, model_dir
+
+    start = time.monotonic()
     model = models.build_tiny_moe(arch, model_dir() / arch)
     reference = offline.reference_for(model)
     prompts = models.mixed_prompts(NUM_PROMPTS, seed=61, min_len=20, max_len=40)
     llm.reset_prefix_cache()  # the second run computes every token again
     before = offline.generate(llm, prompts, MAX_TOKENS)
     counted = offline.sentinel_totals(llm)
-    llm.collective_rpc("reload_weights")
+    between()
     llm.reset_prefix_cache()
     after = offline.generate(llm, prompts, MAX_TOKENS)
     first = model.moe_layers[0]
     import vllm
 
     return {
+        "label": label,
         "vllm": vllm.__version__,
         "same_tokens": [b.output_ids == a.output_ids for b, a in zip(before, after, strict=True)],
         "before": _verdict(offline.check(reference, model, before, dtype=dtype)),
         "after": _verdict(offline.check(reference, model, after, dtype=dtype)),
         "first_moe_layer": first,
         "after_first_moe_layer": _verdict(_one_layer(reference, after, first, dtype)),
-        "checked_after": _since(counted, offline.sentinel_totals(llm)),  # the always-on check, after the reload
+        "checked_after": _since(counted, offline.sentinel_totals(llm)),  # the always-on check, after ``between``
         "seconds": round(time.monotonic() - start, 1),
     }
 
@@ -71,19 +79,19 @@ def model_changed(result: dict[str, Any]) -> bool:
 
 def failures(result: dict[str, Any]) -> list[str]:
     """What is wrong with the rows of a ``check`` (empty: the rows after the reload are what the engine routed)."""
+    label = result.get("label", "reload_weights")
     if "not_run" in result:
-        return [f"reload_weights not run: {result['not_run']}"]
+        return [f"{label} not run: {result['not_run']}"]
     found = []
     for part in ("before", "after_first_moe_layer") + (() if model_changed(result) else ("after",)):
         verdict = result[part]
         if not (verdict["ok"] and verdict["rows"] == verdict["matched"] > 0):
-            found.append(
-                f"reload_weights, {part}: {verdict['matched']} of {verdict['rows']} rows exact {verdict['problems']}"
-            )
+            found.append(f"{label}, {part}: {verdict['matched']} of {verdict['rows']} rows exact {verdict['problems']}")
     checked = result["checked_after"]
-    # A layer whose capture was dropped leaves zeros, which the always-on check counts.
+    # A layer whose capture was dropped leaves zeros, which the always-on check counts; a counter the engine lost
+    # (device memory discarded and given back) shows as invalid ids.
     if checked.get("zero_rows") or checked.get("invalid_ids") or not checked.get("rows_checked"):
-        found.append(f"reload_weights: the always-on check after the reload counted {checked}")
+        found.append(f"{label}: the always-on check after it counted {checked}")
     return found
 
 
