@@ -151,7 +151,7 @@ def metric(llm: Any, name: str) -> int:
 
 
 def run_offline_case(case: Case, cpu: bool) -> dict[str, Any]:
-    from tests.harness import oracle, weight_reload
+    from tests.harness import oracle, weight_reload_suite
     from vllm_ascend_routing.preflight import scenarios
 
     def after(llm: Any) -> dict[str, Any]:
@@ -161,7 +161,7 @@ def run_offline_case(case: Case, cpu: bool) -> dict[str, Any]:
         if case.preempt:
             parts.update(preemption_part(llm, case.arch, case.dtype))
         if case.reload:
-            parts.update(weight_reload.reload_part(llm))
+            parts.update(weight_reload_suite.reload_part(llm))
         if case.sleep and not cpu:  # vLLM's CPU build has no sleep mode
             parts.update(sleep_part(llm, case.arch, case.dtype))
         return parts
@@ -256,11 +256,11 @@ def verdict(name: str, result: dict[str, Any], cpu: bool) -> list[str]:
         if sentinel.get("zero_rows") or sentinel.get("invalid_ids"):
             failures.append(f"the always-on check reported {sentinel}")
     case = CASES.get(name)
-    from tests.harness import weight_reload  # the suite's verdict: the same tokens where vLLM keeps the model
+    from tests.harness import weight_reload_suite  # the suite's verdict: the same tokens where vLLM keeps the model
 
     for part in ("reload", "sleep"):
         if part in result:
-            failures.extend(weight_reload.failures(result[part]))
+            failures.extend(weight_reload_suite.failures(result[part]))
     if case is not None and case.sleep and not cpu and "sleep" not in result:
         failures.append("the sleep / wake-up part did not run")
     if "preemption" in result and not result["preemption"].get("preemptions"):
