@@ -83,3 +83,33 @@ def test_the_workers_without_reload_weights_are_named() -> None:
 
     assert weight_reload._reload_weights_of(NPUWorker()) == "NPUWorker"
     assert weight_reload._reload_weights_of(Worker()) == ""
+
+
+class _Reference:
+    """A stand-in for the transformers reference (the code under test is ``offline.check``): 3 decoder layers,
+    MoE layers 0 and 2, top-2 of 4 experts."""
+
+    def routed_experts_and_logits(self, tokens: list[int]) -> tuple[Any, Any]:
+        import numpy as np
+
+        expected = np.zeros((len(tokens), 3, 2), dtype=np.int64)
+        expected[:, 0], expected[:, 2] = [0, 1], [2, 3]
+        logits = np.zeros((len(tokens), 3, 4), dtype=np.float32)
+        logits[:, 0], logits[:, 2] = [9.0, 8.0, 0.0, 0.0], [0.0, 0.0, 9.0, 8.0]
+        return expected, logits
+
+
+def test_the_check_of_one_layer_compares_that_layer_alone() -> None:
+    import numpy as np
+
+    from vllm_ascend_routing.preflight import offline
+
+    model: Any = type("Model", (), {"moe_layers": (0, 2)})()
+    rows = np.zeros((4, 3, 2), dtype=np.int16)
+    rows[:, 0] = [1, 0]  # layer 0 right (any order); layer 2 all zero, as a dropped capture leaves it
+    done = offline.Completion([5, 6, 7], [8, 9], rows)
+    assert not offline.check(_Reference(), model, [done]).ok  # every MoE layer: layer 2 is wrong
+    first = offline.check(_Reference(), model, [done], layers=(0,))
+    assert first.ok and first.rows == first.matched == 4
+    last = offline.check(_Reference(), model, [done], layers=(2,))
+    assert not last.ok and last.matched == 0

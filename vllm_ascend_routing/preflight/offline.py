@@ -151,23 +151,21 @@ def check(
     completions: list[Completion],
     prompt_start: int = 0,
     dtype: str = "float32",
+    layers: tuple[int, ...] | None = None,
 ) -> Match:
     """Every (token, MoE layer) row of every completion against the (float32) reference, exactly; near-ties by
-    the rule for the engine's ``dtype`` (``compare.tie_tolerance``)."""
+    the rule for the engine's ``dtype`` (``compare.tie_tolerance``). ``layers``: those decoder layers only (MoE
+    layers), instead of every layer (dense ones must be zero)."""
     total = Match()
     for i, c in enumerate(completions):
         tokens = c.prompt_ids + c.output_ids[:-1]  # the last sampled token is never forwarded
         expected, logits = reference.routed_experts_and_logits(tokens)
-        total.add(
-            compare(
-                c.routed_experts,
-                expected[prompt_start:],
-                model.moe_layers,
-                label=f"request {i}",
-                logits=logits[prompt_start:],
-                dtype=dtype,
-            )
-        )
+        got, expected, logits = c.routed_experts, expected[prompt_start:], logits[prompt_start:]
+        moe_layers = model.moe_layers
+        if layers is not None:
+            got = None if got is None else got[:, list(layers)]
+            expected, logits, moe_layers = expected[:, list(layers)], logits[:, list(layers)], tuple(range(len(layers)))
+        total.add(compare(got, expected, moe_layers, label=f"request {i}", logits=logits, dtype=dtype))
     return total
 
 

@@ -61,7 +61,7 @@ def across(llm: Any, arch: str, between: Callable[[], Any], label: str, dtype: s
         "before": _verdict(offline.check(reference, model, before, dtype=dtype)),
         "after": _verdict(offline.check(reference, model, after, dtype=dtype)),
         "first_moe_layer": first,
-        "after_first_moe_layer": _verdict(_one_layer(reference, after, first, dtype)),
+        "after_first_moe_layer": _verdict(offline.check(reference, model, after, dtype=dtype, layers=(first,))),
         "checked_after": _since(counted, offline.sentinel_totals(llm)),  # the always-on check, after ``between``
         "seconds": round(time.monotonic() - start, 1),
     }
@@ -114,24 +114,3 @@ def self_check_part(result: dict[str, Any]) -> dict[str, Any] | None:
 
 def _since(before: dict[str, int], now: dict[str, int]) -> dict[str, int]:
     return {name: value - before.get(name, 0) for name, value in now.items()}
-
-
-def _one_layer(reference: Any, completions: list[Any], layer: int, dtype: str) -> Any:
-    """The rows of decoder layer ``layer`` only, against the reference."""
-    from vllm_ascend_routing.preflight.compare import Match, compare
-
-    total = Match()
-    for i, completion in enumerate(completions):
-        expected, logits = reference.routed_experts_and_logits(completion.prompt_ids + completion.output_ids[:-1])
-        got = completion.routed_experts
-        total.add(
-            compare(
-                None if got is None else got[:, layer : layer + 1],
-                expected[:, layer : layer + 1],
-                (0,),
-                label=f"request {i}, layer {layer}",
-                logits=logits[:, layer : layer + 1],
-                dtype=dtype,
-            )
-        )
-    return total
