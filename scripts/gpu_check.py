@@ -21,7 +21,8 @@ For a machine with one NVIDIA GPU, PyTorch (a CUDA build), nvcc and pytest; no v
    ``torch.cuda.set_sync_debug_mode("error")``) with planted zero rows and invalid ids caught on their step,
    and the event-before-copy mutation shown to miss them; DP placement captured once in a CUDA graph and replayed
    with other token splits, a capture with unequal DP counts refused (``tests/test_parallel.py``); the step's
-   clear against vLLM's async host copy held back on another stream (``tests/test_sentinel_streams.py``);
+   clear against vLLM's async host copy held back on another stream (``tests/test_sentinel_streams.py``); the
+   capture's state (the counter, the check's device index) through a level-2 sleep (``tests/test_sleep_mode.py``);
 4. prints the kernel's device time per MoE layer inside a CUDA graph beside a same-place copy of the same ids
    (``benchmarks/kernel_graph.py``), and host-timed calls beside a device-to-device copy of the same bytes.
 
@@ -47,7 +48,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "vllm_ascend_routing"
 BUDGET_S = 8 * 60  # the whole check, build included
-TESTS = ("tests/ops", "tests/test_sentinel.py", "tests/test_sentinel_streams.py", "tests/test_parallel.py")
+TESTS = (
+    "tests/ops",
+    "tests/test_sentinel.py",
+    "tests/test_sentinel_streams.py",
+    "tests/test_parallel.py",
+    "tests/test_sleep_mode.py",
+)
 TRITON_TESTS = ("tests/ops/test_triton_kernel.py",)
 CPU_KERNEL_TESTS = ("tests/ops/test_cpu_kernel.py",)
 

@@ -61,6 +61,12 @@ class PreparedCapture:
         sentinel = Sentinel.for_capture(buffer, errors, layers, ids)
         return cls(buffer, errors, num_experts, layers, ids, sentinel, deferred)
 
+    def kept_tensors(self) -> dict[str, torch.Tensor]:
+        """The device tensors whose contents must outlive a step: the invalid-id counter (a running count) and the
+        always-on check's own. The buffer is not one: each step's rows are zeroed before its forward
+        (``Sentinel.clear``) and only those are read."""
+        return {"invalid_id_count": self.errors, **self.sentinel.kept_tensors()}
+
     @property
     def num_bound_layers(self) -> int:
         """MoE layers recorded into the buffer (``layer_ids``), whichever binder binds them."""

@@ -118,6 +118,11 @@ class Sentinel:
             self._host = torch.zeros(3, dtype=torch.int64, pin_memory=True)
             self._layers = self._layers if contiguous else torch.tensor(layers, device=self.buffer.device)
 
+    def kept_tensors(self) -> dict[str, torch.Tensor]:
+        """Device tensors of the check's own that every step reads and none rewrites (the index of non-contiguous
+        bound layers on an accelerator); the counter and the rows are the capture's."""
+        return {"bound_layers": self._layers} if isinstance(self._layers, torch.Tensor) else {}
+
     @property
     def checks_zero_rows(self) -> bool:
         """Only for ``top_k >= 2``: with one expert per token, expert 0 alone is a real row."""

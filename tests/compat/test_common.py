@@ -14,6 +14,7 @@ import torch
 from vllm_ascend_routing import releases
 from vllm_ascend_routing.compat import _common
 from vllm_ascend_routing.compat._common import GenerationAdapter
+from vllm_ascend_routing.compat.base import Generation
 
 
 def test_every_adapter_prepares_through_the_shared_steps() -> None:
@@ -53,3 +54,25 @@ def test_prepare_is_nothing_without_the_flag_then_refusals_shape_and_binding(mon
     on = SimpleNamespace(model_config=SimpleNamespace(enable_return_routed_experts=True))
     assert adapter.prepare(torch.nn.Module(), on, torch.device("cpu")) is bound
     assert calls == ["refuse", "shape", "bind (2, 2, 4)"]
+
+
+def test_the_capture_state_is_kept_through_sleep() -> None:
+    """``prepare_capture`` registers what the capture keeps from step to step on the model (``sleep_mode``): vLLM's
+    wake-up after a level-2 sleep restores it with the model's buffers (tests/test_sleep_mode.py; e2e:
+    tests/e2e/test_sleep_mode.py)."""
+    from tests.fakes import FakeModel
+    from vllm_ascend_routing import sleep_mode
+
+    model = FakeModel(cpu=True)
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=16),
+        kv_transfer_config=None,
+        model_config=SimpleNamespace(hf_config=SimpleNamespace()),
+    )
+    adapter = Recording([])
+    adapter.generation = Generation.RUNNER_OUTPUT
+    prepared = _common.prepare_capture(adapter, model, config, torch.device("cpu"), (3, 2, 4))
+    buffers = dict(model.named_buffers())
+    assert buffers[sleep_mode.BUFFER_PREFIX + "invalid_id_count"] is prepared.errors
+    assert prepared.layer_ids == (0, 2)

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.harness import distributed, oracle, output_features, verl_handoff, weight_reload_suite
+from tests.harness import distributed, oracle, output_features, sleep_stand_in, verl_handoff, weight_reload_suite
 from tests.harness.bypass import run_bypass
 from tests.harness.data_parallel import run_data_parallel
 from tests.harness.disaggregation import run_disaggregation
@@ -251,6 +251,7 @@ def main() -> None:
             for runs, part in (
                 (ORACLE_RUNS, oracle.oracle_part),
                 (OUTPUT_RUNS, output_features.output_part),
+                (OUTPUT_RUNS, sleep_stand_in.sleep_part),  # the model unchanged: every row exact after it
                 (OUTPUT_RUNS, weight_reload_suite.reload_part),  # last: vLLM's reload may change the model (0.30+)
             )
             if run in runs and envs.VLLM_ASCEND_ROUTING

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from vllm_ascend_routing import backends, kv_transfer
+from vllm_ascend_routing import backends, kv_transfer, sleep_mode
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import (
     LayerCapture,
@@ -70,6 +70,7 @@ def prepare_capture(
     num_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
     prepared = bind_target_model(model, num_tokens, shape, device, rank_layout(vllm_config))
     refuse_unrepresentable_ids(prepared, api.narrowed_by_expert_count)
+    sleep_mode.keep_through_sleep(model, prepared)  # restored by vLLM's wake-up after a level-2 sleep
     return prepared
 
 
