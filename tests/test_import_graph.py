@@ -113,7 +113,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("releases", "runner_state", "_logging", "contract", "parallel", "_post_import", "compat._shm_store",
      "ops._id_rule", "ops._reference", "backends._layer", "errors"),
     ("envs", "patching"),  # settings; Patch and the one way to patch
-    ("ops", "capture", "sentinel", "sleep_mode", "validate", "_cpu_compat", "replay", "kv_carrier",  # op, capture, checks
+    ("ops", "capture", "sentinel", "sleep_mode", "validate", "_cpu_compat", "replay", "kv_carrier",  # capture, checks
      "output.options", "output.weights", "output.provenance"),  # per-request options, weight version, record
     # the interface; P/D hand-over; the output features' engine, front-end and server hooks
     ("compat.base", "compat._detect", "compat", "compat._runners", "runner_mixin", "peers", "kv_transfer", "output"),
