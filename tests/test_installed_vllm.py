@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -44,6 +45,31 @@ def test_silu_entry_replaced_and_callable_outside_config_context() -> None:
         torch.testing.assert_close(got, torch.nn.functional.silu(x[:, :4]) * x[:, 4:], rtol=0, atol=0)
     finally:
         table[silu] = original
+
+
+def test_a_layer_on_the_pure_pytorch_moe_turns_the_compile_cache_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's pure-PyTorch CPU MoE (0.20-0.27) bakes ``id(layer)`` into the graph it caches: where a layer takes that
+    path, the process compiles afresh, unless the environment chose (a restart with a warm cache: KeyError)."""
+    try:
+        owner = resolve(_cpu_compat.TORCH_PATH.target.rpartition(".")[0])
+    except LookupError:  # 0.28+: layers keyed by name
+        assert _cpu_compat.apply() is False
+        return
+    original = vars(owner)["init_moe_torch"]
+    monkeypatch.delenv(_cpu_compat.COMPILE_CACHE, raising=False)
+    layer = torch.nn.Module()
+    layer.w13_weight = torch.nn.Parameter(torch.randn(2, 8, 4), requires_grad=False)  # [experts, 2 x inter, hidden]
+    layer.w2_weight = torch.nn.Parameter(torch.randn(2, 4, 4), requires_grad=False)  # [experts, hidden, inter]
+    try:
+        _cpu_compat.apply()
+        assert _cpu_compat.apply() is False  # idempotent
+        owner.init_moe_torch(object.__new__(owner), layer)
+        assert os.environ[_cpu_compat.COMPILE_CACHE] == "1"
+        monkeypatch.setenv(_cpu_compat.COMPILE_CACHE, "0")  # the user's choice stays
+        owner.init_moe_torch(object.__new__(owner), layer)
+        assert os.environ[_cpu_compat.COMPILE_CACHE] == "0"
+    finally:
+        owner.init_moe_torch = original
 
 
 def test_features_detect_the_generation_of_this_release() -> None:
