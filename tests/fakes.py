@@ -84,3 +84,13 @@ class FakeModel(torch.nn.Module):
         self.layers = torch.nn.ModuleList(
             [FakeMoE(i, cpu, cpu_experts) if i in moe_layers else torch.nn.Linear(2, 2) for i in range(num_layers)]
         )
+
+
+class BufferedModel(torch.nn.Module):
+    """A model with a weight and a registered buffer of its own (as vLLM's rotary embedding's cache), for what vLLM's
+    sleep mode saves and restores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(2, 2)
+        self.register_buffer("cos_sin_cache", torch.arange(6, dtype=torch.float32), persistent=False)

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.fakes import BufferedModel
 from tests.harness import sleep_stand_in
 from vllm_ascend_routing import runner_state, sentinel, sleep_mode
 from vllm_ascend_routing.capture import PreparedCapture
@@ -24,13 +25,6 @@ STEP = [("req-a", 5)]
 @pytest.fixture(autouse=True)
 def fresh_counters(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sentinel, "_STATS", sentinel.SentinelStats())
-
-
-class _Model(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = torch.nn.Linear(2, 2)
-        self.register_buffer("cos_sin_cache", torch.arange(6, dtype=torch.float32), persistent=False)
 
 
 class _GraphWrapper:
@@ -65,7 +59,7 @@ def _step(prepared: PreparedCapture, tokens: int = 5) -> None:
 
 
 def test_the_invalid_id_count_survives_a_level_2_sleep() -> None:
-    model, prepared = _Model(), _prepared(strict=False)
+    model, prepared = BufferedModel(), _prepared(strict=False)
     sleep_mode.keep_through_sleep(model, prepared)
     prepared.errors.fill_(2)  # two ids stored as -1 in a step before the sleep
     _step(prepared)
@@ -83,7 +77,7 @@ def test_the_invalid_id_count_survives_a_level_2_sleep() -> None:
 
 def test_a_counter_left_out_of_the_models_buffers_comes_back_as_invalid_ids() -> None:
     """What the registration prevents (and what the stand-in is for): the lost counter reads as a vast count."""
-    model, prepared = _Model(), _prepared()
+    model, prepared = BufferedModel(), _prepared()
     _step(prepared)
     lost = sleep_stand_in.lose_device_memory(_worker(model, prepared))
     assert lost["plugin_buffers_restored"] == [] and lost["plugin_tensors_lost"] >= 2
@@ -97,7 +91,7 @@ def test_every_tensor_kept_across_steps_is_a_model_buffer(layers: tuple[int, ...
     """Whatever the capture holds (found by walking it, so a tensor added later is covered) is the step's buffer,
     zeroed before each forward, or restored by the wake-up. ``accelerator_index``: the device index of non-contiguous
     bound layers an accelerator's check builds (set here as its ``__post_init__`` does on a device)."""
-    model, prepared = _Model(), _prepared(layers)
+    model, prepared = BufferedModel(), _prepared(layers)
     if accelerator_index and isinstance(prepared.sentinel._layers, list):
         prepared.sentinel._layers = torch.tensor(layers)
     kept = sleep_mode.keep_through_sleep(_GraphWrapper(model), prepared)  # registered through the wrapper
@@ -115,7 +109,7 @@ def test_every_tensor_kept_across_steps_is_a_model_buffer(layers: tuple[int, ...
 
 
 def test_keeping_twice_replaces_the_registration() -> None:
-    model, first, second = _Model(), _prepared(), _prepared()
+    model, first, second = BufferedModel(), _prepared(), _prepared()
     sleep_mode.keep_through_sleep(model, first)
     sleep_mode.keep_through_sleep(model, second)
     assert model.vllm_ascend_routing_invalid_id_count is second.errors
@@ -127,7 +121,7 @@ def test_a_level_2_sleep_on_the_accelerator(device: str) -> None:
     lost every plugin tensor and the wake-up restored the model's buffers, the next steps report nothing."""
     if device == "npu":
         import torch_npu  # noqa: F401  (registers torch.npu)
-    model, prepared = _Model().to(device), _prepared((1, 3), device)
+    model, prepared = BufferedModel().to(device), _prepared((1, 3), device)
     assert sleep_mode.keep_through_sleep(model, prepared).keys() == {
         "vllm_ascend_routing_invalid_id_count",
         "vllm_ascend_routing_bound_layers",

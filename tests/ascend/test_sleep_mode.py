@@ -19,18 +19,12 @@ from unittest import mock
 import pytest
 import torch
 
+from tests.fakes import BufferedModel
 from tests.harness import sleep_stand_in
 from vllm_ascend_routing import sentinel, sleep_mode
 from vllm_ascend_routing.capture import PreparedCapture
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ascend]
-
-
-class _Model(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = torch.nn.Linear(2, 2)
-        self.register_buffer("cos_sin_cache", torch.arange(6, dtype=torch.float32), persistent=False)
 
 
 class _LosingAllocator:
@@ -60,7 +54,7 @@ def _worker_module(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 def test_vllm_ascends_level_2_wake_up_restores_the_capture_state(monkeypatch: pytest.MonkeyPatch, kept: bool) -> None:
     module = _worker_module(monkeypatch)
     monkeypatch.setattr(sentinel, "_STATS", sentinel.SentinelStats())
-    model = _Model()
+    model = BufferedModel()
     prepared = PreparedCapture.bound(
         torch.zeros(8, 4, 2, dtype=torch.int16), torch.zeros(1, dtype=torch.int64), 8, (1, 3)
     )
