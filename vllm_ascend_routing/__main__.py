@@ -13,9 +13,6 @@ def demo(arch: str, prompts: int, mode: str) -> int:
     """Run vLLM with the plugin on a tiny MoE; print shapes, the match rate and the expert load."""
     os.environ["VLLM_ASCEND_ROUTING"] = "1"  # before vLLM is imported: the plugin loads with it
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    # A second demo would load the first one's compiled graph, in which vLLM's CPU MoE (up to 0.27) baked the first
-    # run's layer addresses (KeyError in cpu_fused_moe_torch): compile afresh, as the first run did.
-    os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
     from vllm_ascend_routing.preflight import models, scenarios
 
     result = scenarios.run_offline(arch, mode, prompts)

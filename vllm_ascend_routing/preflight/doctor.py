@@ -268,11 +268,7 @@ def _self_check(report: dict[str, Any], print_fn: Callable[[str], Any], num_prom
         f"self-check: tiny Qwen3-MoE ({self_check.model_for(chosen)}), {num_prompts} prompts, {mode}, {chosen}, "
         "against float32 transformers ..."
     )
-    wanted = {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-        "VLLM_DISABLE_COMPILE_CACHE": "1",
-    }
+    wanted = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
     engine_env = report["engine_env"] = {name: value for name, value in wanted.items() if name not in os.environ}
     print_fn(f"  {offline.engine_env_line(engine_env)}")
     with environment_set(engine_env):

@@ -59,10 +59,6 @@ def close(llm: Any) -> None:
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "the engine core in this process",
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "the workers' always-on check counters come back through collective_rpc",
-    # vLLM's CPU MoE (0.20-0.27) bakes its layers' addresses into the compiled graph it caches: a second run that
-    # loads that graph fails (KeyError in cpu_fused_moe_torch), with or without this package's changes to the run
-    "VLLM_DISABLE_COMPILE_CACHE": "a compiled graph of an earlier run is not reused (vLLM's CPU MoE up to 0.27 bakes "
-    "layer addresses into it)",
     "VLLM_CPU_OMP_THREADS_BIND": "one core list per CPU rank, where vLLM would bind each to a NUMA node of its own",
 }
 
