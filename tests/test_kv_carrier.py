@@ -122,3 +122,95 @@ def test_patches_are_optional_relied_on_rows() -> None:
         "ExampleConnector._generate_foldername_debug",
         "align_to_block_size",
     }
+
+
+# ---- rows held in the scheduler (every served connector without a carrier of its own) ----
+
+
+def held_request(prompt: list[int], **identity: Any) -> Any:
+    return SimpleNamespace(request_id="h", prompt_token_ids=prompt, mm_features=[], **identity)
+
+
+def held(capacity: int = 1 << 20) -> kv_carrier.HeldRowsCarrier:
+    return kv_carrier.HeldRowsCarrier("OffloadingConnector", LAYOUT, BLOCK, capacity)
+
+
+def test_held_rows_serve_a_reload_of_kv_this_instance_computed() -> None:
+    carrier, prompt = held(), list(range(10, 21))  # 11 tokens: two whole blocks and a partial one
+    assert carrier.put(held_request(prompt), rows(11)) == 11
+    for start, count in ((0, 8), (4, 4), (0, 11), (2, 7), (8, 3)):  # aligned, from a local hit, partial ends
+        got = carrier.get(held_request(prompt), start, count)
+        assert isinstance(got, np.ndarray) and np.array_equal(got, rows(11)[start : start + count]), (start, count)
+    salted = carrier.get(held_request(prompt, cache_salt="tenant"), 0, 8)  # a salt partitions KV, changes no row
+    assert isinstance(salted, np.ndarray) and np.array_equal(salted, rows(11)[:8])
+    longer = prompt + [99, 98, 97, 96, 95]  # the next turn: the same prefix, then more
+    got = carrier.get(held_request(longer), 0, 8)
+    assert isinstance(got, np.ndarray) and np.array_equal(got, rows(11)[:8])
+    # A load ending inside a block held whole: that block's first rows.
+    assert carrier.put(held_request(longer), rows(16, seed=3)) == 8  # blocks 0 and 1 held already
+    got = carrier.get(held_request(longer), 8, 6)
+    assert isinstance(got, np.ndarray) and np.array_equal(got, rows(16, seed=3)[8:14])
+
+
+@pytest.mark.parametrize(
+    ("prompt", "identity", "start", "count"),
+    [
+        ([10, 11, 12, 13, 14, 15, 16, 17, 0, 19, 20], {}, 8, 3),  # other tokens in the last block
+        ([0, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], {}, 4, 4),  # other tokens before the load: other KV
+        (list(range(10, 21)), {"lora_request": SimpleNamespace(lora_name="adapter")}, 0, 8),  # another model
+        (list(range(10, 25)), {}, 8, 7),  # tokens past what was held
+        (list(range(10, 21)), {}, 8, 4),  # past the prompt
+    ],
+)
+def test_held_rows_are_never_guessed(prompt: list[int], identity: dict[str, Any], start: int, count: int) -> None:
+    carrier = held()
+    carrier.put(held_request(list(range(10, 21))), rows(11))
+    got = carrier.get(held_request(prompt, **identity), start, count)
+    assert isinstance(got, Missing), got
+
+
+def test_multimodal_inputs_key_the_held_rows() -> None:
+    carrier, prompt = held(), [5] * 8  # image placeholder tokens: the same ids for every image
+    image = SimpleNamespace(identifier="image-a", mm_position=(0, 8))
+    with_a = SimpleNamespace(request_id="h", prompt_token_ids=prompt, mm_features=[image])
+    carrier.put(with_a, rows(8))
+    assert isinstance(carrier.get(with_a, 0, 8), np.ndarray)
+    other = SimpleNamespace(identifier="image-b", mm_position=(0, 8))
+    assert isinstance(
+        carrier.get(SimpleNamespace(request_id="h", prompt_token_ids=prompt, mm_features=[other]), 0, 8), Missing
+    )
+
+
+def test_held_rows_stay_within_their_capacity_least_recently_used_first() -> None:
+    piece = BLOCK * (3 * 2 + 8)  # a whole block: its rows (uint8) and token ids (int64)
+    carrier = held(capacity=3 * piece)
+    first, second = list(range(100, 108)), list(range(200, 208))
+    carrier.put(held_request(first), rows(8))
+    assert isinstance(carrier.get(held_request(first), 0, 4), np.ndarray)  # first's first block: used last
+    carrier.put(held_request(second), rows(8, seed=1))
+    assert carrier.held_bytes <= 3 * piece
+    assert isinstance(carrier.get(held_request(first), 4, 4), Missing)  # the least recently used block went
+    assert isinstance(carrier.get(held_request(first), 0, 4), np.ndarray)
+    assert isinstance(carrier.get(held_request(second), 0, 8), np.ndarray)
+    nothing = held(capacity=0)
+    nothing.put(held_request(first), rows(8))
+    assert nothing.held_bytes == 0 and isinstance(nothing.get(held_request(first), 0, 4), Missing)
+
+
+def test_a_prefix_cache_reset_drops_every_held_row() -> None:
+    carrier = held()
+    carrier.put(held_request(list(range(10, 21))), rows(11))
+    carrier.clear()
+    assert carrier.held_bytes == 0
+    missing = carrier.get(held_request(list(range(10, 21))), 0, 8)
+    assert isinstance(missing, Missing) and "not held on this instance" in missing.reason
+
+
+def test_held_rows_of_other_tokens_are_never_returned_even_under_one_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The token ids kept with each piece are compared again on reading: with keys that name only the pieces'
+    lengths (every prompt's blocks collide with every other's), another prompt's rows are still refused."""
+    carrier = held()
+    monkeypatch.setattr(carrier, "_key", lambda parent, tokens: parent + len(tokens).to_bytes(4, "little"))
+    carrier.put(held_request(list(range(10, 18))), rows(8))
+    assert isinstance(carrier.get(held_request(list(range(10, 18))), 0, 8), np.ndarray)
+    assert isinstance(carrier.get(held_request(list(range(20, 28))), 0, 8), Missing)

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vllm_ascend_routing import kv_carrier, kv_transfer, validate
+from vllm_ascend_routing import kv_carrier, kv_transfer, patching, validate
 from vllm_ascend_routing.compat.base import UnsupportedVllmError
 from vllm_ascend_routing.kv_carrier import Missing, RowLayout
 from vllm_ascend_routing.patching import RELY
@@ -173,22 +173,39 @@ def test_a_finished_request_stores_its_prompt_rows_beside_its_kv() -> None:
     assert carrier.puts == [("done", 20)]
 
 
-def kv_config(name: str | None, role: str = "kv_consumer") -> Any:
-    return SimpleNamespace(kv_connector=name, kv_role=role)
+def kv_config(name: str | None, role: str = "kv_consumer", extra: Any = None) -> Any:
+    return SimpleNamespace(kv_connector=name, kv_role=role, kv_connector_extra_config=extra)
 
 
 def test_refusals_name_the_connector_and_what_to_do() -> None:
     nixl = kv_transfer.refusal(kv_config("NixlConnector"), "runner-output")
-    assert "NixlConnector (kv_consumer) is not covered" in nixl and "Covered: ExampleConnector" in nixl
-    assert "remove --kv-transfer-config" in nixl and kv_transfer.DOCS in nixl
-    offload = kv_transfer.refusal(kv_config("OffloadingConnector", "kv_both"), "runner-output")
-    assert "offload tier" in offload
-    unknown = kv_transfer.refusal(kv_config("MyConnector"), "aux-output")
-    assert "MyConnector" in unknown and "does not know where it keeps KV" in unknown
+    assert "NixlConnector (kv_consumer) is not covered" in nixl and "RDMA/NCCL" in nixl
+    assert "remove --kv-transfer-config" in nixl and kv_transfer.DOCS in nixl and "Served: every other" in nixl
+    inner = [{"kv_connector": "OffloadingConnector"}, {"kv_connector": "MooncakeConnector"}]
+    multi = kv_transfer.refusal(kv_config("MultiConnector", "kv_both", {"connectors": inner}), "aux-output")
+    assert "MooncakeConnector (inside MultiConnector) (kv_both) is not covered" in multi
     old = kv_transfer.refusal(kv_config("ExampleConnector"), "shm", carried_here=False)
     assert "served from vLLM 0.22 on" in old and "'shm'" in old
-    assert kv_transfer.carries(kv_config("ExampleConnector")) and not kv_transfer.carries(kv_config("NixlConnector"))
-    assert not kv_transfer.carries(None) and kv_transfer.connector_name(kv_config(None)) is None
+
+
+@pytest.mark.parametrize(
+    ("name", "extra", "served", "held"),
+    [
+        ("ExampleConnector", None, True, False),  # rows carried beside its KV
+        ("OffloadingConnector", None, True, True),  # offload tiers, cache services, custom connectors: held here
+        ("LMCacheConnectorV1", None, True, True),
+        ("MyConnector", None, True, True),
+        ("MultiConnector", {"connectors": [{"kv_connector": "OffloadingConnector"}]}, True, True),
+        ("MultiConnector", {"connectors": [{"kv_connector": "NixlConnector"}]}, False, False),
+        ("NixlConnector", None, False, False),  # KV handed over between instances: refused
+        ("P2pNcclConnector", None, False, False),
+        (None, None, False, False),
+    ],
+)
+def test_which_connectors_are_served_and_how(name: str | None, extra: Any, served: bool, held: bool) -> None:
+    config = kv_config(name, "kv_both", extra)
+    assert (kv_transfer.serves(config), kv_transfer.holds_rows(config)) == (served, held)
+    assert not kv_transfer.serves(None) and kv_transfer.connector_name(kv_config(None)) is None
 
 
 def test_refuse_uncovered_at_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -199,6 +216,7 @@ def test_refuse_uncovered_at_model_load(monkeypatch: pytest.MonkeyPatch) -> None
     kv_transfer.refuse_uncovered(SimpleNamespace(kv_transfer_config=None), "runner-output")
     kv_transfer.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config(None)), "runner-output")
     kv_transfer.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config("ExampleConnector")), "runner-output")
+    kv_transfer.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config("OffloadingConnector")), "aux-output")
     with pytest.raises(UnsupportedVllmError, match="NixlConnector"):
         kv_transfer.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config("NixlConnector")), "runner-output")
     monkeypatch.setattr(compat, "get_api", lambda: SimpleNamespace())  # a generation without kv_rows (0.20, 0.21)
@@ -253,8 +271,53 @@ def test_model_load_refuses_through_the_kv_rules(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(compat, "get_api", lambda: SimpleNamespace(kv_rows=SimpleNamespace(patches=())))
     _common.refuse_unsupported_config(config("ExampleConnector"), "runner-output")
-    with pytest.raises(UnsupportedVllmError, match="LMCacheConnectorV1 .kv_consumer. is not covered"):
-        _common.refuse_unsupported_config(config("LMCacheConnectorV1"), "runner-output")
+    _common.refuse_unsupported_config(config("LMCacheConnectorV1"), "runner-output")
+    with pytest.raises(UnsupportedVllmError, match="P2pNcclConnector .kv_consumer. is not covered"):
+        _common.refuse_unsupported_config(config("P2pNcclConnector"), "runner-output")
     monkeypatch.setattr(compat, "get_api", lambda: SimpleNamespace())
     with pytest.raises(UnsupportedVllmError, match="served from vLLM 0.22 on"):
         _common.refuse_unsupported_config(config("ExampleConnector"), "device-cache")
+
+
+def test_a_connector_without_a_carrier_serves_the_rows_this_instance_computed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``_follow`` with an offload tier: rows of a finished prompt are held in the scheduler, a load of that KV gets
+    them, a load of KV computed elsewhere is declined, and vLLM's prefix-cache reset drops what is held."""
+    monkeypatch.setattr(validate.ModelRouting, "from_vllm_config", staticmethod(lambda config: MODEL))
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING_KV_HELD_ROWS_MIB", "1")
+    resets: list[bool] = []
+
+    class Scheduler:
+        def reset_prefix_cache(self) -> bool:
+            resets.append(True)
+            return True
+
+    # As in vLLM with the plugin: the class's reset_prefix_cache is already another patch's replacement.
+    patching.wrap(Scheduler, "reset_prefix_cache", lambda original: lambda self: original(self))
+    config = SimpleNamespace(
+        kv_transfer_config=kv_config("OffloadingConnector", "kv_both"), cache_config=SimpleNamespace(block_size=4)
+    )
+    scheduler = Scheduler()
+    scheduler.vllm_config = config  # type: ignore[attr-defined]
+    connector, store = OfferingConnector({"tier": 8, "elsewhere": 8}), StandInRows()
+    kv_transfer._follow(scheduler, connector, store)
+
+    def prompt_request(request_id: str, prompt: list[int], outputs: int = 0) -> Any:
+        return SimpleNamespace(
+            request_id=request_id, prompt_token_ids=prompt, num_output_tokens=outputs, mm_features=[]
+        )
+
+    prompt = list(range(30, 42))
+    store.prompts["first"] = rows(12)
+    connector.request_finished(prompt_request("first", prompt, outputs=1), [0, 1, 2])  # computed here: held
+    tier = prompt_request("tier", prompt)
+    assert connector.get_num_new_matched_tokens(tier, 0) == (8, False)
+    connector.update_state_after_alloc(tier, "blocks", 8)
+    assert np.array_equal(store.injected[-1][2], rows(12)[:8]) and kv_transfer.loaded_span(tier) == (0, 8)
+    elsewhere = prompt_request("elsewhere", list(range(50, 62)))  # KV computed by another instance
+    assert connector.get_num_new_matched_tokens(elsewhere, 0) == (0, False)
+    assert scheduler.reset_prefix_cache() is True and resets == [True]
+    again = prompt_request("tier", prompt)
+    assert connector.get_num_new_matched_tokens(again, 0) == (0, False)  # the weights may have changed since
+    assert any("request elsewhere" in r.message and "not held on this instance" in r.message for r in caplog.records)

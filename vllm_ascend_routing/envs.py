@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     VLLM_ASCEND_ROUTING: bool = False
     VLLM_ASCEND_ROUTING_VLLM_API: str = "auto"
     VLLM_ASCEND_ROUTING_FORCE_REFERENCE: bool = False
+    VLLM_ASCEND_ROUTING_KV_HELD_ROWS_MIB: int = 256
     VLLM_ASCEND_ROUTING_VALIDATE: str = "off"
     VLLM_ASCEND_ROUTING_TARGET_DEVICE: str = ""
     VLLM_ASCEND_ROUTING_CACHE: str = "~/.cache/vllm_ascend_routing"
@@ -52,6 +53,18 @@ def _choice(name: str, default: str, choices: tuple[str, ...]) -> Callable[[], s
     return read
 
 
+def _mebibytes(name: str, default: int) -> Callable[[], int]:
+    def read() -> int:
+        value = os.getenv(name, "").strip()
+        if not value:
+            return default
+        if not value.isdigit():
+            raise ValueError(f"{name}={value!r}: expected a whole number of MiB (0 or more)")
+        return int(value)
+
+    return read
+
+
 def _generations() -> tuple[str, ...]:
     """``auto`` and the generations the release table says the plugin implements (read when the variable is)."""
     from vllm_ascend_routing import releases
@@ -77,6 +90,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_ASCEND_ROUTING_VALIDATE": _validate_mode,
     # Use the PyTorch reference of record_topk_ids even where a native kernel is built.
     "VLLM_ASCEND_ROUTING_FORCE_REFERENCE": _bool("VLLM_ASCEND_ROUTING_FORCE_REFERENCE"),
+    # With a KV connector the plugin has no carrier for (an offload tier, a cache service): how much memory each
+    # scheduler may hold the rows of prompts computed on its instance in, so that loads of their KV are served
+    # (kv_carrier.HeldRowsCarrier; least recently used dropped first; 0: every such load is computed instead).
+    "VLLM_ASCEND_ROUTING_KV_HELD_ROWS_MIB": _mebibytes("VLLM_ASCEND_ROUTING_KV_HELD_ROWS_MIB", 256),
     # ---- build (read by setup.py) ----
     # Native kernel backend to build: "cpu", "cuda", "npu" (each with the CPU kernel), or "" (none: pure Python).
     "VLLM_ASCEND_ROUTING_TARGET_DEVICE": _choice(
@@ -112,6 +129,7 @@ runtime_variables: tuple[str, ...] = (
     "VLLM_ASCEND_ROUTING_VLLM_API",
     "VLLM_ASCEND_ROUTING_VALIDATE",
     "VLLM_ASCEND_ROUTING_FORCE_REFERENCE",
+    "VLLM_ASCEND_ROUTING_KV_HELD_ROWS_MIB",
 )
 
 

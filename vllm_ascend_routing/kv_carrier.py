@@ -2,13 +2,18 @@
 """Where routing rows travel with KV that a connector moves: beside that KV, in the connector's own storage,
 under the connector's own key, so that whatever finds the KV finds its rows.
 
-One carrier per covered connector (``CARRIERS``, by the name in ``--kv-transfer-config``):
+One carrier per connector whose storage the plugin writes into (``CARRIERS``, by the name in
+``--kv-transfer-config``), and one for every other connector it serves (``HeldRowsCarrier``):
 
   * ``ExampleConnector`` (vLLM's shared-storage connector: KV of a prompt's first whole blocks, one folder per
     prompt prefix, named by a hash of its token ids): the rows of those tokens go into the same folder as one
     file, ``ROWS_FILE``, with the token ids they belong to. Written by the scheduler of the instance whose
     connector stored the KV, when the request finishes (its rows are complete then); read by the scheduler of an
     instance whose connector offers that KV, before it loads it.
+  * any other served connector (an offload tier, a cache service, a custom connector: storage the plugin cannot
+    write into): the rows of prompts computed on this instance are held in the scheduler's memory, keyed by their
+    token ids block by block. A load of KV this instance computed (offloaded, evicted, then restored) gets them;
+    KV another instance computed finds none, and is computed here instead.
 
 A carrier never guesses: rows are returned only for exactly the tokens asked, stored with those very token ids,
 in this engine's layout; anything else is ``Missing`` with the reason, and the caller computes those tokens
@@ -17,8 +22,10 @@ instead of loading them.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -144,6 +151,114 @@ class SharedStorageCarrier:
         if len(tokens) < end or not np.array_equal(tokens[:end], prompt):
             return Missing(f"the rows stored in {path} are of other tokens than this prompt's first {end}")
         return np.ascontiguousarray(rows[start:end])
+
+
+@dataclass(frozen=True)
+class _Held:
+    """One held piece of a prompt: the token ids of one block (or of the prompt's last, partial block) and their
+    rows; ``key`` names the block and every token before it."""
+
+    tokens: np.ndarray
+    rows: np.ndarray
+
+
+class HeldRowsCarrier:
+    """Rows of prompts computed on this instance, held in this scheduler's memory for a connector whose storage the
+    plugin cannot write into. Keys chain SHA-256 over the prompt's token ids block by block (seeded with the model's
+    other inputs: the LoRA adapter, multimodal inputs; a cache salt changes no row), so a block's rows are found
+    only with every token before it the same; each held piece also keeps its token ids, compared again on reading.
+    At most ``capacity`` bytes (rows and token ids); the least recently used pieces go first. ``clear`` drops all
+    (vLLM's prefix cache reset: weights may have changed since the rows were computed)."""
+
+    def __init__(self, connector: str, layout: RowLayout, block_size: int, capacity: int) -> None:
+        self.connector = connector
+        self.layout = layout
+        self.block_size = int(block_size)
+        self.capacity = int(capacity)
+        self.held_bytes = 0
+        self._held: OrderedDict[bytes, _Held] = OrderedDict()
+
+    def _key(self, parent: bytes, tokens: np.ndarray) -> bytes:
+        """The key of one piece (a whole block, or a shorter last one) after the piece keyed ``parent``."""
+        tail = b"" if len(tokens) == self.block_size else b"partial"
+        return hashlib.sha256(parent + tail + tokens.tobytes()).digest()
+
+    def _keys(self, request: Any, tokens: np.ndarray, end: int) -> list[tuple[bytes, bytes, int, int]]:
+        """``(parent key, key, first, last)`` of each whole block of ``tokens[:end]``, then of its partial last
+        block; the first parent is what else keys vLLM's KV of these tokens (``_kv_identity``)."""
+        key = hashlib.sha256(repr(_kv_identity(request)).encode()).digest()
+        pieces = []
+        for first in range(0, end, self.block_size):
+            last = min(first + self.block_size, end)
+            parent, key = key, self._key(key, tokens[first:last])
+            pieces.append((parent, key, first, last))
+        return pieces
+
+    def put(self, request: Any, prompt_rows: np.ndarray) -> int:
+        tokens = np.asarray(list(request.prompt_token_ids or []), dtype=np.int64)
+        end = min(len(tokens), len(prompt_rows))
+        stored = 0
+        for _, key, first, last in self._keys(request, tokens, end):
+            if key in self._held:
+                self._held.move_to_end(key)
+                continue
+            piece = _Held(tokens[first:last].copy(), np.ascontiguousarray(prompt_rows[first:last]))
+            self._held[key] = piece
+            self.held_bytes += piece.tokens.nbytes + piece.rows.nbytes
+            stored += last - first
+        while self.held_bytes > self.capacity and self._held:
+            _, dropped = self._held.popitem(last=False)
+            self.held_bytes -= dropped.tokens.nbytes + dropped.rows.nbytes
+        return stored
+
+    def get(self, request: Any, start: int, count: int) -> np.ndarray | Missing:
+        tokens = np.asarray(list(request.prompt_token_ids or []), dtype=np.int64)
+        end = start + count
+        if end > len(tokens):
+            return Missing(f"the load reaches past the prompt ({end} of {len(tokens)} tokens): no rows are held there")
+        rows = []
+        for parent, key, first, last in self._keys(request, tokens, end):
+            if last <= start:
+                continue  # before the load: vLLM's own cache holds those tokens
+            found = self._find(tokens, parent, key, first, last)
+            if found is None:
+                return Missing(
+                    f"the rows of tokens [{first}, {last}) are not held on this instance (their KV was computed by "
+                    "another instance, or before a prefix-cache reset, or they were dropped to stay within "
+                    "VLLM_ASCEND_ROUTING_KV_HELD_ROWS_MIB)"
+                )
+            self._held.move_to_end(found[0])
+            rows.append(found[1].rows[max(start - first, 0) : last - first])
+        return np.ascontiguousarray(np.concatenate(rows)) if rows else Missing("no tokens to load")
+
+    def _find(self, tokens: np.ndarray, parent: bytes, key: bytes, first: int, last: int) -> tuple[bytes, _Held] | None:
+        """The held piece with the rows of ``tokens[first:last]``: its own, or (the load ends inside a block) one
+        held for this prompt's tokens past the load's end, in the same block."""
+        candidates = [key] + [
+            self._key(parent, tokens[first:longer])
+            for longer in range(last + 1, min(first + self.block_size, len(tokens)) + 1)
+        ]  # fmt: skip
+        for candidate in candidates:
+            piece = self._held.get(candidate)
+            if piece is not None and np.array_equal(piece.tokens[: last - first], tokens[first:last]):
+                return candidate, piece
+        return None
+
+    def clear(self) -> None:
+        self._held.clear()
+        self.held_bytes = 0
+
+
+def _kv_identity(request: Any) -> tuple[Any, ...]:
+    """What, besides the token ids, the model computes a request's routing from (vLLM's prefix cache also keys
+    KV by a cache salt, which partitions the cache and changes no row: the connector decides whether salted KV
+    is shared)."""
+    lora = getattr(request, "lora_request", None)
+    features = getattr(request, "mm_features", None) or []
+    return (
+        getattr(lora, "lora_name", None),
+        tuple((str(f.identifier), repr(getattr(f, "mm_position", None))) for f in features),
+    )
 
 
 def _write(path: str, tokens: np.ndarray, rows: np.ndarray, layout: RowLayout) -> None:

@@ -14,7 +14,8 @@ can carry rows beside (``kv_carrier.CARRIERS``; every other connector is refused
   * ``update_state_after_alloc``: the tokens vLLM will load get their carried rows in this generation's store
     (``SchedulerRows.inject``: the slot buffer, or the AuxOutput block store), before any read of them;
   * ``request_finished``: the rows of a finished request's prompt go beside the KV its connector stored
-    (``Carrier.put``), whatever the role (a ``kv_both`` instance stores and loads).
+    (``Carrier.put``), whatever the role (a ``kv_both`` instance stores and loads);
+  * ``Scheduler.reset_prefix_cache`` (held rows only): everything held is dropped first.
 
 ``loaded_rows(request)`` / ``loaded_span(request)`` tell, per request, how many rows (from which token) were
 loaded through the connector; ``stats()`` counts loads, declined offers and stored rows in this process.
@@ -44,39 +45,21 @@ _LOADED = "_vllm_ascend_routing_loaded"  # Request attribute: (first token, coun
 _BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1"
 DOCS = "docs/disaggregation.md"
 
-# What to tell users of a connector the plugin does not carry rows through (by the name in --kv-transfer-config).
-_P2P = (
+# Connectors that hand KV from one instance to another over RDMA/NCCL (P/D disaggregation), by the name in
+# --kv-transfer-config: refused. Declining their load is their own path for a full local hit (the sender is told to
+# free its blocks), which no machine of this project can run; vLLM 0.31+ itself refuses Nixl, MoRIIO and Mooncake.
+REFUSED: dict[str, str] = dict.fromkeys(
+    (
+        "NixlConnector",
+        "NixlPullConnector",
+        "NixlPushConnector",
+        "MooncakeConnector",
+        "MoRIIOConnector",
+        "P2pNcclConnector",
+    ),
     "it moves KV between instances over RDMA/NCCL, which the plugin does not carry rows through yet (it cannot be "
-    "run on this project's machines)"
-)
-_TIER = "it restores KV from an offload tier or cache service the plugin does not store rows in"
-UNCOVERED: dict[str, str] = {
-    **dict.fromkeys(
-        (
-            "NixlConnector",
-            "NixlPullConnector",
-            "NixlPushConnector",
-            "MooncakeConnector",
-            "MoRIIOConnector",
-            "P2pNcclConnector",
-        ),
-        _P2P,
-    ),  # fmt: skip
-    **dict.fromkeys(
-        (
-            "LMCacheConnectorV1",
-            "LMCacheMPConnector",
-            "OffloadingConnector",
-            "SimpleCPUOffloadConnector",
-            "MooncakeStoreConnector",
-            "FlexKVConnectorV1",
-            "HF3FSKVConnector",
-        ),
-        _TIER,
-    ),  # fmt: skip
-    "MultiConnector": "the rows would have to follow whichever of its connectors served each block",
-    "DecodeBenchConnector": "it fills KV with placeholder values, whose tokens have no routing at all",
-}
+    "run on this project's machines)",
+)  # fmt: skip
 
 
 def scheduler_init_patch(generations: tuple[Generation, ...], remove: str) -> Patch:
@@ -92,7 +75,8 @@ def scheduler_init_patch(generations: tuple[Generation, ...], remove: str) -> Pa
 
 
 def connector_patches(generations: tuple[Generation, ...]) -> tuple[Patch, ...]:
-    """The connector API the scheduler hooks follow (wrapped per connector instance, not replaced)."""
+    """The connector API the scheduler hooks follow (wrapped per connector instance, not replaced). The scheduler's
+    ``reset_prefix_cache``, after which rows held here are dropped, is in the manifest already (``output.engine``)."""
     why = "followed per connector instance: which tokens are loaded, and when a request's KV is stored"
     # Optional in the manifest: needed once a connector is configured (``refuse_uncovered`` checks them then).
     return tuple(
@@ -123,49 +107,68 @@ def connector_name(kv_transfer_config: Any) -> str | None:
     return str(kv_transfer_config.kv_connector)
 
 
-def carries(kv_transfer_config: Any) -> bool:
-    """Whether the plugin carries routing rows with the KV of the configured connector."""
-    return connector_name(kv_transfer_config) in kv_carrier.CARRIERS
+def _named(kv_transfer_config: Any) -> list[str]:
+    """The connector's name, then those ``MultiConnector`` combines (``kv_connector_extra_config["connectors"]``)."""
+    name = connector_name(kv_transfer_config)
+    if name is None:
+        return []
+    extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
+    inner = extra.get("connectors", []) if name == "MultiConnector" and isinstance(extra, dict) else []
+    return [name, *(str(c.get("kv_connector")) for c in inner if isinstance(c, dict))]
+
+
+def serves(kv_transfer_config: Any) -> bool:
+    """Whether routed experts are served with the configured connector (rows carried beside its KV, or held here
+    for the KV this instance computed); not for a connector that hands KV over between instances (``REFUSED``)."""
+    names = _named(kv_transfer_config)
+    return bool(names) and not any(n in REFUSED for n in names)
+
+
+def holds_rows(kv_transfer_config: Any) -> bool:
+    """Whether the scheduler holds the rows itself (``kv_carrier.HeldRowsCarrier``): no carrier writes into this
+    connector's storage."""
+    return serves(kv_transfer_config) and connector_name(kv_transfer_config) not in kv_carrier.CARRIERS
 
 
 def refusal(kv_transfer_config: Any, generation: str, carried_here: bool = True) -> str:
     """Why routed experts are refused with this connector, and what to do instead."""
     name = connector_name(kv_transfer_config)
     role = getattr(kv_transfer_config, "kv_role", None)
-    covered = ", ".join(sorted(kv_carrier.CARRIERS))
     if not carried_here:
         return (
-            f"vllm-ascend-routing: KV connector {name} ({role}) with routed experts is served from vLLM 0.22 on "
-            f"(connectors: {covered}); vLLM's '{generation}' design has no store the rows of loaded tokens could "
-            "be put in, so they would come back as zeros or another request's rows. Use vLLM 0.22 or newer, or "
-            "remove --kv-transfer-config (and --kv-offloading-size), or unset VLLM_ASCEND_ROUTING; see " + DOCS + "."
+            f"vllm-ascend-routing: KV connector {name} ({role}) with routed experts is served from vLLM 0.22 on; "
+            f"vLLM's '{generation}' design has no store the rows of loaded tokens could be put in, so they would "
+            "come back as zeros or another request's rows. Use vLLM 0.22 or newer, or remove --kv-transfer-config "
+            "(and --kv-offloading-size), or unset VLLM_ASCEND_ROUTING; see " + DOCS + "."
         )
-    why = UNCOVERED.get(str(name), "the plugin does not know where it keeps KV, so it cannot keep rows beside it")
+    refused = next(n for n in _named(kv_transfer_config) if n in REFUSED)
+    inside = "" if refused == name else f" (inside {name})"
     return (
-        f"vllm-ascend-routing: KV connector {name} ({role}) is not covered: {why}. Tokens whose KV it loads were "
-        "never computed on this instance, and their routed-experts rows would come back as zeros or as another "
-        f"request's rows. Covered: {covered} (rows stored beside the KV, any role). Use a covered connector, or "
-        "remove --kv-transfer-config (and --kv-offloading-size) for routed-experts rollouts, or unset "
-        f"VLLM_ASCEND_ROUTING (vLLM then refuses routed experts with KV connectors itself); see {DOCS}."
+        f"vllm-ascend-routing: KV connector {refused}{inside} ({role}) is not covered: {REFUSED[refused]}. Tokens "
+        "whose KV it loads were never computed on this instance, and their routed-experts rows would come back as "
+        "zeros or as another request's rows. Served: every other connector (rows carried beside ExampleConnector's "
+        "KV; with offload tiers and cache services, rows of KV this instance computed held in its memory, other KV "
+        "computed here instead). Use such a connector, or remove --kv-transfer-config for routed-experts rollouts, "
+        f"or unset VLLM_ASCEND_ROUTING (vLLM then refuses routed experts with this connector itself); see {DOCS}."
     )
 
 
 def refuse_uncovered(vllm_config: Any, generation: str) -> None:
-    """At model load (every worker): refuse a KV connector whose loaded tokens' rows the plugin cannot carry,
-    naming it; vLLM's own check is lifted only for the covered ones (``carries``)."""
+    """At model load (every worker): refuse a KV connector whose loaded tokens' rows the plugin cannot serve,
+    naming it; vLLM's own check is lifted only for the served ones (``serves``)."""
     config = getattr(vllm_config, "kv_transfer_config", None)
     if connector_name(config) is None:
         return
     from vllm_ascend_routing.compat import get_api
 
     kv_rows = getattr(get_api(), "kv_rows", None)
-    if kv_rows is None or not carries(config):
+    if kv_rows is None or not serves(config):
         raise UnsupportedVllmError(refusal(config, generation, carried_here=kv_rows is not None))
     # The rows for KV connectors are optional in the manifest (an engine without one never needs them): required now.
     missing = [p.target for p in kv_rows.patches if patching.problem(dataclasses.replace(p, required=True))]
     if missing:
         raise UnsupportedVllmError(
-            f"vllm-ascend-routing: KV connector {connector_name(config)} is covered, but this vLLM lacks what the "
+            f"vllm-ascend-routing: KV connector {connector_name(config)} is served, but this vLLM lacks what the "
             f"plugin carries its rows with: {', '.join(missing)}. Remove --kv-transfer-config or unset "
             "VLLM_ASCEND_ROUTING."
         )
@@ -381,17 +384,36 @@ class _Follower:
 
 
 def _follow(scheduler: Any, connector: Any, rows: SchedulerRows) -> None:
+    config = scheduler.vllm_config.kv_transfer_config
+    if not serves(config):  # refused at model load already; a scheduler built another way stops here
+        raise UnsupportedVllmError(refusal(config, "this"))
     name = type(connector).__name__
-    carrier_class = kv_carrier.CARRIERS.get(name)
-    if carrier_class is None:  # refused at model load already; a scheduler built another way stops here
-        raise UnsupportedVllmError(refusal(scheduler.vllm_config.kv_transfer_config, "this"))
+    carrier_class = kv_carrier.CARRIERS.get(str(connector_name(config)))
+    carrier: kv_carrier.Carrier
+    if carrier_class is not None:
+        carrier = carrier_class(connector, rows.layout)
+        where = f"carried beside its KV ({rows.layout} per token)"
+    else:
+        capacity = envs.VLLM_ASCEND_ROUTING_KV_HELD_ROWS_MIB << 20
+        held = kv_carrier.HeldRowsCarrier(name, rows.layout, scheduler.vllm_config.cache_config.block_size, capacity)
+        # around: the scheduler class's reset_prefix_cache is another patch's replacement (output.engine)
+        patching.wrap(scheduler, "reset_prefix_cache", functools.partial(_dropping_held_rows, held=held), around=True)
+        carrier = held
+        where = (
+            f"of KV this instance computed held here (up to {capacity >> 20} MiB, "
+            "VLLM_ASCEND_ROUTING_KV_HELD_ROWS_MIB); KV computed elsewhere is computed here instead"
+        )
     model = validate.ModelRouting.from_vllm_config(scheduler.vllm_config)
-    follower = _Follower(connector, rows, carrier_class(connector, rows.layout), model)
+    follower = _Follower(connector, rows, carrier, model)
     patching.wrap(connector, "get_num_new_matched_tokens", follower.matched)
     patching.wrap(connector, "update_state_after_alloc", follower.allocated)
     patching.wrap(connector, "request_finished", follower.finished)
-    logger.info(
-        "routed experts follow KV connector %s: rows of loaded tokens carried beside its KV (%s per token)",
-        name,
-        rows.layout,
-    )
+    logger.info("routed experts follow KV connector %s: rows of loaded tokens %s", name, where)
+
+
+def _dropping_held_rows(original: Callable[..., Any], held: kv_carrier.HeldRowsCarrier) -> Callable[..., Any]:
+    def reset_prefix_cache(*args: Any, **kwargs: Any) -> Any:
+        held.clear()  # before the reset: a load after it must not find rows of the weights before it
+        return original(*args, **kwargs)
+
+    return reset_prefix_cache

@@ -130,9 +130,10 @@ def test_the_refusal_site_is_the_read_before_vllm_s_message() -> None:
 
 
 @pytest.mark.usefixtures("lifted")
-def test_vllm_s_refusal_is_lifted_for_a_covered_connector_only() -> None:
+def test_vllm_s_refusal_is_lifted_for_a_served_connector_only() -> None:
     config = Config(KvConfig("ExampleConnector"), routed=True)  # vLLM's check passes
     assert config.connector_in_use is True  # every other reader sees vLLM's answer
+    assert Config(KvConfig("OffloadingConnector"), routed=True).connector_in_use is True  # rows held here
     assert KvConfig("ExampleConnector").is_kv_transfer_instance is True
     with pytest.raises(UnsupportedVllmError, match="NixlConnector .kv_consumer. is not covered"):
         Config(KvConfig("NixlConnector"), routed=True)

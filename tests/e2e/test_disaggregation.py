@@ -61,7 +61,7 @@ def test_rows_of_loaded_tokens_are_exact_on_every_role(result: dict[str, Any], g
     assert phases["consumer_loads_kv_both"]["rows_loaded"] == LOADED["C"]  # stored by the kv_both engine
     for name, phase in phases.items():  # each request's routed_experts_info counts the rows its KV hand-over loaded
         assert None not in phase["info_loaded"] and sum(phase["info_loaded"]) == phase["rows_loaded"], (name, phase)
-    for engine in ("sentinel_producer", "sentinel_kv_both", "sentinel_consumer"):
+    for engine in ("sentinel_producer", "sentinel_kv_both", "sentinel_consumer", "sentinel_tier"):
         checked = result[engine]
         assert checked["rows_checked"] > 0 and checked["zero_rows"] == checked["invalid_ids"] == 0, (engine, checked)
     print(
@@ -91,6 +91,23 @@ def test_kv_without_rows_is_computed_here_and_reported(result: dict[str, Any]) -
         f"offers the KV of tokens [0, {declined})" in text and "no routing rows are stored beside that KV" in text
         for text in result["reports"]
     ), result["reports"]
+
+
+def test_a_connector_without_a_carrier_loads_only_kv_computed_here(result: dict[str, Any]) -> None:
+    """An offload tier or cache service (TEST-ONLY stand-in, tests/harness/local_tier_standin.py): set C's KV,
+    stored by the kv_both engine, is computed again here (its rows are not held on this instance); then set C's
+    decode requests load the KV this engine stored, with the rows its scheduler held; after vLLM's prefix-cache
+    reset (a weight update) they are computed again. Every row exact (above)."""
+    if "phases" not in result:
+        pytest.skip("KV connectors refused on this generation")
+    phases = result["phases"]
+    computes, reloads = phases["tier_computes_kv_stored_elsewhere"], phases["tier_reloads_its_own_kv"]
+    assert computes["rows_loaded"] == 0 and computes["rows_declined"] == LOADED["C"], computes
+    assert reloads["rows_loaded"] == LOADED["C"] and reloads["rows_declined"] == 0, reloads
+    assert reloads["cached_tokens"] == [stored(n + 1) for n in pd.SET_C], reloads  # loaded, not a local hit
+    assert result["single"]["C_tier"]["same_rows"] == len(pd.SET_C), result["single"]
+    reset = phases["tier_after_prefix_cache_reset"]
+    assert reset["rows_loaded"] == 0 and reset["rows_declined"] == LOADED["C"], reset
 
 
 def test_an_uncovered_connector_is_refused_by_name(result: dict[str, Any], generation: str) -> None:

@@ -10,7 +10,13 @@ this one process, one after the other (the connector's storage is a folder):
   3. ``consumer`` (kv_consumer), fresh: set A's decode requests (no warm-up: free slots), a warm-up batch (chunked
      prefills: its slots now hold rows), then set B's and set C's decode requests (stale slots), the one whose
      rows were removed among them: that offer is declined and its prompt computed here (chunked);
-  4. ``single``: a plain engine (no connector) runs every prompt as one request of the same length (the single
+  4. ``tier`` (kv_both): a connector the plugin has no carrier for (a TEST-ONLY stand-in,
+     ``local_tier_standin``, for an offload tier or cache service): set C's prompts, whose KV the ``kv_both``
+     engine stored (computed here instead: its rows are not held here), then set C's decode requests, salted so
+     that the local prefix cache finds none of their blocks (as after an eviction), loading the KV this engine
+     stored (its rows held in the scheduler), and once more after ``reset_prefix_cache`` (the held rows dropped:
+     computed here);
+  5. ``single``: a plain engine (no connector) runs every prompt as one request of the same length (the single
      engine each decode request must equal, row for row) and re-prefills each decode request's sequence (the
      re-prefill consistency oracle's independent pass).
 
@@ -46,6 +52,8 @@ SET_A = (3, 65, 97, 300)
 SET_B = (40, 129, 200, 301)  # the last one's rows are removed from the storage
 SET_C = (50, 170)
 WARM_UP = (20, 77, 260, 45)
+# The TEST-ONLY connector without a carrier, by the module vLLM's connector factory imports it from.
+TIER_MODULE = "tests.harness.local_tier_standin"
 
 
 def prompts(lengths: tuple[int, ...], seed: int) -> list[list[int]]:
@@ -71,14 +79,18 @@ def run_disaggregation(arch: str) -> dict[str, Any]:
         shutil.rmtree(storage, ignore_errors=True)
 
 
-def _engine(model: models.TinyMoE, storage: Path | None, role: str, budget: int) -> Any:
+def _engine(model: models.TinyMoE, storage: Path | None, role: str, budget: int, tier: bool = False) -> Any:
+    """An engine with ExampleConnector (``tier``: the stand-in for a connector without a carrier)."""
     from vllm.config import KVTransferConfig
 
     options: dict[str, Any] = {"max_num_batched_tokens": budget, "enable_prefix_caching": True}
     if storage is not None:
         extra = {"shared_storage_path": str(storage)}
         options["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="ExampleConnector", kv_role=role, kv_connector_extra_config=extra
+            kv_connector="LocalTierStandIn" if tier else "ExampleConnector",
+            kv_role=role,
+            kv_connector_extra_config=extra,
+            kv_connector_module_path=TIER_MODULE if tier else None,
         )
     return offline.make_llm(model, enforce_eager=True, block_size=BLOCK_SIZE, **options)
 
@@ -159,9 +171,9 @@ def _disaggregated(model: models.TinyMoE, storage: Path) -> dict[str, Any]:
     phases: dict[str, Any] = out["phases"]
     started = time.monotonic()
 
-    def phase(name: str, llm: Any, batch: list[list[int]], max_tokens: int) -> list[offline.Completion]:
+    def phase(name: str, llm: Any, batch: list[list[int]], max_tokens: int, salt: str = "") -> list[offline.Completion]:
         before = kv_transfer.stats()
-        done = offline.generate(llm, batch, max_tokens)
+        done = offline.generate(llm, batch, max_tokens, cache_salt=salt)
         after = kv_transfer.stats()
         verdict = _verdict(offline.check(reference, model, done))
         verdict["rows_loaded"] = after.rows_loaded - before.rows_loaded
@@ -200,12 +212,23 @@ def _disaggregated(model: models.TinyMoE, storage: Path) -> dict[str, Any]:
     out["reports"] = kv_transfer.first_reports()
     out["removed_rows_file"] = removed
 
+    tier = _engine(model, storage, "kv_both", PREFILL_BUDGET, tier=True)
+    phase("tier_computes_kv_stored_elsewhere", tier, sets["C"], MAX_TOKENS)
+    # Salted: the local prefix cache holds none of it, as after an eviction; the connector's storage (unsalted) does.
+    loaded["C_tier"] = phase("tier_reloads_its_own_kv", tier, decode["C"], MAX_TOKENS - 1, salt="evicted")
+    tier.reset_prefix_cache()  # as RL frameworks do after a weight update: the rows held here are dropped
+    phase("tier_after_prefix_cache_reset", tier, decode["C"], MAX_TOKENS - 1, salt="reset")
+    out["sentinel_tier"] = offline.sentinel_totals(tier)
+    _close(tier)
+
     single = _engine(model, None, "", DECODE_BUDGET)
     out["single"] = {}
     for name, group in sets.items():
         whole = offline.generate(single, group, MAX_TOKENS)
         out["single"][name] = _against_single(whole, loaded[name])
-    out["oracle"] = _oracle(single, [c for name in sets for c in loaded[name]])
+        if name == "C":
+            out["single"]["C_tier"] = _against_single(whole, loaded["C_tier"])
+    out["oracle"] = _oracle(single, [c for name in loaded for c in loaded[name]])
     _close(single)
     out["seconds"] = _since(started)
     return out

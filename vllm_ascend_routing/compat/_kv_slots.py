@@ -108,7 +108,7 @@ class _Property(property):
 
 def _lifting(current: property) -> property:
     """``is_kv_transfer_instance`` as vLLM computes it, except at vLLM's refusal of routed experts with KV
-    connectors: False there for a connector the plugin carries rows for, the plugin's own refusal (naming the
+    connectors: False there for a connector the plugin serves, the plugin's own refusal (naming the
     connector) for any other."""
     fget = current.fget
     assert fget is not None
@@ -119,11 +119,11 @@ def _lifting(current: property) -> property:
         if site is not None:
             caller = sys._getframe(1)
             if caller.f_code is site[0] and caller.f_lineno == site[1]:
-                if not kv_transfer.carries(self):
+                if not kv_transfer.serves(self):
                     raise UnsupportedVllmError(kv_transfer.refusal(self, Generation.RUNNER_OUTPUT.value))
                 logger.info(
                     "vLLM's refusal of routed experts with KV connectors lifted for %s: the rows of loaded tokens "
-                    "are carried with their KV",
+                    "are carried with their KV or held here",
                     kv_transfer.connector_name(self),
                 )
                 return False

@@ -110,16 +110,21 @@ def platform_dtype() -> str:
 
 
 def generate(
-    llm: Any, prompts: list[list[int]], max_tokens: int | list[int] = 8, prompt_start: int = 0
+    llm: Any, prompts: list[list[int]], max_tokens: int | list[int] = 8, prompt_start: int = 0, cache_salt: str = ""
 ) -> list[Completion]:
     """Greedy generation of exactly ``max_tokens`` tokens per prompt (one value, or one per prompt; EOS
-    ignored), in prompt order; ``prompt_start`` > 0 asks vLLM 0.22+ for rows from that prompt token on."""
+    ignored), in prompt order; ``prompt_start`` > 0 asks vLLM 0.22+ for rows from that prompt token on;
+    ``cache_salt``: each prompt salted with it and its index (vLLM's prefix cache then finds none of its blocks)."""
     from vllm import SamplingParams
 
     counts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     start = {"routed_experts_prompt_start": prompt_start} if prompt_start else {}
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **start) for n in counts]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    salted = [
+        {"prompt_token_ids": p, **({"cache_salt": f"{cache_salt}-{i}"} if cache_salt else {})}
+        for i, p in enumerate(prompts)
+    ]
+    outputs = llm.generate(salted, params, use_tqdm=False)
     return [
         Completion(
             list(o.prompt_token_ids),
