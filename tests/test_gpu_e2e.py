@@ -250,6 +250,16 @@ def test_jobs_refuse_an_unknown_dependency(tmp_path: Path) -> None:
 def test_the_cpu_dry_run_leaves_out_only_the_gpu_cases() -> None:
     assert engine_checks.selected(True, None) == [n for n in cases.ALL_CASES if n not in cases.GPU_ONLY]
     assert engine_checks.selected(False, None) == list(cases.ALL_CASES)
+
+
+def test_cases_on_request_run_only_where_named() -> None:
+    """The offload case is a second call's (``--only offload``): the first run's budget and benchmark are unchanged."""
+    assert "offload" not in cases.ALL_CASES and "offload" in cases.KNOWN_CASES
+    assert engine_checks.selected(False, ["offload"]) == engine_checks.selected(True, ["offload"]) == ["offload"]
+    assert device_run.chosen("offload") == (["offload"], False)
+    with pytest.raises(SystemExit, match="unknown cases"):
+        engine_checks.selected(False, ["offloading"])
+    assert cases.verdict("offload", {**good_result("offload"), "offload": {**good_rows(), "tier": False}}, True) == []
     with pytest.raises(SystemExit, match="unknown cases"):
         engine_checks.selected(False, ["nope"])
 
@@ -268,7 +278,13 @@ def good_result(name: str) -> dict[str, Any]:
         **({"preemption": {"rows": 10, "matched": 10, "ok": True, "preemptions": 3}} if case.preempt else {}),
         **({"reload": good_reload()} if case.reload else {}),
         **({"sleep": {**good_reload(), "label": "sleep / wake-up"}} if case.sleep else {}),
-    }
+        **({"offload": {**good_rows(), "loaded": [96, 0, 112, 128], "same_tokens": 4, "tier": True}}
+           if case.offload else {}),
+    }  # fmt: skip
+
+
+def good_rows() -> dict[str, Any]:
+    return {"rows": 90, "matched": 90, "ok": True}
 
 
 def good_reload() -> dict[str, Any]:
@@ -303,6 +319,10 @@ def good_reload() -> dict[str, Any]:
         ("graphs_f32", lambda r: r["reload"]["after_first_moe_layer"].update(matched=100, ok=False),
          "after_first_moe_layer: 100 of 105"),
         ("graphs_f32", lambda r: r["reload"].update(same_tokens=[True, False, True]), "changed the generated tokens"),
+        ("offload", lambda r: r["offload"].update(loaded=[0, 0, 0, 0]), "nothing was loaded through the offload tier"),
+        ("offload", lambda r: r["offload"].update(loaded=[None, 0, 9, 0]), "nothing was loaded through the offload"),
+        ("offload", lambda r: r["offload"].update(same_tokens=3), "tokens after the reload differ: 3 of 4"),
+        ("offload", lambda r: r["offload"].update(matched=80, ok=False), "offload: 10 of 90 rows wrong"),
     ],
 )  # fmt: skip
 def test_verdict_names_each_failure(name: str, change: Any, failure: str) -> None:
