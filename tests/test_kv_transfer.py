@@ -199,6 +199,8 @@ def test_refusals_name_the_connector_and_what_to_do() -> None:
         ("MultiConnector", {"connectors": [{"kv_connector": "NixlConnector"}]}, False, False),
         ("NixlConnector", None, False, False),  # KV handed over between instances: refused
         ("P2pNcclConnector", None, False, False),
+        ("MooncakeConnectorV1", None, False, False),  # vllm-ascend's P/D (tests/ascend/test_kv_connectors.py: all)
+        ("MooncakeConnectorStoreV1", None, True, True),  # vllm-ascend's KV pool: a store
         (None, None, False, False),
     ],
 )

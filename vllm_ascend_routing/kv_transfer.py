@@ -45,21 +45,37 @@ _LOADED = "_vllm_ascend_routing_loaded"  # Request attribute: (first token, coun
 _BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1"
 DOCS = "docs/disaggregation.md"
 
-# Connectors that hand KV from one instance to another over RDMA/NCCL (P/D disaggregation), by the name in
-# --kv-transfer-config: refused. Declining their load is their own path for a full local hit (the sender is told to
-# free its blocks), which no machine of this project can run; vLLM 0.31+ itself refuses Nixl, MoRIIO and Mooncake.
-REFUSED: dict[str, str] = dict.fromkeys(
-    (
-        "NixlConnector",
-        "NixlPullConnector",
-        "NixlPushConnector",
-        "MooncakeConnector",
-        "MoRIIOConnector",
-        "P2pNcclConnector",
+# Connectors that hand KV from one instance to another (P/D disaggregation), by the name in --kv-transfer-config:
+# refused. Declining their load is their own path for a full local hit (the sender is told to free its blocks), which
+# no machine of this project can run; vLLM 0.31+ itself refuses Nixl, MoRIIO and Mooncake. vllm-ascend's are those
+# it registers from its ``kv_p2p`` package (its ``kv_pool`` ones are stores and offload tiers: served).
+REFUSED: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "NixlConnector",
+            "NixlPullConnector",
+            "NixlPushConnector",
+            "MooncakeConnector",
+            "MoRIIOConnector",
+            "P2pNcclConnector",
+        ),
+        "it moves KV between instances over RDMA/NCCL, which the plugin does not carry rows through yet (it cannot "
+        "be run on this project's machines)",
     ),
-    "it moves KV between instances over RDMA/NCCL, which the plugin does not carry rows through yet (it cannot be "
-    "run on this project's machines)",
-)  # fmt: skip
+    **dict.fromkeys(
+        (
+            "MooncakeConnectorV1",
+            "MooncakeConnectorV2",
+            "MooncakePullConnector",
+            "MooncakeD2RHConnectorV1",
+            "MooncakeHybridConnector",
+            "MooncakeLayerwiseConnector",
+            "SfaRemoteD2HConnector",
+        ),
+        "vllm-ascend moves KV between instances with it (P/D over HCCS/RDMA), which the plugin does not carry rows "
+        "through yet (it cannot be run on this project's machines)",
+    ),
+}  # fmt: skip
 
 
 def scheduler_init_patch(generations: tuple[Generation, ...], remove: str) -> Patch:
