@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from vllm_ascend_routing import _cpu_compat, integration, manifest, patching
+from vllm_ascend_routing import _cpu_compat, integration, kv_transfer, manifest, patching
 from vllm_ascend_routing.compat import UnsupportedVllmError, get_api
 from vllm_ascend_routing.output import serving
 from vllm_ascend_routing.patching import RELY, Patch, resolve
@@ -20,6 +20,27 @@ from vllm_ascend_routing.preflight import findings
 from vllm_ascend_routing.releases import Generation, generation_of
 
 pytestmark = pytest.mark.vllm
+
+# vLLM's KV connectors reviewed as stores, offload tiers or connectors that load nothing from another instance: served
+# (rows of KV the instance computed held in its scheduler; ExampleConnector's carried beside its KV). A connector a
+# later vLLM adds fails test_every_kv_connector_this_vllm_registers_is_classified until it is put here or in
+# kv_transfer.REFUSED (it hands KV between instances).
+SERVED_CONNECTORS = frozenset(
+    {
+        "ExampleConnector",
+        "ExampleHiddenStatesConnector",
+        "LMCacheConnectorV1",
+        "LMCacheMPConnector",
+        "MultiConnector",
+        "HiSparseConnector",
+        "OffloadingConnector",
+        "DecodeBenchConnector",
+        "MooncakeStoreConnector",
+        "FlexKVConnectorV1",
+        "SimpleCPUOffloadConnector",
+        "HF3FSKVConnector",
+    }
+)
 
 
 def test_silu_entry_replaced_and_callable_outside_config_context() -> None:
@@ -192,3 +213,15 @@ def test_doctor_lists_every_verified_target() -> None:
         assert any(line.strip().endswith(patch.target + relied) for line in lines), patch.target
     required_ok = [line for line in lines if line.strip().startswith("ok ")]
     assert len(required_ok) >= sum(patch.required for patch in _vllm_rows())
+
+
+def test_every_kv_connector_this_vllm_registers_is_classified() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    registered = set(KVConnectorFactory._registry)
+    assert registered, "vLLM's KV connector registry is empty"
+    unclassified = registered - SERVED_CONNECTORS - set(kv_transfer.REFUSED)
+    assert not unclassified, f"KV connectors neither served nor refused: {sorted(unclassified)}"
+    for name in registered:
+        config = type("KVTransferConfig", (), {"kv_connector": name, "kv_role": "kv_both"})
+        assert kv_transfer.serves(config) is (name in SERVED_CONNECTORS), name
