@@ -278,7 +278,8 @@ def good_result(name: str) -> dict[str, Any]:
         **({"preemption": {"rows": 10, "matched": 10, "ok": True, "preemptions": 3}} if case.preempt else {}),
         **({"reload": good_reload()} if case.reload else {}),
         **({"sleep": {**good_reload(), "label": "sleep / wake-up"}} if case.sleep else {}),
-        **({"offload": {**good_rows(), "loaded": [96, 0, 112, 128], "same_tokens": 4, "tier": True}}
+        **({"offload": {**good_rows(), "loaded": [96, 0, 112, 128], "same_tokens": 4, "tier": True,
+                        "next_turn_loaded": [128, 112, 0, 144], "next_turn_past_answer": 2}}
            if case.offload else {}),
     }  # fmt: skip
 
@@ -323,6 +324,7 @@ def good_reload() -> dict[str, Any]:
         ("offload", lambda r: r["offload"].update(loaded=[None, 0, 9, 0]), "nothing was loaded through the offload"),
         ("offload", lambda r: r["offload"].update(same_tokens=3), "tokens after the reload differ: 3 of 4"),
         ("offload", lambda r: r["offload"].update(matched=80, ok=False), "offload: 10 of 90 rows wrong"),
+        ("offload", lambda r: r["offload"].update(next_turn_past_answer=0), "no next turn loaded its answer's rows"),
     ],
 )  # fmt: skip
 def test_verdict_names_each_failure(name: str, change: Any, failure: str) -> None:

@@ -214,3 +214,18 @@ def test_held_rows_of_other_tokens_are_never_returned_even_under_one_key(monkeyp
     carrier.put(held_request(list(range(10, 18))), rows(8))
     assert isinstance(carrier.get(held_request(list(range(10, 18))), 0, 8), np.ndarray)
     assert isinstance(carrier.get(held_request(list(range(20, 28))), 0, 8), Missing)
+
+
+def test_held_rows_of_generated_tokens_serve_the_next_turn() -> None:
+    """A finished request's rows past its prompt (where the generation's store gives them) are keyed by its whole
+    sequence: the next turn's prompt repeats prompt and answer, and a load of their KV gets those rows."""
+    carrier = held()
+    prompt, answer = list(range(10, 17)), [40, 41, 42, 43, 44]  # 7 prompt tokens, 5 generated
+    finished = SimpleNamespace(request_id="t1", prompt_token_ids=prompt, all_token_ids=prompt + answer, mm_features=[])
+    assert carrier.put(finished, rows(11)) == 11  # every token but the last generated one
+    next_turn = held_request(prompt + answer + [7, 8, 9])
+    got = carrier.get(next_turn, 0, 11)
+    assert isinstance(got, np.ndarray) and np.array_equal(got, rows(11))
+    assert isinstance(carrier.get(next_turn, 0, 12), Missing)  # the last generated token: no row was computed
+    other_answer = held_request(prompt + [40, 41, 0, 43, 44, 7])
+    assert isinstance(carrier.get(other_answer, 0, 11), Missing)

@@ -76,7 +76,7 @@ class StandInRows:
         self.prompts: dict[str, np.ndarray] = {}
         self.forgotten: list[str] = []
 
-    def prompt_rows(self, request: Any, block_ids: Any) -> np.ndarray | None:
+    def finished_rows(self, request: Any, block_ids: Any) -> np.ndarray | None:
         return self.prompts.get(request.request_id)
 
     def inject(self, request: Any, blocks: Any, start: int, carried: np.ndarray) -> None:

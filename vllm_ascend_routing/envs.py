@@ -91,7 +91,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Use the PyTorch reference of record_topk_ids even where a native kernel is built.
     "VLLM_ASCEND_ROUTING_FORCE_REFERENCE": _bool("VLLM_ASCEND_ROUTING_FORCE_REFERENCE"),
     # With a KV connector the plugin has no carrier for (an offload tier, a cache service): how much memory each
-    # scheduler may hold the rows of prompts computed on its instance in, so that loads of their KV are served
+    # scheduler may hold the rows of requests computed on its instance in, so that loads of their KV are served
     # (kv_carrier.HeldRowsCarrier; least recently used dropped first; 0: every such load is computed instead).
     "VLLM_ASCEND_ROUTING_KV_HELD_ROWS_MIB": _mebibytes("VLLM_ASCEND_ROUTING_KV_HELD_ROWS_MIB", 256),
     # ---- build (read by setup.py) ----

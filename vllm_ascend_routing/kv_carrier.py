@@ -11,9 +11,10 @@ One carrier per connector whose storage the plugin writes into (``CARRIERS``, by
     connector stored the KV, when the request finishes (its rows are complete then); read by the scheduler of an
     instance whose connector offers that KV, before it loads it.
   * any other served connector (an offload tier, a cache service, a custom connector: storage the plugin cannot
-    write into): the rows of prompts computed on this instance are held in the scheduler's memory, keyed by their
-    token ids block by block. A load of KV this instance computed (offloaded, evicted, then restored) gets them;
-    KV another instance computed finds none, and is computed here instead.
+    write into): the rows of requests computed on this instance (prompts, and on vLLM 0.22-0.30 their generated
+    tokens) are held in the scheduler's memory, keyed by their token ids block by block. A load of KV this
+    instance computed (offloaded, evicted, then restored) gets them; KV another instance computed finds none, and
+    is computed here instead.
 
 A carrier never guesses: rows are returned only for exactly the tokens asked, stored with those very token ids,
 in this engine's layout; anything else is ``Missing`` with the reason, and the caller computes those tokens
@@ -89,10 +90,10 @@ class Carrier(Protocol):
 
     connector: str
 
-    def put(self, request: Any, prompt_rows: np.ndarray) -> int:
-        """Store the rows of the request's prompt tokens (``prompt_rows[i]``: token ``i``) beside the KV its
-        connector stored for it; returns how many rows were stored (0: the connector stored no KV for it, or
-        they are stored already)."""
+    def put(self, request: Any, rows: np.ndarray) -> int:
+        """Store the rows of the request's tokens from token 0 on (``rows[i]``: token ``i``; the prompt's, then
+        possibly generated tokens') beside the KV its connector stored for it; returns how many rows were stored
+        (0: the connector stored no KV for it, or they are stored already)."""
 
     def get(self, request: Any, start: int, count: int) -> np.ndarray | Missing:
         """The rows of the request's prompt tokens ``[start, start + count)``, whose KV the connector offers."""
@@ -123,16 +124,16 @@ class SharedStorageCarrier:
         mm_hashes = [feature.identifier for feature in getattr(request, "mm_features", None) or []]
         return str(self._connector._generate_foldername_debug(tokens, mm_hashes, create_folder=False))
 
-    def put(self, request: Any, prompt_rows: np.ndarray) -> int:
+    def put(self, request: Any, rows: np.ndarray) -> int:
         prompt = list(request.prompt_token_ids or [])
-        stored = self._align(len(prompt), self._block_size)  # the tokens whose KV the connector stores
-        if stored <= 0 or len(prompt_rows) < stored:
+        stored = self._align(len(prompt), self._block_size)  # the prompt tokens whose KV the connector stores
+        if stored <= 0 or len(rows) < stored:
             return 0
         folder = self._folder(request, stored)
         path = os.path.join(folder, ROWS_FILE)
         if not os.path.isdir(folder) or os.path.exists(path):
             return 0  # no KV stored for this prompt here, or its rows are there already
-        _write(path, np.asarray(prompt[:stored], dtype=np.int64), prompt_rows[:stored], self.layout)
+        _write(path, np.asarray(prompt[:stored], dtype=np.int64), rows[:stored], self.layout)
         return stored
 
     def get(self, request: Any, start: int, count: int) -> np.ndarray | Missing:
@@ -163,8 +164,9 @@ class _Held:
 
 
 class HeldRowsCarrier:
-    """Rows of prompts computed on this instance, held in this scheduler's memory for a connector whose storage the
-    plugin cannot write into. Keys chain SHA-256 over the prompt's token ids block by block (seeded with the model's
+    """Rows of requests computed on this instance (their prompts', and their generated tokens' where the generation's
+    store gives them), held in this scheduler's memory for a connector whose storage the plugin cannot write into.
+    Keys chain SHA-256 over the token ids block by block (seeded with the model's
     other inputs: the LoRA adapter, multimodal inputs; a cache salt changes no row), so a block's rows are found
     only with every token before it the same; each held piece also keeps its token ids, compared again on reading.
     At most ``capacity`` bytes (rows and token ids); the least recently used pieces go first. ``clear`` drops all
@@ -194,15 +196,18 @@ class HeldRowsCarrier:
             pieces.append((parent, key, first, last))
         return pieces
 
-    def put(self, request: Any, prompt_rows: np.ndarray) -> int:
-        tokens = np.asarray(list(request.prompt_token_ids or []), dtype=np.int64)
-        end = min(len(tokens), len(prompt_rows))
+    def put(self, request: Any, rows: np.ndarray) -> int:
+        # The generated tokens' rows too, where given: a later turn's prompt repeats them, and an offload tier
+        # keeps their KV.
+        sequence = getattr(request, "all_token_ids", None)
+        tokens = np.asarray(list((request.prompt_token_ids if sequence is None else sequence) or []), dtype=np.int64)
+        end = min(len(tokens), len(rows))
         stored = 0
         for _, key, first, last in self._keys(request, tokens, end):
             if key in self._held:
                 self._held.move_to_end(key)
                 continue
-            piece = _Held(tokens[first:last].copy(), np.ascontiguousarray(prompt_rows[first:last]))
+            piece = _Held(tokens[first:last].copy(), np.ascontiguousarray(rows[first:last]))
             self._held[key] = piece
             self.held_bytes += piece.tokens.nbytes + piece.rows.nbytes
             stored += last - first

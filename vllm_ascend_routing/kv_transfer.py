@@ -13,8 +13,9 @@ can carry rows beside (``kv_carrier.CARRIERS``; every other connector is refused
     tokens here (exact rows, at the cost of their prefill), and the request and tokens are reported;
   * ``update_state_after_alloc``: the tokens vLLM will load get their carried rows in this generation's store
     (``SchedulerRows.inject``: the slot buffer, or the AuxOutput block store), before any read of them;
-  * ``request_finished``: the rows of a finished request's prompt go beside the KV its connector stored
-    (``Carrier.put``), whatever the role (a ``kv_both`` instance stores and loads);
+  * ``request_finished``: the rows of a finished request (its prompt's; the held carrier also keeps its generated
+    tokens' where the generation's store has them) go beside the KV its connector stored (``Carrier.put``), whatever
+    the role (a ``kv_both`` instance stores and loads);
   * ``Scheduler.reset_prefix_cache`` (held rows only): everything held is dropped first.
 
 ``loaded_rows(request)`` / ``loaded_span(request)`` tell, per request, how many rows (from which token) were
@@ -42,6 +43,7 @@ from vllm_ascend_routing.releases import Generation
 logger = get_logger(__name__)
 
 _LOADED = "_vllm_ascend_routing_loaded"  # Request attribute: (first token, count) of the rows loaded
+_HELD = "_vllm_ascend_routing_held_rows"  # Scheduler attribute: its kv_carrier.HeldRowsCarrier
 _BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1"
 DOCS = "docs/disaggregation.md"
 
@@ -198,8 +200,9 @@ class SchedulerRows(Protocol):
 
     layout: RowLayout
 
-    def prompt_rows(self, request: Any, block_ids: Any) -> np.ndarray | None:
-        """The rows of a finished request's prompt tokens, ``[num_prompt_tokens, L, K]`` (``None``: unknown)."""
+    def finished_rows(self, request: Any, block_ids: Any) -> np.ndarray | None:
+        """The rows of a finished request's tokens from token 0 on, ``[n, L, K]``: its prompt, then (where the
+        store keeps them) its generated tokens but the last (``None``: unknown)."""
 
     def inject(self, request: Any, blocks: Any, start: int, rows: np.ndarray) -> None:
         """Make ``rows`` the rows of the request's tokens ``[start, start + len(rows))``, which vLLM loads."""
@@ -249,6 +252,12 @@ def loaded_span(request: Any) -> tuple[int, int] | None:
     or ``None``. Rows of those tokens were computed on the instance that stored the KV; the others here."""
     span = getattr(request, _LOADED, None)
     return None if span is None else (int(span[0]), int(span[1]))
+
+
+def held_rows(scheduler: Any) -> kv_carrier.HeldRowsCarrier | None:
+    """The rows a scheduler holds for its connector (``None``: its connector has a carrier of its own, or none)."""
+    held: kv_carrier.HeldRowsCarrier | None = getattr(scheduler, _HELD, None)
+    return held
 
 
 def loaded_rows(request: Any) -> int:
@@ -356,7 +365,7 @@ class _Follower:
         # Only once the prompt was computed and its output processed: every prompt row is in the store then.
         if int(getattr(request, "num_output_tokens", 0) or 0) <= 0:
             return
-        rows = self.rows.prompt_rows(request, block_ids)
+        rows = self.rows.finished_rows(request, block_ids)
         if rows is None:
             return
         checked = self._checked(rows, request.request_id, 0, "computed for its prompt")
@@ -414,6 +423,7 @@ def _follow(scheduler: Any, connector: Any, rows: SchedulerRows) -> None:
         held = kv_carrier.HeldRowsCarrier(name, rows.layout, scheduler.vllm_config.cache_config.block_size, capacity)
         # around: the scheduler class's reset_prefix_cache is another patch's replacement (output.engine)
         patching.wrap(scheduler, "reset_prefix_cache", functools.partial(_dropping_held_rows, held=held), around=True)
+        setattr(scheduler, _HELD, held)
         carrier = held
         where = (
             f"of KV this instance computed held here (up to {capacity >> 20} MiB, "

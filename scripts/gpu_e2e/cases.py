@@ -93,7 +93,7 @@ CASES = {
              "CUDA graphs, vLLM's CPU KV offload (--kv-offloading-size: OffloadingConnector), a KV cache of 768 "
              "tokens: prompts evicted from it come back through the offload tier with the rows the plugin held",
              gpu={"max_model_len": 512, "num_gpu_blocks_override": 48, "kv_offloading_size": 0.25},
-             cpu={"max_model_len": 512, "num_gpu_blocks_override": 6}, offload=True, expect_async=True),
+             cpu={"max_model_len": 512, "num_gpu_blocks_override": 8}, offload=True, expect_async=True),
     )
 }  # fmt: skip
 SPEC_CASE, BENCH_CASE = "ngram", "bench"
@@ -159,21 +159,31 @@ def preemption_part(llm: Any, arch: str, dtype: str) -> dict[str, Any]:
 def offload_part(llm: Any, arch: str, dtype: str, cpu: bool) -> dict[str, Any]:
     """Four prompts, then four others that take their place in the engine's KV cache (768 tokens: the first four's
     blocks are evicted), then the first four again: their KV comes back from vLLM's CPU offload tier, and the rows of
-    those tokens from what the plugin held when they were first computed (kv_carrier.HeldRowsCarrier). Every row of
-    both runs against the reference; ``loaded`` (each request's ``routed_experts_info``) must show rows loaded. The CPU
-    build runs no offload tier: there the part checks its rows only (nothing is loaded)."""
+    those tokens from what the plugin held when they were first computed (kv_carrier.HeldRowsCarrier). Then, after
+    another eviction, each first prompt's next turn (prompt, its answer, more tokens): the tier's blocks now reach
+    into the answer, whose rows the plugin held too (vLLM 0.22-0.30). Every row against the reference; ``loaded``
+    (each request's ``routed_experts_info``) must show rows loaded, past the answer's first token in the next turn.
+    The CPU build runs no offload tier: there the part checks its rows only (nothing is loaded)."""
     from vllm_ascend_routing.preflight import models, offline, scenarios
 
     model = models.build_tiny_moe(arch, scenarios.model_dir() / arch)
     reference = offline.reference_for(model)
-    prompts = models.mixed_prompts(4, seed=31, min_len=120, max_len=150)
-    first = offline.generate(llm, prompts, 8)
-    flood = offline.generate(llm, models.mixed_prompts(4, seed=32, min_len=120, max_len=150), 8)
+    prompts = models.mixed_prompts(4, seed=31, min_len=100, max_len=120)
+    first = offline.generate(llm, prompts, 24)
+    flood = offline.generate(llm, models.mixed_prompts(4, seed=32, min_len=100, max_len=120), 8)
     again = offline.generate(llm, prompts, 8)
-    part = scenarios._verdict(offline.check(reference, model, first + flood + again, dtype=dtype))
+    flood += offline.generate(llm, models.mixed_prompts(4, seed=33, min_len=100, max_len=120), 8)
+    extra = models.mixed_prompts(1, seed=34, min_len=16, max_len=16)[0]
+    turns = offline.generate(llm, [c.prompt_ids + c.output_ids + extra for c in first], 8)
+    part = scenarios._verdict(offline.check(reference, model, first + flood + again + turns, dtype=dtype))
     part["loaded"] = [None if c.info is None else c.info.get("loaded") for c in again]
     part["cached_tokens"] = [c.num_cached_tokens for c in again]
-    part["same_tokens"] = sum(a.output_ids == b.output_ids for a, b in zip(first, again, strict=True))
+    part["same_tokens"] = sum(a.output_ids[:8] == b.output_ids for a, b in zip(first, again, strict=True))
+    part["next_turn_loaded"] = [None if c.info is None else c.info.get("loaded") for c in turns]
+    part["next_turn_past_answer"] = sum(  # requests whose loaded tokens reach into their answer (not a local hit)
+        c.info is not None and c.info.get("loaded", 0) > 0 and c.info.get("cached", 0) + c.info["loaded"] > len(p)
+        for c, p in zip(turns, prompts, strict=True)
+    )
     part["tier"] = not cpu
     return {"offload": part}
 
@@ -304,6 +314,11 @@ def verdict(name: str, result: dict[str, Any], cpu: bool) -> list[str]:
             failures.append(f"nothing was loaded through the offload tier (routed_experts_info loaded: {loaded})")
         if offload.get("same_tokens") != len(loaded):
             failures.append(f"tokens after the reload differ: {offload.get('same_tokens')} of {len(loaded)} the same")
+        if not offload.get("next_turn_past_answer"):
+            failures.append(
+                "no next turn loaded its answer's rows through the offload tier "
+                f"(loaded: {offload.get('next_turn_loaded')})"
+            )
     if "preemption" in result and not result["preemption"].get("preemptions"):
         failures.append("the preemption batch preempted nothing")
     spec = result.get("spec_decode")

@@ -72,14 +72,17 @@ def test_a_preempted_request_s_rows_leave_the_slots_to_their_next_owner() -> Non
     assert manager.routed_experts_by_slot[21, 0, 0] == 6 and store.pending == {}
 
 
-def test_prompt_rows_are_read_from_the_request_blocks() -> None:
+def test_a_finished_request_s_rows_are_read_from_its_blocks_all_but_the_last_token() -> None:
     manager = SlotManager()
     store = _kv_slots._SlotStore(manager)
-    manager.store_batch(rows(6, 3), np.array([12, 13, 14, 15, 4, 5]))
-    request = SimpleNamespace(request_id="r", num_prompt_tokens=6)
-    assert np.array_equal(store.prompt_rows(request, [3, 1]), rows(6, 3))  # one KV group: a list
-    assert np.array_equal(store.prompt_rows(request, ([3, 1],)), rows(6, 3))  # all groups: a tuple
-    assert store.prompt_rows(request, [3]) is None  # blocks short of the prompt: unknown
+    manager.store_batch(rows(7, 3), np.array([12, 13, 14, 15, 4, 5, 6]))
+    manager.store_batch(rows(1, 9), np.array([7]))  # the last token's slot: no forward computed it for this request
+    request = SimpleNamespace(request_id="r", num_prompt_tokens=6, num_tokens=8)  # 6 prompt, 2 generated tokens
+    assert np.array_equal(store.finished_rows(request, [3, 1]), rows(7, 3))  # one KV group: a list
+    assert np.array_equal(store.finished_rows(request, ([3, 1],)), rows(7, 3))  # all groups: a tuple
+    assert store.finished_rows(request, [3]) is None  # blocks short of the tokens: unknown
+    prompt_only = SimpleNamespace(request_id="p", num_prompt_tokens=6, num_tokens=6)
+    assert np.array_equal(store.finished_rows(prompt_only, [3, 1]), rows(6, 3))
     assert store.layout == _kv_slots.RowLayout(3, 2, "uint8")
 
 
@@ -167,11 +170,11 @@ def test_the_aux_store_keeps_prompt_rows_and_sends_carried_rows_with_the_step() 
     later = SimpleNamespace(token_start=5, rows=rows(1, 4))
     assert aux.take_output(request, {"r": SimpleNamespace(token_start=0, rows=rows(6, 2))}) is not None
     aux.take_output(request, {"r": later})  # a later chunk: not the prompt's
-    assert np.array_equal(store.prompt_rows(request, None), rows(5, 2))
+    assert np.array_equal(store.finished_rows(request, None), rows(5, 2))
     # rows from token 3 on, however many, are not the prompt's: kept only from an output starting at token 0
     short = SimpleNamespace(request_id="s", num_prompt_tokens=2)
     aux.take_output(short, {"s": SimpleNamespace(token_start=3, rows=rows(4, 6))})
-    assert store.prompt_rows(short, None) is None
+    assert store.finished_rows(short, None) is None
     store.inject(request, None, 4, rows(4, 1))
     idle = aux.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"x": 1}), {})
     assert not hasattr(idle, _kv_aux._CARRIED)  # not scheduled yet: kept for its step
@@ -179,7 +182,7 @@ def test_the_aux_store_keeps_prompt_rows_and_sends_carried_rows_with_the_step() 
     carried = getattr(step, _kv_aux._CARRIED)
     assert list(carried) == ["r"] and carried["r"][0] == 4 and np.array_equal(carried["r"][1], rows(4, 1))
     store.forget("r")
-    assert store.prompt_rows(request, None) is None and store.carried == {}
+    assert store.finished_rows(request, None) is None and store.carried == {}
 
 
 def test_the_aux_store_wraps_around_the_per_request_options_on_the_connector_class() -> None:
@@ -196,7 +199,7 @@ def test_the_aux_store_wraps_around_the_per_request_options_on_the_connector_cla
     store = _kv_aux._BlockStore(aux, aux_config())
     request = SimpleNamespace(request_id="r", num_prompt_tokens=5)
     assert aux.take_output(request, {"r": SimpleNamespace(token_start=0, rows=rows(6, 2))}) is not None
-    assert np.array_equal(store.prompt_rows(request, None), rows(5, 2))
+    assert np.array_equal(store.finished_rows(request, None), rows(5, 2))
     store.inject(request, None, 4, rows(4, 1))
     step = aux.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r": 3}), {"r": request})
     assert list(getattr(step, _kv_aux._CARRIED)) == ["r"]

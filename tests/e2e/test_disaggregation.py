@@ -93,7 +93,7 @@ def test_kv_without_rows_is_computed_here_and_reported(result: dict[str, Any]) -
     ), result["reports"]
 
 
-def test_a_connector_without_a_carrier_loads_only_kv_computed_here(result: dict[str, Any]) -> None:
+def test_a_connector_without_a_carrier_loads_only_kv_computed_here(result: dict[str, Any], generation: str) -> None:
     """An offload tier or cache service (TEST-ONLY stand-in, tests/harness/local_tier_standin.py): set C's KV,
     stored by the kv_both engine, is computed again here (its rows are not held on this instance); then set C's
     decode requests load the KV this engine stored, with the rows its scheduler held; after vLLM's prefix-cache
@@ -106,6 +106,10 @@ def test_a_connector_without_a_carrier_loads_only_kv_computed_here(result: dict[
     assert reloads["rows_loaded"] == LOADED["C"] and reloads["rows_declined"] == 0, reloads
     assert reloads["cached_tokens"] == [stored(n + 1) for n in pd.SET_C], reloads  # loaded, not a local hit
     assert result["single"]["C_tier"]["same_rows"] == len(pd.SET_C), result["single"]
+    held = result["tier_held"]  # what the scheduler holds, against the arrays the engine returned
+    assert held["prompt_held"] == held["requests"] == len(pd.SET_C), held
+    whole = held["requests"] if generation == "runner-output" else 0  # 0.31+ holds prompts only
+    assert held["whole_sequence_held"] == whole, held
     reset = phases["tier_after_prefix_cache_reset"]
     assert reset["rows_loaded"] == 0 and reset["rows_declined"] == LOADED["C"], reset
 

@@ -34,6 +34,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -216,6 +217,7 @@ def _disaggregated(model: models.TinyMoE, storage: Path) -> dict[str, Any]:
     phase("tier_computes_kv_stored_elsewhere", tier, sets["C"], MAX_TOKENS)
     # Salted: the local prefix cache holds none of it, as after an eviction; the connector's storage (unsalted) does.
     loaded["C_tier"] = phase("tier_reloads_its_own_kv", tier, decode["C"], MAX_TOKENS - 1, salt="evicted")
+    out["tier_held"] = _held_against_returned(tier, loaded["C_tier"])
     tier.reset_prefix_cache()  # as RL frameworks do after a weight update: the rows held here are dropped
     phase("tier_after_prefix_cache_reset", tier, decode["C"], MAX_TOKENS - 1, salt="reset")
     out["sentinel_tier"] = offline.sentinel_totals(tier)
@@ -232,6 +234,27 @@ def _disaggregated(model: models.TinyMoE, storage: Path) -> dict[str, Any]:
     _close(single)
     out["seconds"] = _since(started)
     return out
+
+
+def _held_against_returned(llm: Any, done: list[offline.Completion]) -> dict[str, Any]:
+    """What the in-process scheduler holds for each finished request (prompt and generated tokens but the last),
+    against the array the engine returned for it: the whole sequence's rows on 0.22-0.30 (the slot buffer gives
+    them), the prompt's on 0.31+."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    held = kv_transfer.held_rows(scheduler)
+    if held is None:
+        return {"held": None}
+    whole = prompt = 0
+    for c in done:
+        returned = c.routed_experts
+        assert returned is not None, "the engine returned no routed experts"
+        sequence = c.prompt_ids + c.output_ids[:-1]
+        stand_in = SimpleNamespace(request_id="held-check", prompt_token_ids=sequence, mm_features=[])
+        rows = held.get(stand_in, 0, len(sequence))
+        whole += int(isinstance(rows, np.ndarray) and np.array_equal(rows, returned))
+        rows = held.get(stand_in, 0, len(c.prompt_ids))
+        prompt += int(isinstance(rows, np.ndarray) and np.array_equal(rows, returned[: len(c.prompt_ids)]))
+    return {"requests": len(done), "whole_sequence_held": whole, "prompt_held": prompt, "bytes": held.held_bytes}
 
 
 def _remove_rows(storage: Path, decode_prompt: list[int]) -> bool:

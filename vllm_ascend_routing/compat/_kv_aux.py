@@ -137,7 +137,9 @@ class _BlockStore:
     def inject(self, request: Any, blocks: Any, start: int, rows: np.ndarray) -> None:
         self.carried[request.request_id] = (start, rows)
 
-    def prompt_rows(self, request: Any, block_ids: Any) -> np.ndarray | None:
+    def finished_rows(self, request: Any, block_ids: Any) -> np.ndarray | None:
+        """The prompt's only: the generated tokens' reach the scheduler a chunk per output, and keeping them per
+        request would hold every running request's rows twice."""
         return self.prompts.get(request.request_id)
 
     def forget(self, request_id: str) -> None:

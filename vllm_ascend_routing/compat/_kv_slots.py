@@ -184,12 +184,15 @@ class _SlotStore:
         self.manager.routed_experts_by_slot[slots] = rows
         self.pending[request.request_id] = (request, start + len(rows), slots, rows)
 
-    def prompt_rows(self, request: Any, block_ids: Any) -> np.ndarray | None:
+    def finished_rows(self, request: Any, block_ids: Any) -> np.ndarray | None:
+        """Every token's but the last (whose KV no forward computed): the prompt's and the generated tokens', as
+        vLLM reads them for the request's output. The step that computed the last of them has ended (it sampled
+        the last token), also under async scheduling."""
         ids = block_ids[self.manager.attn_gid] if isinstance(block_ids, tuple) else block_ids
-        num_prompt = int(request.num_prompt_tokens)
-        if len(ids) * int(self.manager.block_size) < num_prompt:
+        count = max(int(request.num_prompt_tokens), int(request.num_tokens) - 1)
+        if len(ids) * int(self.manager.block_size) < count:
             return None
-        return np.asarray(self.manager.get(list(ids), num_prompt))
+        return np.asarray(self.manager.get(list(ids), count))
 
     def forget(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
