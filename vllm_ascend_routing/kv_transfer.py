@@ -368,7 +368,7 @@ class _Follower:
         rows = self.rows.finished_rows(request, block_ids)
         if rows is None:
             return
-        checked = self._checked(rows, request.request_id, 0, "computed for its prompt")
+        checked = self._checked(rows, request.request_id, 0, "computed for it")
         if isinstance(checked, Missing):
             return
         _count(rows_stored=self.carrier.put(request, checked))
