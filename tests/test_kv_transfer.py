@@ -304,6 +304,8 @@ def test_a_connector_without_a_carrier_serves_the_rows_this_instance_computed(
     scheduler.vllm_config = config  # type: ignore[attr-defined]
     connector, store = OfferingConnector({"tier": 8, "elsewhere": 8}), StandInRows()
     kv_transfer._follow(scheduler, connector, store)
+    held = kv_transfer.held_rows(scheduler)
+    assert held is not None and held.capacity == 1 << 20  # VLLM_ASCEND_ROUTING_KV_HELD_ROWS_MIB=1
 
     def prompt_request(request_id: str, prompt: list[int], outputs: int = 0) -> Any:
         return SimpleNamespace(

@@ -156,8 +156,8 @@ class SharedStorageCarrier:
 
 @dataclass(frozen=True)
 class _Held:
-    """One held piece of a prompt: the token ids of one block (or of the prompt's last, partial block) and their
-    rows; ``key`` names the block and every token before it."""
+    """One held piece of a request's tokens: the token ids of one block (or of the last, partial block) and their
+    rows; its key in the carrier names the block and every token before it."""
 
     tokens: np.ndarray
     rows: np.ndarray
@@ -166,9 +166,9 @@ class _Held:
 class HeldRowsCarrier:
     """Rows of requests computed on this instance (their prompts', and their generated tokens' where the generation's
     store gives them), held in this scheduler's memory for a connector whose storage the plugin cannot write into.
-    Keys chain SHA-256 over the token ids block by block (seeded with the model's
-    other inputs: the LoRA adapter, multimodal inputs; a cache salt changes no row), so a block's rows are found
-    only with every token before it the same; each held piece also keeps its token ids, compared again on reading.
+    Keys chain SHA-256 over the token ids block by block (seeded with the model's other inputs: the LoRA adapter,
+    multimodal inputs; a cache salt changes no row), so a block's rows are found only with every token before it the
+    same; each held piece also keeps its token ids, compared again on reading.
     At most ``capacity`` bytes (rows and token ids); the least recently used pieces go first. ``clear`` drops all
     (vLLM's prefix cache reset: weights may have changed since the rows were computed)."""
 

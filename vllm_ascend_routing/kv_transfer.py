@@ -413,10 +413,9 @@ def _follow(scheduler: Any, connector: Any, rows: SchedulerRows) -> None:
     if not serves(config):  # refused at model load already; a scheduler built another way stops here
         raise UnsupportedVllmError(refusal(config, "this"))
     name = type(connector).__name__
-    carrier_class = kv_carrier.CARRIERS.get(str(connector_name(config)))
     carrier: kv_carrier.Carrier
-    if carrier_class is not None:
-        carrier = carrier_class(connector, rows.layout)
+    if not holds_rows(config):
+        carrier = kv_carrier.CARRIERS[str(connector_name(config))](connector, rows.layout)
         where = f"carried beside its KV ({rows.layout} per token)"
     else:
         capacity = envs.VLLM_ASCEND_ROUTING_KV_HELD_ROWS_MIB << 20
