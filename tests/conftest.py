@@ -23,6 +23,8 @@ RESOURCES = {
     "ascend": lambda: bool(envs.VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC) and importlib.util.find_spec("vllm") is not None,
     # Ray, for the Ray executor tests: not a dependency of vLLM's CPU wheels, added to a release's venv on request.
     "ray": lambda: importlib.util.find_spec("ray") is not None,
+    # NIXL, for the NIXL P/D test: not a dependency of vLLM's CPU wheels, added to a release's venv on request.
+    "nixl": lambda: importlib.util.find_spec("nixl") is not None,
     # Triton, for its kernel (ops/_triton.py): in its interpreter on the CPU, on a GPU through the op.
     "triton": lambda: importlib.util.find_spec("triton") is not None,
     # A native build (vllm_ascend_routing._C): its C++ CPU kernel serves the CPU (make test-native-cpu builds one).
@@ -41,6 +43,7 @@ RESOURCES = {
 # Why a test is skipped when its resource is missing (default: "needs NAME, not available here").
 SKIP_REASONS = {
     "ray": "ray not installed (scripts/venv.py RELEASE --with ray)",
+    "nixl": "nixl not installed (scripts/venv.py RELEASE --with nixl)",
     "triton": "triton not installed (the cuda-build environment has it: make test-native)",
     "native_cpu": "no native build loaded (make test-native-cpu builds one: VLLM_ASCEND_ROUTING_TARGET_DEVICE=cpu)",
     "host_kernel": "the CPU is not served by the host kernel here (a native build, or the reference forced)",

@@ -22,7 +22,8 @@ from vllm_ascend_routing.releases import Generation, generation_of
 pytestmark = pytest.mark.vllm
 
 # vLLM's KV connectors reviewed as stores, offload tiers or connectors that load nothing from another instance: served
-# (rows of KV the instance computed held in its scheduler; ExampleConnector's carried beside its KV). A connector a
+# (rows of KV the instance computed held in its scheduler; ExampleConnector's carried beside its KV); and NIXL's pull
+# mode (NixlConnector, NixlPullConnector: rows carried in its kv_transfer_params). A connector a
 # later vLLM adds fails test_every_kv_connector_this_vllm_registers_is_classified until it is put here or in
 # kv_transfer.REFUSED (it hands KV between instances).
 SERVED_CONNECTORS = frozenset(
@@ -39,6 +40,8 @@ SERVED_CONNECTORS = frozenset(
         "FlexKVConnectorV1",
         "SimpleCPUOffloadConnector",
         "HF3FSKVConnector",
+        "NixlConnector",
+        "NixlPullConnector",
     }
 )
 

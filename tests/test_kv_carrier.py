@@ -229,3 +229,54 @@ def test_held_rows_of_generated_tokens_serve_the_next_turn() -> None:
     assert isinstance(carrier.get(next_turn, 0, 12), Missing)  # the last generated token: no row was computed
     other_answer = held_request(prompt + [40, 41, 0, 43, 44, 7])
     assert isinstance(carrier.get(other_answer, 0, 11), Missing)
+
+
+def transfer_request(prompt: list[int], params: Any = None, outputs: list[int] | None = None) -> Any:
+    sequence = prompt + (outputs or [])
+    return SimpleNamespace(
+        request_id="t", prompt_token_ids=prompt, all_token_ids=sequence, kv_transfer_params=params, mm_features=[]
+    )
+
+
+def lent(block_ids: Any = ([1, 2],)) -> tuple[bool, dict[str, Any]]:
+    """What NIXL's ``request_finished`` returns for a request whose blocks it lends to the next instance."""
+    return True, {"do_remote_prefill": True, "remote_block_ids": block_ids}
+
+
+def test_nixl_rows_ride_in_the_transfer_params_to_the_request_that_loads_the_kv() -> None:
+    """The prefill instance's finished request puts its rows into the parameters NIXL returns; the decode request
+    that carries those parameters gets exactly the rows of the tokens it loads."""
+    carrier = kv_carrier.TransferParamsCarrier(object(), LAYOUT)
+    prompt = list(range(100, 111))
+    finished = lent()
+    assert carrier.put(transfer_request(prompt, outputs=[7]), rows(11), finished) == 11
+    params = finished[1]
+    assert isinstance(params[carrier.FIELD], str)  # JSON-safe: passes through the client and any proxy as it is
+    decode = transfer_request(prompt, params=dict(params))
+    assert np.array_equal(carrier.get(decode, 0, 11), rows(11))
+    assert np.array_equal(carrier.get(decode, 4, 6), rows(11)[4:10])  # after a local hit of 4
+    # A later turn on the prefill instance whose prompt repeats the answer: the rows of those tokens too.
+    longer = transfer_request(prompt + [7, 8], params=dict(params))
+    assert isinstance(carrier.get(longer, 0, 12), Missing)  # token 11 (the answer's) has no row: never guessed
+
+
+def test_nixl_parameters_without_exact_rows_are_missing_with_the_reason() -> None:
+    carrier = kv_carrier.TransferParamsCarrier(object(), LAYOUT)
+    prompt = list(range(100, 111))
+    assert carrier.put(transfer_request(prompt), rows(11), (False, None)) == 0  # no KV lent: nothing to carry
+    assert carrier.put(transfer_request(prompt), rows(11), None) == 0
+    finished = lent()
+    carrier.put(transfer_request(prompt), rows(11), finished)
+    params = finished[1]
+    absent = carrier.get(transfer_request(prompt, params={"do_remote_prefill": True}), 0, 8)
+    assert isinstance(absent, Missing) and "carry no routing rows" in absent.reason
+    assert isinstance(carrier.get(transfer_request(prompt, params=None), 0, 8), Missing)
+    other = carrier.get(transfer_request(list(range(200, 211)), params=dict(params)), 0, 8)
+    assert isinstance(other, Missing) and "other tokens than this prompt's first 8" in other.reason
+    past = carrier.get(transfer_request(prompt, params=dict(params)), 8, 5)
+    assert isinstance(past, Missing)  # tokens [8, 13): past the 11 carried
+    broken = carrier.get(transfer_request(prompt, params={carrier.FIELD: "not base64 !"}), 0, 8)
+    assert isinstance(broken, Missing) and "cannot be read" in broken.reason
+    wider = kv_carrier.TransferParamsCarrier(object(), RowLayout(3, 4, "uint8"))
+    layout = wider.get(transfer_request(prompt, params=dict(params)), 0, 8)
+    assert isinstance(layout, Missing) and "another model or configuration" in layout.reason

@@ -54,9 +54,11 @@ class StandInCarrier:
     def __init__(self, connector: Any, layout: RowLayout) -> None:
         self.stored: dict[str, np.ndarray] = {}
         self.puts: list[tuple[str, int]] = []
+        self.finished: list[Any] = []  # what the connector's request_finished returned, per put
 
-    def put(self, request: Any, prompt_rows: np.ndarray) -> int:
+    def put(self, request: Any, prompt_rows: np.ndarray, finished: Any = None) -> int:
         self.puts.append((request.request_id, len(prompt_rows)))
+        self.finished.append(finished)
         return len(prompt_rows)
 
     def get(self, request: Any, start: int, count: int) -> np.ndarray | Missing:
@@ -178,9 +180,15 @@ def kv_config(name: str | None, role: str = "kv_consumer", extra: Any = None) ->
 
 
 def test_refusals_name_the_connector_and_what_to_do() -> None:
-    nixl = kv_transfer.refusal(kv_config("NixlConnector"), "runner-output")
-    assert "NixlConnector (kv_consumer) is not covered" in nixl and "RDMA/NCCL" in nixl
-    assert "remove --kv-transfer-config" in nixl and kv_transfer.DOCS in nixl and "Served: every other" in nixl
+    nccl = kv_transfer.refusal(kv_config("P2pNcclConnector"), "runner-output")
+    assert "P2pNcclConnector (kv_consumer) is not covered" in nccl and "RDMA/NCCL" in nccl
+    assert "remove --kv-transfer-config" in nccl and kv_transfer.DOCS in nccl and "Served: NixlConnector" in nccl
+    push = kv_transfer.refusal(kv_config("NixlPushConnector"), "aux-output")
+    assert "NixlPushConnector (kv_consumer) is not covered: NIXL's push mode" in push
+    inside = [{"kv_connector": "NixlConnector"}, {"kv_connector": "OffloadingConnector"}]
+    nixl_inside = kv_transfer.refusal(kv_config("MultiConnector", "kv_both", {"connectors": inside}), "aux-output")
+    assert "NixlConnector (inside MultiConnector) (kv_both) is not covered" in nixl_inside
+    assert "configure it alone" in nixl_inside
     inner = [{"kv_connector": "OffloadingConnector"}, {"kv_connector": "MooncakeConnector"}]
     multi = kv_transfer.refusal(kv_config("MultiConnector", "kv_both", {"connectors": inner}), "aux-output")
     assert "MooncakeConnector (inside MultiConnector) (kv_both) is not covered" in multi
@@ -196,9 +204,13 @@ def test_refusals_name_the_connector_and_what_to_do() -> None:
         ("LMCacheConnectorV1", None, True, True),
         ("MyConnector", None, True, True),
         ("MultiConnector", {"connectors": [{"kv_connector": "OffloadingConnector"}]}, True, True),
-        ("MultiConnector", {"connectors": [{"kv_connector": "NixlConnector"}]}, False, False),
-        ("NixlConnector", None, False, False),  # KV handed over between instances: refused
+        ("MultiConnector", {"connectors": [{"kv_connector": "NixlConnector"}]}, False, False),  # alone only
+        ("MultiConnector", {"connectors": [{"kv_connector": "ExampleConnector"}]}, True, True),
+        ("NixlConnector", None, True, False),  # rows carried in its kv_transfer_params
+        ("NixlPullConnector", None, True, False),  # vLLM's name for the same connector
+        ("NixlPushConnector", None, False, False),  # KV handed over between instances another way: refused
         ("P2pNcclConnector", None, False, False),
+        ("MooncakeConnector", None, False, False),
         ("MooncakeConnectorV1", None, False, False),  # vllm-ascend's P/D (tests/ascend/test_kv_connectors.py: all)
         ("MooncakeConnectorStoreV1", None, True, True),  # vllm-ascend's KV pool: a store
         (None, None, False, False),
@@ -219,8 +231,9 @@ def test_refuse_uncovered_at_model_load(monkeypatch: pytest.MonkeyPatch) -> None
     kv_transfer.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config(None)), "runner-output")
     kv_transfer.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config("ExampleConnector")), "runner-output")
     kv_transfer.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config("OffloadingConnector")), "aux-output")
-    with pytest.raises(UnsupportedVllmError, match="NixlConnector"):
-        kv_transfer.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config("NixlConnector")), "runner-output")
+    kv_transfer.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config("NixlConnector")), "aux-output")
+    with pytest.raises(UnsupportedVllmError, match="MooncakeConnector"):
+        kv_transfer.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config("MooncakeConnector")), "aux-output")
     monkeypatch.setattr(compat, "get_api", lambda: SimpleNamespace())  # a generation without kv_rows (0.20, 0.21)
     with pytest.raises(UnsupportedVllmError, match="served from vLLM 0.22 on"):
         kv_transfer.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config("ExampleConnector")), "shm")
@@ -258,6 +271,7 @@ def test_connector_rows_are_relied_on_not_replaced() -> None:
         "get_num_new_matched_tokens",
         "update_state_after_alloc",
         "request_finished",
+        "request_finished_all_groups",
     ]
     assert all(row.action == RELY and not row.required for row in rows_)  # checked once a connector is configured
 
@@ -325,3 +339,49 @@ def test_a_connector_without_a_carrier_serves_the_rows_this_instance_computed(
     again = prompt_request("tier", prompt)
     assert connector.get_num_new_matched_tokens(again, 0) == (0, False)  # the weights may have changed since
     assert any("request elsewhere" in r.message and "not held on this instance" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("name", "lifted"),
+    [("NixlConnector", True), ("NixlPullConnector", True), ("ExampleConnector", True), ("NixlPushConnector", False)],
+)
+def test_vllm_s_own_refusal_is_lifted_only_for_connectors_with_a_carrier(name: str, lifted: bool) -> None:
+    assert kv_transfer.lifts(kv_config(name), name) is lifted
+    assert not kv_transfer.lifts(kv_config("OffloadingConnector"), "NixlConnector")  # not configured: not lifted
+    inside = kv_config("MultiConnector", "kv_both", {"connectors": [{"kv_connector": "NixlConnector"}]})
+    assert not kv_transfer.lifts(inside, "NixlConnector")  # refused inside MultiConnector
+
+
+class HybridConnector(OfferingConnector):
+    """TEST-ONLY: a connector that supports vLLM's hybrid allocator (SupportsHMA: NIXL, the offload connectors,
+    MultiConnector): the scheduler calls ``request_finished_all_groups`` for it, never ``request_finished``."""
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any]]:
+        self.finished.append(request.request_id)
+        return True, {"do_remote_prefill": True, "remote_block_ids": block_ids}
+
+
+def test_a_hybrid_allocator_connector_s_finished_requests_are_followed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_follow`` wraps both finishing calls: a finished request's rows go to the carrier with what the connector
+    returned (NIXL's rows ride in those parameters), and the generation's per-request rows are dropped."""
+    monkeypatch.setattr(validate.ModelRouting, "from_vllm_config", staticmethod(lambda config: MODEL))
+    made: list[StandInCarrier] = []
+
+    def carrier(connector: Any, layout: RowLayout) -> StandInCarrier:
+        made.append(StandInCarrier(connector, layout))
+        return made[-1]
+
+    monkeypatch.setitem(kv_carrier.CARRIERS, "HybridConnector", carrier)
+    scheduler = SimpleNamespace(
+        vllm_config=SimpleNamespace(
+            kv_transfer_config=kv_config("HybridConnector", "kv_producer"), cache_config=SimpleNamespace(block_size=4)
+        )
+    )
+    connector, store = HybridConnector({}), StandInRows()
+    kv_transfer._follow(scheduler, connector, store)
+    store.prompts["p1"] = rows(20)
+    returned = connector.request_finished_all_groups(request("p1", outputs=1), ([0, 1],))
+    assert returned == (True, {"do_remote_prefill": True, "remote_block_ids": ([0, 1],)})
+    assert store.forgotten == ["p1"] and connector.finished == ["p1"]
+    (stand_in,) = made
+    assert stand_in.puts == [("p1", 20)] and stand_in.finished == [returned]

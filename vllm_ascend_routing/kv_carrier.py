@@ -10,6 +10,10 @@ One carrier per connector whose storage the plugin writes into (``CARRIERS``, by
     file, ``ROWS_FILE``, with the token ids they belong to. Written by the scheduler of the instance whose
     connector stored the KV, when the request finishes (its rows are complete then); read by the scheduler of an
     instance whose connector offers that KV, before it loads it.
+  * ``NixlConnector`` (P/D disaggregation: the decode instance reads the prefill instance's KV blocks, which the
+    prefill instance describes in the ``kv_transfer_params`` it returns and the proxy passes on): the rows of those
+    prompt tokens go into the same parameters (``TransferParamsCarrier``). Written by the prefill scheduler when the
+    request finishes; read by the decode scheduler, with the token ids they belong to checked, before it loads.
   * any other served connector (an offload tier, a cache service, a custom connector: storage the plugin cannot
     write into): the rows of requests computed on this instance (prompts, and on vLLM 0.22-0.30 their generated
     tokens) are held in the scheduler's memory, keyed by their token ids block by block. A load of KV this
@@ -23,7 +27,10 @@ instead of loading them.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
+import io
 import os
 import tempfile
 from collections import OrderedDict
@@ -90,10 +97,11 @@ class Carrier(Protocol):
 
     connector: str
 
-    def put(self, request: Any, rows: np.ndarray) -> int:
+    def put(self, request: Any, rows: np.ndarray, finished: Any) -> int:
         """Store the rows of the request's tokens from token 0 on (``rows[i]``: token ``i``; the prompt's, then
-        possibly generated tokens') beside the KV its connector stored for it; returns how many rows were stored
-        (0: the connector stored no KV for it, or they are stored already)."""
+        possibly generated tokens') beside the KV its connector stored for it; ``finished`` is what the connector's
+        ``request_finished`` returned for it. Returns how many rows were stored (0: the connector stored no KV for
+        it, or they are stored already)."""
 
     def get(self, request: Any, start: int, count: int) -> np.ndarray | Missing:
         """The rows of the request's prompt tokens ``[start, start + count)``, whose KV the connector offers."""
@@ -124,7 +132,7 @@ class SharedStorageCarrier:
         mm_hashes = [feature.identifier for feature in getattr(request, "mm_features", None) or []]
         return str(self._connector._generate_foldername_debug(tokens, mm_hashes, create_folder=False))
 
-    def put(self, request: Any, rows: np.ndarray) -> int:
+    def put(self, request: Any, rows: np.ndarray, finished: Any = None) -> int:
         prompt = list(request.prompt_token_ids or [])
         stored = self._align(len(prompt), self._block_size)  # the prompt tokens whose KV the connector stores
         if stored <= 0 or len(rows) < stored:
@@ -151,6 +159,54 @@ class SharedStorageCarrier:
         prompt = np.asarray(list(request.prompt_token_ids or [])[:end], dtype=np.int64)
         if len(tokens) < end or not np.array_equal(tokens[:end], prompt):
             return Missing(f"the rows stored in {path} are of other tokens than this prompt's first {end}")
+        return np.ascontiguousarray(rows[start:end])
+
+
+class TransferParamsCarrier:
+    """vLLM's ``NixlConnector`` (pull mode): the instance that computed a request's KV returns, from
+    ``request_finished``, the ``kv_transfer_params`` that describe its blocks; the client or proxy passes them with
+    the next request (the decode request, or a later turn on the prefill instance), whose instance reads those
+    blocks. The rows go into those parameters (``FIELD``: the token ids and their rows, base64 of one ``.npz``), so
+    they reach exactly the request that loads that KV, whatever routes it there."""
+
+    connector = "NixlConnector"
+    FIELD = "vllm_ascend_routing_rows"
+
+    def __init__(self, connector: Any, layout: RowLayout) -> None:
+        self._connector = connector
+        self.layout = layout
+
+    def put(self, request: Any, rows: np.ndarray, finished: Any = None) -> int:
+        delay_free, params = finished if isinstance(finished, tuple) and len(finished) == 2 else (False, None)
+        if not delay_free or not isinstance(params, dict):
+            return 0  # the connector keeps no KV of this request for another instance to read
+        sequence = getattr(request, "all_token_ids", None)
+        tokens = np.asarray(list((request.prompt_token_ids if sequence is None else sequence) or []), dtype=np.int64)
+        end = min(len(tokens), len(rows))
+        buffer = io.BytesIO()
+        _save(buffer, tokens[:end], rows[:end], self.layout)
+        params[self.FIELD] = base64.b64encode(buffer.getvalue()).decode("ascii")
+        return end
+
+    def get(self, request: Any, start: int, count: int) -> np.ndarray | Missing:
+        params = getattr(request, "kv_transfer_params", None) or {}
+        payload = params.get(self.FIELD) if isinstance(params, dict) else None
+        if payload is None:
+            return Missing(
+                f"its kv_transfer_params carry no routing rows (no '{self.FIELD}': the instance that computed the KV "
+                "ran without vllm-ascend-routing or without --enable-return-routed-experts, or the proxy dropped them)"
+            )
+        try:
+            tokens, rows = _read(io.BytesIO(base64.b64decode(str(payload), validate=True)), self.layout)
+        except (OSError, ValueError, KeyError, binascii.Error) as error:
+            return Missing(f"the routing rows in its kv_transfer_params cannot be read ({error})")
+        end = start + count
+        prompt = np.asarray(list(request.prompt_token_ids or [])[:end], dtype=np.int64)
+        if len(tokens) < end or len(prompt) < end or not np.array_equal(tokens[:end], prompt):
+            return Missing(
+                f"the routing rows in its kv_transfer_params are of other tokens than this prompt's first {end} "
+                f"({len(tokens)} tokens carried)"
+            )
         return np.ascontiguousarray(rows[start:end])
 
 
@@ -196,7 +252,7 @@ class HeldRowsCarrier:
             pieces.append((parent, key, first, last))
         return pieces
 
-    def put(self, request: Any, rows: np.ndarray) -> int:
+    def put(self, request: Any, rows: np.ndarray, finished: Any = None) -> int:
         # The generated tokens' rows too, where given: a later turn's prompt repeats them, and an offload tier
         # keeps their KV.
         sequence = getattr(request, "all_token_ids", None)
@@ -272,14 +328,7 @@ def _write(path: str, tokens: np.ndarray, rows: np.ndarray, layout: RowLayout) -
     descriptor, temporary = tempfile.mkstemp(dir=folder, prefix=".vllm_ascend_routing_", suffix=".npz")
     try:
         with os.fdopen(descriptor, "wb") as file:
-            np.savez(
-                file,
-                format=np.int64(_FORMAT),
-                layout=np.array([layout.num_layers, layout.top_k], dtype=np.int64),
-                dtype=np.array(layout.dtype),
-                token_ids=tokens,
-                rows=np.ascontiguousarray(rows),
-            )
+            _save(file, tokens, rows, layout)
         os.replace(temporary, path)
     except BaseException:
         if os.path.exists(temporary):
@@ -287,7 +336,19 @@ def _write(path: str, tokens: np.ndarray, rows: np.ndarray, layout: RowLayout) -
         raise
 
 
-def _read(path: str, layout: RowLayout) -> tuple[np.ndarray, np.ndarray]:
+def _save(file: Any, tokens: np.ndarray, rows: np.ndarray, layout: RowLayout) -> None:
+    np.savez(
+        file,
+        format=np.int64(_FORMAT),
+        layout=np.array([layout.num_layers, layout.top_k], dtype=np.int64),
+        dtype=np.array(layout.dtype),
+        token_ids=tokens,
+        rows=np.ascontiguousarray(rows),
+    )
+
+
+def _read(path: Any, layout: RowLayout) -> tuple[np.ndarray, np.ndarray]:
+    """The token ids and rows of one stored ``.npz`` (a path or a file object), checked against ``layout``."""
     with np.load(path, allow_pickle=False) as stored:
         if int(stored["format"]) != _FORMAT:
             raise ValueError(f"format {int(stored['format'])}, this version reads {_FORMAT}")
@@ -302,5 +363,10 @@ def _read(path: str, layout: RowLayout) -> tuple[np.ndarray, np.ndarray]:
     return tokens, rows
 
 
-# The connectors whose KV the plugin carries rows beside, by the name ``--kv-transfer-config`` gives them.
-CARRIERS: dict[str, type[SharedStorageCarrier]] = {SharedStorageCarrier.connector: SharedStorageCarrier}
+# The connectors whose KV the plugin carries rows with, by the name ``--kv-transfer-config`` gives them
+# (``NixlConnector`` is vLLM's name for ``NixlPullConnector``).
+CARRIERS: dict[str, type[SharedStorageCarrier] | type[TransferParamsCarrier]] = {
+    SharedStorageCarrier.connector: SharedStorageCarrier,
+    TransferParamsCarrier.connector: TransferParamsCarrier,
+    "NixlPullConnector": TransferParamsCarrier,
+}

@@ -5,7 +5,7 @@ carried with that KV, or those tokens computed here. Never zeros, never another 
 vLLM keeps one routing row per KV slot (0.22-0.30) or per computed block (0.31+). A token whose KV came through
 a connector was never computed on this instance: its slot holds zeros, or the rows of whichever request used the
 slot before. This module follows vLLM's own KV-connector calls in the scheduler, for connectors whose KV the plugin
-can carry rows beside (``kv_carrier.CARRIERS``; every other connector is refused at start-up, by name):
+carries rows with (``kv_carrier.CARRIERS``), holds rows for (any other served connector), or refuses by name:
 
   * ``get_num_new_matched_tokens``: the connector offers the KV of prompt tokens ``[a, b)``; their rows are read
     from beside that KV and checked by validation mode's rules. Rows that are absent (the KV was stored by an
@@ -13,9 +13,11 @@ can carry rows beside (``kv_carrier.CARRIERS``; every other connector is refused
     tokens here (exact rows, at the cost of their prefill), and the request and tokens are reported;
   * ``update_state_after_alloc``: the tokens vLLM will load get their carried rows in this generation's store
     (``SchedulerRows.inject``: the slot buffer, or the AuxOutput block store), before any read of them;
-  * ``request_finished``: the rows of a finished request (its prompt's; the held carrier also keeps its generated
-    tokens' where the generation's store has them) go beside the KV its connector stored (``Carrier.put``), whatever
-    the role (a ``kv_both`` instance stores and loads);
+  * ``request_finished`` (or ``request_finished_all_groups``, which the scheduler calls instead for a connector
+    that supports the hybrid allocator): the rows of a finished request (its prompt's; the held carrier also keeps
+    its generated tokens' where the generation's store has them) go with the KV its connector stored or lent
+    (``Carrier.put``, given what the connector returned: NIXL's parameters carry them), whatever the role (a
+    ``kv_both`` instance stores and loads);
   * ``Scheduler.reset_prefix_cache`` (held rows only): everything held is dropped first.
 
 ``loaded_rows(request)`` / ``loaded_span(request)`` tell, per request, how many rows (from which token) were
@@ -44,23 +46,21 @@ logger = get_logger(__name__)
 
 _LOADED = "_vllm_ascend_routing_loaded"  # Request attribute: (first token, count) of the rows loaded
 _HELD = "_vllm_ascend_routing_held_rows"  # Scheduler attribute: its kv_carrier.HeldRowsCarrier
-_BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1"
 DOCS = "docs/disaggregation.md"
 
 # Connectors that hand KV from one instance to another (P/D disaggregation), by the name in --kv-transfer-config:
 # refused. Declining their load is their own path for a full local hit (the sender is told to free its blocks), which
-# no machine of this project can run; vLLM 0.31+ itself refuses Nixl, MoRIIO and Mooncake. vllm-ascend's are those
-# it registers from its ``kv_p2p`` package (its ``kv_pool`` ones are stores and offload tiers: served).
+# no machine of this project can run for these; vLLM 0.31+ itself refuses Nixl, MoRIIO and Mooncake. NIXL's pull mode
+# (``NixlConnector``) is served: its rows ride in the kv_transfer_params (``kv_carrier.TransferParamsCarrier``).
+# vllm-ascend's are those it registers from its ``kv_p2p`` package (its ``kv_pool`` ones are stores and offload
+# tiers: served).
 REFUSED: dict[str, str] = {
+    "NixlPushConnector": (
+        "NIXL's push mode (the prefill instance writes KV into blocks the decode instance reserved first) has not "
+        "run with the plugin; NixlConnector (pull mode, vLLM's default) is served"
+    ),
     **dict.fromkeys(
-        (
-            "NixlConnector",
-            "NixlPullConnector",
-            "NixlPushConnector",
-            "MooncakeConnector",
-            "MoRIIOConnector",
-            "P2pNcclConnector",
-        ),
+        ("MooncakeConnector", "MoRIIOConnector", "P2pNcclConnector"),
         "it moves KV between instances over RDMA/NCCL, which the plugin does not carry rows through yet (it cannot "
         "be run on this project's machines)",
     ),
@@ -78,6 +78,12 @@ REFUSED: dict[str, str] = {
         "through yet (it cannot be run on this project's machines)",
     ),
 }  # fmt: skip
+# Inside MultiConnector, a connector whose rows ride in kv_transfer_params is refused: MultiConnector hands a declined
+# load (0 tokens) to one of its connectors only, so the other would never learn that the KV it lent is not read.
+_INSIDE_MULTI = (
+    "inside MultiConnector its rows cannot follow its loads (a declined load reaches only one of the combined "
+    "connectors); configure it alone"
+)
 
 
 def scheduler_init_patch(generations: tuple[Generation, ...], remove: str) -> Patch:
@@ -97,22 +103,19 @@ def connector_patches(generations: tuple[Generation, ...]) -> tuple[Patch, ...]:
     ``reset_prefix_cache``, after which rows held here are dropped, is in the manifest already (``output.engine``)."""
     why = "followed per connector instance: which tokens are loaded, and when a request's KV is stored"
     # Optional in the manifest: needed once a connector is configured (``refuse_uncovered`` checks them then).
+    base = "vllm.distributed.kv_transfer.kv_connector.v1.base"
     return tuple(
-        Patch(
-            f"{_BASE}.{n}",
-            why,
-            "never while KV connectors are served",
-            generations,
-            params,
-            required=False,
-            action=RELY,
-        )
+        Patch(f"{base}:{n}", why, "never while KV connectors are served", generations, params, required=False,
+              action=RELY)
         for n, params in (
-            ("get_num_new_matched_tokens", ("self", "request", "num_computed_tokens")),
-            ("update_state_after_alloc", ("self", "request", "blocks", "num_external_tokens")),
-            ("request_finished", ("self", "request", "block_ids")),
+            ("KVConnectorBase_V1.get_num_new_matched_tokens", ("self", "request", "num_computed_tokens")),
+            ("KVConnectorBase_V1.update_state_after_alloc", ("self", "request", "blocks", "num_external_tokens")),
+            ("KVConnectorBase_V1.request_finished", ("self", "request", "block_ids")),
+            # what the scheduler calls instead for a connector that supports the hybrid allocator (SupportsHMA:
+            # NIXL, the offload connectors, MultiConnector): block ids per KV cache group
+            ("SupportsHMA.request_finished_all_groups", ("self", "request", "block_ids")),
         )
-    )
+    )  # fmt: skip
 
 
 # ---- which connectors are served ----
@@ -135,11 +138,27 @@ def _named(kv_transfer_config: Any) -> list[str]:
     return [name, *(str(c.get("kv_connector")) for c in inner if isinstance(c, dict))]
 
 
+def _refused(kv_transfer_config: Any) -> tuple[str, str] | None:
+    """The first configured connector routed experts are refused with, and why (``None``: all served)."""
+    for position, name in enumerate(_named(kv_transfer_config)):
+        if name in REFUSED:
+            return name, REFUSED[name]
+        if position > 0 and kv_carrier.CARRIERS.get(name) is kv_carrier.TransferParamsCarrier:
+            return name, _INSIDE_MULTI
+    return None
+
+
 def serves(kv_transfer_config: Any) -> bool:
-    """Whether routed experts are served with the configured connector (rows carried beside its KV, or held here
-    for the KV this instance computed); not for a connector that hands KV over between instances (``REFUSED``)."""
-    names = _named(kv_transfer_config)
-    return bool(names) and not any(n in REFUSED for n in names)
+    """Whether routed experts are served with the configured connector (rows carried with its KV, or held here
+    for the KV this instance computed); not for a connector that hands KV over between instances in a way the
+    plugin carries no rows through (``REFUSED``)."""
+    return bool(_named(kv_transfer_config)) and _refused(kv_transfer_config) is None
+
+
+def lifts(kv_transfer_config: Any, name: str) -> bool:
+    """Whether vLLM's own refusal of routed experts with connector ``name`` is lifted: the configured connectors are
+    served and ``name`` is one the plugin carries rows for (vLLM 0.31+ refuses NIXL; 0.22-0.30 refuse every one)."""
+    return name in _named(kv_transfer_config) and serves(kv_transfer_config) and name in kv_carrier.CARRIERS
 
 
 def holds_rows(kv_transfer_config: Any) -> bool:
@@ -159,15 +178,16 @@ def refusal(kv_transfer_config: Any, generation: str, carried_here: bool = True)
             "come back as zeros or another request's rows. Use vLLM 0.22 or newer, or remove --kv-transfer-config "
             "(and --kv-offloading-size), or unset VLLM_ASCEND_ROUTING; see " + DOCS + "."
         )
-    refused = next(n for n in _named(kv_transfer_config) if n in REFUSED)
+    refused, why = _refused(kv_transfer_config) or (str(name), "not served")
     inside = "" if refused == name else f" (inside {name})"
     return (
-        f"vllm-ascend-routing: KV connector {refused}{inside} ({role}) is not covered: {REFUSED[refused]}. Tokens "
-        "whose KV it loads were never computed on this instance, and their routed-experts rows would come back as "
-        "zeros or as another request's rows. Served: every other connector (rows carried beside ExampleConnector's "
-        "KV; with offload tiers and cache services, rows of KV this instance computed held in its memory, other KV "
-        "computed here instead). Use such a connector, or remove --kv-transfer-config for routed-experts rollouts, "
-        f"or unset VLLM_ASCEND_ROUTING (vLLM then refuses routed experts with this connector itself); see {DOCS}."
+        f"vllm-ascend-routing: KV connector {refused}{inside} ({role}) is not covered: {why}. Tokens whose KV it "
+        "loads were never computed on this instance, and their routed-experts rows would come back as zeros or as "
+        "another request's rows. Served: NixlConnector (rows in its kv_transfer_params), ExampleConnector (rows "
+        "beside its KV) and every connector that is not a P/D hand-over (offload tiers, cache services: rows of KV "
+        "this instance computed held in its memory, other KV computed here instead). Use such a connector, or remove "
+        "--kv-transfer-config for routed-experts rollouts, or unset VLLM_ASCEND_ROUTING (vLLM then refuses routed "
+        f"experts with this connector itself); see {DOCS}."
     )
 
 
@@ -353,25 +373,27 @@ class _Follower:
     def finished(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def request_finished(request: Any, block_ids: Any, *args: Any, **kwargs: Any) -> Any:
             try:
-                self._store(request, block_ids)
+                rows = self._finished_rows(request, block_ids)
             finally:
                 self.offered.pop(request.request_id, None)
                 self.rows.forget(request.request_id)
-            return original(request, block_ids, *args, **kwargs)
+            finished = original(request, block_ids, *args, **kwargs)
+            if rows is not None:  # after the connector: a carrier may put them into what it returned
+                _count(rows_stored=self.carrier.put(request, rows, finished))
+            return finished
 
         return request_finished
 
-    def _store(self, request: Any, block_ids: Any) -> None:
+    def _finished_rows(self, request: Any, block_ids: Any) -> np.ndarray | None:
+        """The finished request's rows, checked (``None``: none to store)."""
         # Only once the prompt was computed and its output processed: every prompt row is in the store then.
         if int(getattr(request, "num_output_tokens", 0) or 0) <= 0:
-            return
+            return None
         rows = self.rows.finished_rows(request, block_ids)
         if rows is None:
-            return
+            return None
         checked = self._checked(rows, request.request_id, 0, "computed for it")
-        if isinstance(checked, Missing):
-            return
-        _count(rows_stored=self.carrier.put(request, checked))
+        return None if isinstance(checked, Missing) else checked
 
     def _checked(self, rows: np.ndarray, request_id: str, start: int, what: str) -> np.ndarray | Missing:
         """Validation mode's rules on rows that travel with KV (ids in range, distinct, dense layers zero: an
@@ -416,7 +438,7 @@ def _follow(scheduler: Any, connector: Any, rows: SchedulerRows) -> None:
     carrier: kv_carrier.Carrier
     if not holds_rows(config):
         carrier = kv_carrier.CARRIERS[str(connector_name(config))](connector, rows.layout)
-        where = f"carried beside its KV ({rows.layout} per token)"
+        where = f"carried with its KV ({rows.layout} per token)"
     else:
         capacity = envs.VLLM_ASCEND_ROUTING_KV_HELD_ROWS_MIB << 20
         held = kv_carrier.HeldRowsCarrier(name, rows.layout, scheduler.vllm_config.cache_config.block_size, capacity)
@@ -433,6 +455,8 @@ def _follow(scheduler: Any, connector: Any, rows: SchedulerRows) -> None:
     patching.wrap(connector, "get_num_new_matched_tokens", follower.matched)
     patching.wrap(connector, "update_state_after_alloc", follower.allocated)
     patching.wrap(connector, "request_finished", follower.finished)
+    if hasattr(connector, "request_finished_all_groups"):  # SupportsHMA: vLLM's scheduler calls this one instead
+        patching.wrap(connector, "request_finished_all_groups", follower.finished)
     logger.info("routed experts follow KV connector %s: rows of loaded tokens %s", name, where)
 
 

@@ -194,7 +194,7 @@ def test_config_check_exempts_only_the_v1_runner_on_cpu() -> None:
         assert config.model_config.runner_type == "generate"  # every other attribute is the config's own
         config.checked = True  # and so is what the check writes
 
-    check = aux_output._accept_v1_runner_on_cpu(upstream)
+    check = aux_output._as_served(upstream)
     import sys
 
     fake_platforms = SimpleNamespace(current_platform=platform)
@@ -222,3 +222,47 @@ def test_config_check_exempts_only_the_v1_runner_on_cpu() -> None:
     assert seen == [True, True, False]  # exempt: the V1 runner the plugin drives, and Model Runner V2; not off
     assert v1.use_v2_model_runner is False and v1.checked is True  # the config itself is left as it was
     assert platform.is_out_of_tree() is False and "is_out_of_tree" not in vars(platform)  # never rewritten
+
+
+def test_config_check_lifts_vllm_s_refusal_only_for_connectors_the_plugin_carries() -> None:
+    """vLLM 0.31+ refuses routed experts with NIXL, MoRIIO and Mooncake (``has_connector`` in its AuxOutput check):
+    the check sees no NixlConnector (its rows ride in its kv_transfer_params), still sees the others, and every other
+    reader of the config sees vLLM's own answer."""
+
+    class KvConfig:
+        def __init__(self, name: str) -> None:
+            self.kv_connector, self.kv_role, self.kv_connector_extra_config = name, "kv_consumer", {}
+
+        def has_connector(self, name: str) -> bool:
+            return self.kv_connector == name
+
+    refused: list[str] = []
+
+    def upstream(config: Any) -> None:  # vLLM's connector rule, on whatever config it is given
+        refused.extend(n for n in ("NixlConnector", "MooncakeConnector") if config.kv_transfer_config.has_connector(n))
+        assert config.kv_transfer_config.kv_role == "kv_consumer"  # every other attribute is the config's own
+
+    class GpuPlatform:
+        def is_cpu(self) -> bool:
+            return False
+
+    import sys
+
+    saved = sys.modules.get("vllm.platforms")
+    sys.modules["vllm.platforms"] = SimpleNamespace(current_platform=GpuPlatform())  # type: ignore[assignment]
+    try:
+        for name in ("NixlConnector", "MooncakeConnector"):
+            config = SimpleNamespace(
+                aux_output_config=SimpleNamespace(enabled=True),
+                use_v2_model_runner=True,
+                model_config=SimpleNamespace(runner_type="generate"),
+                kv_transfer_config=KvConfig(name),
+            )
+            aux_output._as_served(upstream)(config)
+            assert config.kv_transfer_config.has_connector(name)  # the config itself: vLLM's answer
+    finally:
+        if saved is None:
+            del sys.modules["vllm.platforms"]
+        else:
+            sys.modules["vllm.platforms"] = saved
+    assert refused == ["MooncakeConnector"]

@@ -138,9 +138,10 @@ def test_vllm_s_refusal_is_lifted_for_a_served_connector_only() -> None:
     assert config.connector_in_use is True  # every other reader sees vLLM's answer
     assert Config(KvConfig("OffloadingConnector"), routed=True).connector_in_use is True  # rows held here
     assert KvConfig("ExampleConnector").is_kv_transfer_instance is True
-    with pytest.raises(UnsupportedVllmError, match="NixlConnector .kv_consumer. is not covered"):
-        Config(KvConfig("NixlConnector"), routed=True)
-    assert Config(KvConfig("NixlConnector"), routed=False).connector_in_use is True
+    assert Config(KvConfig("NixlConnector"), routed=True).connector_in_use is True  # rows in its parameters
+    with pytest.raises(UnsupportedVllmError, match="MooncakeConnector .kv_consumer. is not covered"):
+        Config(KvConfig("MooncakeConnector"), routed=True)
+    assert Config(KvConfig("MooncakeConnector"), routed=False).connector_in_use is True
 
 
 class AuxScheduler:
@@ -175,12 +176,22 @@ def test_the_aux_store_keeps_prompt_rows_and_sends_carried_rows_with_the_step() 
     short = SimpleNamespace(request_id="s", num_prompt_tokens=2)
     aux.take_output(short, {"s": SimpleNamespace(token_start=3, rows=rows(4, 6))})
     assert store.finished_rows(short, None) is None
+    request.num_computed_tokens = 8  # local hit of 4 and the 4 loaded: this step computes from token 8
     store.inject(request, None, 4, rows(4, 1))
     idle = aux.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"x": 1}), {})
     assert not hasattr(idle, _kv_aux._CARRIED)  # not scheduled yet: kept for its step
     step = aux.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r": 3}), {})
     carried = getattr(step, _kv_aux._CARRIED)
     assert list(carried) == ["r"] and carried["r"][0] == 4 and np.array_equal(carried["r"][1], rows(4, 1))
+    # A load whose KV arrived between steps (NIXL) of every prompt token: vLLM computes the last one again, so the
+    # step computes from token 7; the carried row of token 7 is that step's own (a capture cursor never goes back).
+    again = SimpleNamespace(request_id="a", num_prompt_tokens=8, num_computed_tokens=7)
+    store.inject(again, None, 0, rows(8, 1))
+    step = aux.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"a": 1}), {})
+    assert np.array_equal(getattr(step, _kv_aux._CARRIED)["a"][1], rows(7, 1))
+    failed = SimpleNamespace(request_id="f", num_prompt_tokens=8, num_computed_tokens=0)  # its load failed whole
+    store.inject(failed, None, 0, rows(8, 1))
+    assert not hasattr(aux.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"f": 8}), {}), _kv_aux._CARRIED)
     store.forget("r")
     assert store.finished_rows(request, None) is None and store.carried == {}
 
@@ -197,7 +208,7 @@ def test_the_aux_store_wraps_around_the_per_request_options_on_the_connector_cla
     patching.wrap(OptionsInstalled, "build_connector_meta", _aux_requests._building)
     aux = OptionsInstalled()
     store = _kv_aux._BlockStore(aux, aux_config())
-    request = SimpleNamespace(request_id="r", num_prompt_tokens=5)
+    request = SimpleNamespace(request_id="r", num_prompt_tokens=5, num_computed_tokens=8)
     assert aux.take_output(request, {"r": SimpleNamespace(token_start=0, rows=rows(6, 2))}) is not None
     assert np.array_equal(store.finished_rows(request, None), rows(5, 2))
     store.inject(request, None, 4, rows(4, 1))

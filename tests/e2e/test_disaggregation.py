@@ -118,7 +118,7 @@ def test_an_uncovered_connector_is_refused_by_name(result: dict[str, Any], gener
     if "uncovered" not in result:
         pytest.skip("KV connectors refused on this generation")
     refused = result["uncovered"]
-    assert refused["refused"] and "NixlConnector" in refused["message"], refused
+    assert refused["refused"] and "NixlPushConnector" in refused["message"], refused
     if generation == "runner-output":  # the plugin's message at vLLM's own check
         assert "is not covered" in refused["message"] and "remove --kv-transfer-config" in refused["message"]
     print(f"{generation}: {refused['error']}: {refused['message'][-400:]}")

@@ -73,7 +73,7 @@ def run_disaggregation(arch: str) -> dict[str, Any]:
             out["covered"] = _refused_at_load(model, storage)
             out["refused_only"] = True  # no engine ran: no array to validate
             return out
-        out["uncovered"] = _refused(model, storage, "NixlConnector", "kv_consumer")
+        out["uncovered"] = _refused(model, storage, "NixlPushConnector", "kv_consumer")
         out.update(_disaggregated(model, storage))
         return out
     finally:

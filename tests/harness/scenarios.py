@@ -14,6 +14,7 @@ transformers reference; the e2e suite's compiled run adds the re-prefill consist
 ``serve`` does the same batch through the OpenAI completions API on loopback.
 ``verl-handoff`` saves vLLM's arrays for verl's R3 code in a trainer environment (``verl_handoff.py``).
 ``disaggregation`` runs prefill/decode through vLLM's ExampleConnector, producer to consumer (``disaggregation.py``).
+``nixl`` runs prefill/decode through vLLM's NixlConnector, both engines alive at once (``nixl_pd.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from tests.harness import distributed, oracle, output_features, sleep_stand_in, 
 from tests.harness.bypass import run_bypass
 from tests.harness.data_parallel import run_data_parallel
 from tests.harness.disaggregation import run_disaggregation
+from tests.harness.nixl_pd import run_nixl
 from tests.harness.server import Server, post
 from tests.harness.vllm_0_21_cases import run_device_cache
 from vllm_ascend_routing import envs, validate
@@ -219,6 +221,7 @@ def main() -> None:
             "verl-handoff",
             "device-cache",
             "disaggregation",
+            "nixl",
         ],
     )
     parser.add_argument("--bypass", default="removed-hook", choices=["removed-hook", "xlite"], help="bypass: which")
@@ -269,6 +272,8 @@ def main() -> None:
         result = run_device_cache(args.arch, args.mode)
     elif args.scenario == "disaggregation":
         result = run_disaggregation(args.arch)
+    elif args.scenario == "nixl":
+        result = run_nixl(args.arch)
     elif args.scenario == "speculative":
         result = run_speculative(args.arch, args.spec, args.k)
     else:

@@ -106,7 +106,8 @@ class _BlockStore:
             int(model_config.get_total_num_hidden_layers()), int(model_config.get_num_experts_per_tok()), dtype
         )
         self.prompts: dict[str, np.ndarray] = {}  # request id -> its prompt rows, from its first chunk
-        self.carried: dict[str, tuple[int, np.ndarray]] = {}  # request id -> rows for its next step's metadata
+        # request id -> (request, first token, rows) for the metadata of the step that schedules it
+        self.carried: dict[str, tuple[Any, int, np.ndarray]] = {}
         patching.wrap(aux, "take_output", self._keeping_prompt, around=True)
         patching.wrap(aux, "build_connector_meta", self._with_carried, around=True)
 
@@ -125,9 +126,15 @@ class _BlockStore:
         def with_carried(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
             metadata = build_connector_meta(scheduler_output, *args, **kwargs)
             scheduled = scheduler_output.num_scheduled_tokens
-            ready = {
-                request_id: self.carried.pop(request_id) for request_id in list(self.carried.keys() & scheduled.keys())
-            }
+            ready = {}
+            for request_id in list(self.carried.keys() & scheduled.keys()):
+                request, start, rows = self.carried.pop(request_id)
+                # This step computes from the request's computed tokens on (vLLM advances them after this call): a
+                # load whose KV came asynchronously (NIXL) has its last prompt token computed again here, and a
+                # load that failed part-way its invalid tail; their rows are this step's own, not carried ones.
+                upto = int(request.num_computed_tokens) - start
+                if upto > 0:
+                    ready[request_id] = (start, rows[:upto])
             if ready:
                 setattr(metadata, _CARRIED, ready)
             return metadata
@@ -135,7 +142,7 @@ class _BlockStore:
         return with_carried
 
     def inject(self, request: Any, blocks: Any, start: int, rows: np.ndarray) -> None:
-        self.carried[request.request_id] = (start, rows)
+        self.carried[request.request_id] = (request, start, rows)
 
     def finished_rows(self, request: Any, block_ids: Any) -> np.ndarray | None:
         """The prompt's only: the generated tokens' reach the scheduler a chunk per output, and keeping them per

