@@ -39,7 +39,9 @@ def test_rows_read_with_nixl_are_exact(result: dict[str, Any], generation: str) 
     every = (*nixl.DECODED, nixl.STRIPPED, nixl.SWAPPED)
     assert result["rows_in_params"] == [True] * len(every)  # the producer put each prompt's rows in its parameters
     assert producer["rows_attached"] == sum(every)
-    assert phases["nixl_decode"]["rows_loaded"] == sum(nixl.DECODED), phases["nixl_decode"]  # read from the producer
+    # read from the producer, but the longest prompt's first LOCAL_HIT tokens: a local prefix-cache hit
+    assert phases["nixl_decode"]["rows_loaded"] == sum(nixl.DECODED) - nixl.LOCAL_HIT, phases["nixl_decode"]
+    assert phases["nixl_decode"]["info_loaded"] == [*nixl.DECODED[:-1], nixl.DECODED[-1] - nixl.LOCAL_HIT]
     assert phases["nixl_decode"]["rows_declined"] == 0
     for name, phase in phases.items():  # each request's routed_experts_info counts the rows its KV hand-over loaded
         assert None not in phase["info_loaded"] and sum(phase["info_loaded"]) == phase["rows_loaded"], (name, phase)

