@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -137,13 +138,15 @@ def run_nixl(arch: str) -> dict[str, Any]:
     model = models.build_tiny_moe(arch, model_dir() / arch)
     exchange = Path(tempfile.mkdtemp(prefix="vllm_ascend_routing_nixl_"))
     environment = dict(os.environ, **{PORT: str(_free_port()), HOST: "127.0.0.1"})
-    child = subprocess.Popen(
-        [sys.executable, "-m", "tests.harness.nixl_pd", "--arch", arch, "--exchange", str(exchange)],
-        env=environment,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    log_path = exchange / "producer.log"  # a file, not a pipe: nothing reads a pipe while the consumer runs
+    with log_path.open("w") as log_file:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "tests.harness.nixl_pd", "--arch", arch, "--exchange", str(exchange)],
+            env=environment,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
     started = time.monotonic()
     out: dict[str, Any] = {"arch": arch, "phases": {}}
     try:
@@ -157,9 +160,10 @@ def run_nixl(arch: str) -> dict[str, Any]:
         if child.poll() is None:
             (exchange / "consumer.done").write_text("1")
             child.kill()
-        log = child.communicate()[0] if child.stdout is not None else ""
-        if child.returncode not in (0, None) or "producer" not in out:
-            out["producer_log"] = log[-4000:]
+        child.wait()
+        if child.returncode != 0 or "producer" not in out:  # shown with the scenario's output when it fails
+            print(f"== the producer (exit {child.returncode}):\n{log_path.read_text()[-4000:]}", flush=True)
+        shutil.rmtree(exchange, ignore_errors=True)
     out["seconds"] = round(time.monotonic() - started, 1)
     return out
 
