@@ -78,11 +78,12 @@ REFUSED: dict[str, str] = {
         "through yet (it cannot be run on this project's machines)",
     ),
 }  # fmt: skip
-# Inside MultiConnector, a connector whose rows ride in kv_transfer_params is refused: MultiConnector hands a declined
-# load (0 tokens) to one of its connectors only, so the other would never learn that the KV it lent is not read.
+# Inside MultiConnector, a connector whose rows ride in kv_transfer_params is refused: the plugin follows
+# MultiConnector, which merges its connectors' parameters, so no rows would ride in that connector's parameters and
+# every load of KV another instance lent through it would be declined (computed here).
 _INSIDE_MULTI = (
-    "inside MultiConnector its rows cannot follow its loads (a declined load reaches only one of the combined "
-    "connectors); configure it alone"
+    "inside MultiConnector its rows do not ride in its kv_transfer_params (the plugin follows MultiConnector, and "
+    "every load that connector offers would be computed here instead); configure it alone"
 )
 
 
