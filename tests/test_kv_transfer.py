@@ -184,7 +184,7 @@ def test_refusals_name_the_connector_and_what_to_do() -> None:
     assert "P2pNcclConnector (kv_consumer) is not covered" in nccl and "RDMA/NCCL" in nccl
     assert "remove --kv-transfer-config" in nccl and kv_transfer.DOCS in nccl and "Served: NixlConnector" in nccl
     push = kv_transfer.refusal(kv_config("NixlPushConnector"), "aux-output")
-    assert "NixlPushConnector (kv_consumer) is not covered: NIXL's push mode" in push
+    assert "NixlPushConnector (kv_consumer) is not covered: in NIXL's push mode" in push and "use NixlConnector" in push
     inside = [{"kv_connector": "NixlConnector"}, {"kv_connector": "OffloadingConnector"}]
     nixl_inside = kv_transfer.refusal(kv_config("MultiConnector", "kv_both", {"connectors": inside}), "aux-output")
     assert "NixlConnector (inside MultiConnector) (kv_both) is not covered" in nixl_inside

@@ -56,8 +56,9 @@ DOCS = "docs/disaggregation.md"
 # tiers: served).
 REFUSED: dict[str, str] = {
     "NixlPushConnector": (
-        "NIXL's push mode (the prefill instance writes KV into blocks the decode instance reserved first) has not "
-        "run with the plugin; NixlConnector (pull mode, vLLM's default) is served"
+        "in NIXL's push mode the decode request may be sent at the same time as the prefill request, with parameters "
+        "written before the prefill computed any row, so no rows can ride in them; use NixlConnector (pull mode, "
+        "vLLM's default: served, rows in the parameters the prefill instance returns)"
     ),
     **dict.fromkeys(
         ("MooncakeConnector", "MoRIIOConnector", "P2pNcclConnector"),

@@ -19,6 +19,8 @@ def request(request_id: str, extra_args: dict[str, Any] | None, cached: int = 0)
         request_id=request_id,
         sampling_params=SimpleNamespace(extra_args=extra_args, routed_experts_prompt_start=0),
         num_prompt_tokens=300,
+        num_output_tokens=0,
+        num_tokens=300,
         prefill_stats=SimpleNamespace(num_local_cached_tokens=cached),
     )
     engine.state_of(request).options = engine.options.of(request.sampling_params)
@@ -61,3 +63,17 @@ def test_opted_out_requests_never_emit_and_have_nothing_to_take(connector: Conne
     assert metadata.requests == {"out": _aux_requests.NEVER, "cached": 256, "plain": 0}
     assert connector.take_output(requests["out"], {}) is None  # the worker emitted nothing for it
     assert connector.take_output(requests["plain"], {"plain": "rows"}) == "rows"
+
+
+def test_where_rows_follow_a_kv_connector_opted_out_requests_rows_reach_the_scheduler(connector: Connector) -> None:
+    """A P/D prefill (or a stored prefix, an offload tier) of an opted-out request: its rows go with the KV, so the
+    worker emits them from its prompt's first token, then each new token's (vLLM's start for prompt start 0: the
+    worker's cursor never moves back), and the scheduler takes them (the output layer drops them from its output)."""
+    _aux_requests.keep_opted_out_rows(connector)
+    out = request("out", {"return_routed_experts": False})
+    requests = {"out": out, "plain": request("plain", None)}
+    scheduled = SimpleNamespace(num_scheduled_tokens=dict.fromkeys(requests, 1))
+    assert connector.build_connector_meta(scheduled, requests).requests == {"out": 0, "plain": 0}
+    assert connector.take_output(out, {"out": "prompt rows"}) == "prompt rows"
+    out.num_output_tokens, out.num_tokens = 3, 303
+    assert connector.build_connector_meta(scheduled, requests).requests["out"] == 302

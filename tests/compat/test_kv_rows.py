@@ -15,6 +15,7 @@ import pytest
 from vllm_ascend_routing import patching
 from vllm_ascend_routing.compat import _aux_requests, _kv_aux, _kv_slots
 from vllm_ascend_routing.compat.base import UnsupportedVllmError
+from vllm_ascend_routing.output import engine
 
 BLOCK = 4
 
@@ -196,10 +197,15 @@ def test_the_aux_store_keeps_prompt_rows_and_sends_carried_rows_with_the_step() 
     assert store.finished_rows(request, None) is None and store.carried == {}
 
 
-def test_the_aux_store_wraps_around_the_per_request_options_on_the_connector_class() -> None:
+def test_the_aux_store_wraps_around_the_per_request_options_on_the_connector_class(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The per-request options replace ``take_output`` and ``build_connector_meta`` on vLLM's class on every engine
     (compat/_aux_requests.py); the store's per-instance wrappers must go around them, not be skipped as if already
-    installed (P/D on 0.32.0 then stored no prompt rows at all)."""
+    installed (P/D on 0.32.0 then stored no prompt rows at all). An opted-out request's prompt rows are kept too:
+    they travel with its KV (before, a P/D prefill of an opted-out request lent KV without rows, and the decode
+    instance computed that prompt again)."""
+    monkeypatch.setattr(engine, "opted_out", {"out"})
 
     class OptionsInstalled(AuxScheduler):
         pass
@@ -214,6 +220,11 @@ def test_the_aux_store_wraps_around_the_per_request_options_on_the_connector_cla
     store.inject(request, None, 4, rows(4, 1))
     step = aux.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r": 3}), {"r": request})
     assert list(getattr(step, _kv_aux._CARRIED)) == ["r"]
+    out = SimpleNamespace(request_id="out", num_prompt_tokens=5, num_output_tokens=0, num_tokens=5)
+    step = aux.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"out": 5}), {"out": out})
+    assert step.requests == {"out": 0}  # emitted from its first prompt token, not never
+    assert aux.take_output(out, {"out": SimpleNamespace(token_start=0, rows=rows(5, 3))}) is not None
+    assert np.array_equal(store.finished_rows(out, None), rows(5, 3))
 
 
 class AuxWorker:

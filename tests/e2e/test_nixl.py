@@ -36,8 +36,10 @@ def test_rows_read_with_nixl_are_exact(result: dict[str, Any], generation: str) 
         assert phase["ok"] and phase["rows"] == phase["matched"] > 0, (name, phase["problems"], result.get("reports"))
     producer = result["producer"]
     assert producer["verdict"]["ok"] and producer["verdict"]["rows"] == producer["verdict"]["matched"] > 0, producer
+    assert producer["opted_out_returned"] is False  # the opted-out request's caller got no rows; they went with its KV
     every = (*nixl.DECODED, nixl.STRIPPED, nixl.SWAPPED)
-    assert result["rows_in_params"] == [True] * len(every)  # the producer put each prompt's rows in its parameters
+    # the producer put each prompt's rows in its parameters, the opted-out request's too
+    assert result["rows_in_params"] == [True] * len(every)
     assert producer["rows_attached"] == sum(every)
     # read from the producer, but the longest prompt's first LOCAL_HIT tokens: a local prefix-cache hit
     assert phases["nixl_decode"]["rows_loaded"] == sum(nixl.DECODED) - nixl.LOCAL_HIT, phases["nixl_decode"]

@@ -7,6 +7,11 @@ in ``schedule()``: before the scheduler's ``update_from_output`` of that step. S
 here, on its first scheduling (``output.engine.first_scheduled``), and an opted-out request's emit start is put
 out of reach: its worker state still captures and publishes its blocks (other requests' prefix hits read them),
 but never emits, materialises or ships a row of it; ``take_output`` then has nothing to take for it.
+
+Except where the scheduler's rows follow a KV connector (``keep_opted_out_rows``: ``compat/_kv_aux.py``): there an
+opted-out request's rows travel with the KV its connector stores or lends (a P/D prefill's parameters, a stored
+prefix, an offload tier), so the worker emits them as for any request (its emit start as with prompt start 0) and
+the scheduler takes them; ``output.engine`` drops them from the request's output, so the caller still gets none.
 """
 
 from __future__ import annotations
@@ -38,6 +43,21 @@ TAKE_OUTPUT = Patch(
 )
 PATCHES = (BUILD_CONNECTOR_META, TAKE_OUTPUT)
 NEVER = 2**62  # an emit start no request reaches: the worker emits no row for it
+_KEEPS = "_vllm_ascend_routing_keeps_opted_out_rows"  # attribute of a scheduler-side AuxOutput connector
+
+
+def keep_opted_out_rows(connector: Any) -> None:
+    """This scheduler's rows follow a KV connector: its opted-out requests' rows still reach it (never the caller)."""
+    setattr(connector, _KEEPS, True)
+
+
+def keeps_opted_out_rows(connector: Any) -> bool:
+    return bool(getattr(connector, _KEEPS, False))
+
+
+def _emit_start(request: Any) -> int:
+    """vLLM's emit start for a request whose rows start at token 0: its prompt's first, then each new token's."""
+    return 0 if int(request.num_output_tokens) == 0 else int(request.num_tokens) - 1
 
 
 def install() -> None:
@@ -52,8 +72,9 @@ def _building(build_connector_meta: Callable[..., Any]) -> Callable[..., Any]:
         for request_id in engine.selecting & scheduled.keys():
             engine.first_scheduled(requests[request_id])
         metadata = build_connector_meta(self, scheduler_output, requests, *args, **kwargs)
+        keeps = keeps_opted_out_rows(self)
         for request_id in engine.opted_out & metadata.requests.keys():
-            metadata.requests[request_id] = NEVER
+            metadata.requests[request_id] = _emit_start(requests[request_id]) if keeps else NEVER
         return metadata
 
     return wrapper
@@ -62,7 +83,7 @@ def _building(build_connector_meta: Callable[..., Any]) -> Callable[..., Any]:
 def _taking(take_output: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(take_output)
     def wrapper(self: Any, request: Any, output: Any, *args: Any, **kwargs: Any) -> Any:
-        if request.request_id in engine.opted_out:
+        if request.request_id in engine.opted_out and not keeps_opted_out_rows(self):
             return None
         return take_output(self, request, output, *args, **kwargs)
 

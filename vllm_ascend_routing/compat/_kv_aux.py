@@ -108,6 +108,8 @@ class _BlockStore:
         self.prompts: dict[str, np.ndarray] = {}  # request id -> its prompt rows, from its first chunk
         # request id -> (request, first token, rows) for the metadata of the step that schedules it
         self.carried: dict[str, tuple[Any, int, np.ndarray]] = {}
+        # Opted-out requests' rows too: they travel with the KV this scheduler's connector stores or lends.
+        _aux_requests.keep_opted_out_rows(aux)
         patching.wrap(aux, "take_output", self._keeping_prompt, around=True)
         patching.wrap(aux, "build_connector_meta", self._with_carried, around=True)
 

@@ -117,25 +117,27 @@ def generate(
     prompt_start: int = 0,
     cache_salt: str = "",
     kv_transfer_params: list[dict[str, Any] | None] | None = None,
+    extra_args: list[dict[str, Any] | None] | None = None,
 ) -> list[Completion]:
     """Greedy generation of exactly ``max_tokens`` tokens per prompt (one value, or one per prompt; EOS
     ignored), in prompt order; ``prompt_start`` > 0 asks vLLM 0.22+ for rows from that prompt token on;
     ``cache_salt``: each prompt salted with it and its index (vLLM's prefix cache then finds none of its blocks);
-    ``kv_transfer_params``: one per prompt (or ``None``), for its KV connector (P/D: vLLM's offline form)."""
+    ``kv_transfer_params``: one per prompt (or ``None``), for its KV connector (P/D: vLLM's offline form);
+    ``extra_args``: one per prompt (or ``None``), its ``SamplingParams.extra_args`` (per-request options)."""
     from vllm import SamplingParams
 
     counts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     start = {"routed_experts_prompt_start": prompt_start} if prompt_start else {}
     transfer = kv_transfer_params or [None] * len(prompts)
+    extras = [
+        {**(extra or {}), **({"kv_transfer_params": dict(kv)} if kv is not None else {})}
+        for kv, extra in zip(transfer, extra_args or [None] * len(prompts), strict=True)
+    ]
     params = [
         SamplingParams(
-            temperature=0.0,
-            max_tokens=n,
-            ignore_eos=True,
-            **start,
-            **({"extra_args": {"kv_transfer_params": dict(kv)}} if kv is not None else {}),
+            temperature=0.0, max_tokens=n, ignore_eos=True, **start, **({"extra_args": extra} if extra else {})
         )
-        for n, kv in zip(counts, transfer, strict=True)
+        for n, extra in zip(counts, extras, strict=True)
     ]
     salted = [
         {"prompt_token_ids": p, **({"cache_salt": f"{cache_salt}-{i}"} if cache_salt else {})}
