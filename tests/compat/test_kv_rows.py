@@ -214,7 +214,7 @@ def test_the_aux_store_wraps_around_the_per_request_options_on_the_connector_cla
     patching.wrap(OptionsInstalled, "build_connector_meta", _aux_requests._building)
     aux = OptionsInstalled()
     store = _kv_aux._BlockStore(aux, aux_config())
-    request = SimpleNamespace(request_id="r", num_prompt_tokens=5, num_computed_tokens=8)
+    request = SimpleNamespace(request_id="r", num_prompt_tokens=5, num_computed_tokens=8, num_output_tokens=0)
     assert aux.take_output(request, {"r": SimpleNamespace(token_start=0, rows=rows(6, 2))}) is not None
     assert np.array_equal(store.finished_rows(request, None), rows(5, 2))
     store.inject(request, None, 4, rows(4, 1))
@@ -225,6 +225,12 @@ def test_the_aux_store_wraps_around_the_per_request_options_on_the_connector_cla
     assert step.requests == {"out": 0}  # emitted from its first prompt token, not never
     assert aux.take_output(out, {"out": SimpleNamespace(token_start=0, rows=rows(5, 3))}) is not None
     assert np.array_equal(store.finished_rows(out, None), rows(5, 3))
+    # rows asked from prompt token 3 (vLLM's routed_experts_prompt_start, or routed_experts_omit): all 5 kept for its
+    # KV, vLLM given those from token 3
+    later = SimpleNamespace(request_id="l", num_prompt_tokens=5, sampling_params=SimpleNamespace(
+        routed_experts_prompt_start=3))  # fmt: skip
+    taken = aux.take_output(later, {"l": SimpleNamespace(token_start=0, rows=rows(5, 4))})
+    assert np.array_equal(taken, rows(5, 4)[3:]) and np.array_equal(store.finished_rows(later, None), rows(5, 4))
 
 
 class AuxWorker:

@@ -37,6 +37,8 @@ def test_rows_read_with_nixl_are_exact(result: dict[str, Any], generation: str) 
     producer = result["producer"]
     assert producer["verdict"]["ok"] and producer["verdict"]["rows"] == producer["verdict"]["matched"] > 0, producer
     assert producer["opted_out_returned"] is False  # the opted-out request's caller got no rows; they went with its KV
+    omitted = producer["omitted"]  # rows from prompt token OMIT_BEFORE to its caller; all of them with its KV
+    assert omitted["ok"] and omitted["rows"] == omitted["matched"] > 0, omitted
     every = (*nixl.DECODED, nixl.STRIPPED, nixl.SWAPPED)
     # the producer put each prompt's rows in its parameters, the opted-out request's too
     assert result["rows_in_params"] == [True] * len(every)

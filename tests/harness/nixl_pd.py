@@ -4,7 +4,8 @@ instance's KV blocks through NIXL over UCX, both instances on this host), two en
 
   1. ``producer`` (a child process, kv_producer): the prompts prefilled, one token out, each with
      ``kv_transfer_params={"do_remote_decode": True}`` (vLLM's P/D flow), one opted out of routed experts (its
-     caller gets none; its KV is lent with its rows all the same); its rows against the reference; the
+     caller gets none) and one asking for rows from a later prompt token (``routed_experts_omit``): their KV is lent
+     with all their prompt's rows all the same; its rows against the reference; the
      parameters it returns (its blocks, and the plugin's rows) written to the exchange folder. It then keeps its
      blocks lent until the consumer is done, runs a few steps (NIXL's notifications are handled in steps), and
      reports how many KV blocks are still lent: none, if every read and every declined load was notified (the lease
@@ -42,6 +43,7 @@ from vllm_ascend_routing.preflight.scenarios import MAX_TOKENS, _verdict, model_
 
 DECODED = (3, 65, 97, 300)  # read from the producer
 OPTED_OUT = 2  # the producer's request of DECODED[2] opts out of routed experts: its rows still go with its KV
+OMITTED, OMIT_BEFORE = 1, 16  # that of DECODED[1] asks for rows from prompt token 16 on: all go with its KV
 STRIPPED = 129  # its parameters reach the consumer without the plugin's rows
 SWAPPED = 97  # the consumer sends another prompt of this length with this one's parameters
 WARM_UP = (20, 77, 45)
@@ -104,12 +106,20 @@ def producer(arch: str, exchange: Path) -> None:
     free_idle = _free_blocks(llm)
     sets = _sets()
     batch = sets["decoded"] + [sets["stripped"], sets["swapped"]]
-    opt_out = [{"return_routed_experts": False} if i == OPTED_OUT else None for i in range(len(batch))]
+    options: dict[int, dict[str, Any]] = {
+        OPTED_OUT: {"return_routed_experts": False},
+        OMITTED: {"routed_experts_omit": OMIT_BEFORE},
+    }
     done = offline.generate(
-        llm, batch, 1, kv_transfer_params=[{"do_remote_decode": True}] * len(batch), extra_args=opt_out
+        llm,
+        batch,
+        1,
+        kv_transfer_params=[{"do_remote_decode": True}] * len(batch),
+        extra_args=[options.get(i) for i in range(len(batch))],
     )
-    returned = [c for i, c in enumerate(done) if i != OPTED_OUT]
-    verdict = _verdict(offline.check(offline.reference_for(model), model, returned))
+    reference = offline.reference_for(model)
+    verdict = _verdict(offline.check(reference, model, [c for i, c in enumerate(done) if i not in options]))
+    omitted = _verdict(offline.check(reference, model, [done[OMITTED]], prompt_start=OMIT_BEFORE))
     lent = free_idle - _free_blocks(llm)
     _write(exchange / "params.json", [c.kv_transfer_params for c in done])
     _wait_for(exchange / "consumer.done", None, 600)
@@ -121,6 +131,7 @@ def producer(arch: str, exchange: Path) -> None:
         {
             "verdict": verdict,
             "opted_out_returned": done[OPTED_OUT].routed_experts is not None,
+            "omitted": omitted,
             "rows_attached": kv_transfer.stats().rows_stored,
             "blocks_lent": lent,
             "blocks_still_lent": free_idle - _free_blocks(llm),

@@ -8,10 +8,12 @@ here, on its first scheduling (``output.engine.first_scheduled``), and an opted-
 out of reach: its worker state still captures and publishes its blocks (other requests' prefix hits read them),
 but never emits, materialises or ships a row of it; ``take_output`` then has nothing to take for it.
 
-Except where the scheduler's rows follow a KV connector (``keep_opted_out_rows``: ``compat/_kv_aux.py``): there an
-opted-out request's rows travel with the KV its connector stores or lends (a P/D prefill's parameters, a stored
-prefix, an offload tier), so the worker emits them as for any request (its emit start as with prompt start 0) and
-the scheduler takes them; ``output.engine`` drops them from the request's output, so the caller still gets none.
+Except where the scheduler's rows follow a KV connector (``keep_prompt_rows``: ``compat/_kv_aux.py``): there every
+request's prompt rows travel with the KV its connector stores or lends (a P/D prefill's parameters, a stored prefix,
+an offload tier), whichever rows its caller asked for. So the worker emits every request's rows from its first prompt
+token (as with prompt start 0; later steps keep vLLM's start, the new token's), and the scheduler takes them: the rows
+before the request's own first token are cut from what vLLM gets (``from_first_token``), and ``output.engine`` drops
+an opted-out request's rows from its output, so each caller still gets what it asked for.
 """
 
 from __future__ import annotations
@@ -43,21 +45,25 @@ TAKE_OUTPUT = Patch(
 )
 PATCHES = (BUILD_CONNECTOR_META, TAKE_OUTPUT)
 NEVER = 2**62  # an emit start no request reaches: the worker emits no row for it
-_KEEPS = "_vllm_ascend_routing_keeps_opted_out_rows"  # attribute of a scheduler-side AuxOutput connector
+_KEEPS = "_vllm_ascend_routing_keeps_prompt_rows"  # attribute of a scheduler-side AuxOutput connector
 
 
-def keep_opted_out_rows(connector: Any) -> None:
-    """This scheduler's rows follow a KV connector: its opted-out requests' rows still reach it (never the caller)."""
+def keep_prompt_rows(connector: Any) -> None:
+    """This scheduler's rows follow a KV connector: every request's prompt rows reach it, whatever its caller asked
+    for (opted out, ``routed_experts_omit``, ``routed_experts_prompt_start``); each caller still gets only its own."""
     setattr(connector, _KEEPS, True)
 
 
-def keeps_opted_out_rows(connector: Any) -> bool:
+def keeps_prompt_rows(connector: Any) -> bool:
     return bool(getattr(connector, _KEEPS, False))
 
 
-def _emit_start(request: Any) -> int:
-    """vLLM's emit start for a request whose rows start at token 0: its prompt's first, then each new token's."""
-    return 0 if int(request.num_output_tokens) == 0 else int(request.num_tokens) - 1
+def from_first_token(request: Any, token_start: int, rows: Any) -> Any:
+    """Rows taken from token ``token_start`` on, cut to those from the request's own first token (the start its
+    caller asked for, which the scheduler's connector set: ``output.engine.select``)."""
+    params = getattr(request, "sampling_params", None)  # None: a pooling request
+    first = min(int(getattr(params, "routed_experts_prompt_start", 0) or 0), int(request.num_prompt_tokens))
+    return rows if rows is None or first <= token_start else rows[first - token_start :]
 
 
 def install() -> None:
@@ -72,9 +78,14 @@ def _building(build_connector_meta: Callable[..., Any]) -> Callable[..., Any]:
         for request_id in engine.selecting & scheduled.keys():
             engine.first_scheduled(requests[request_id])
         metadata = build_connector_meta(self, scheduler_output, requests, *args, **kwargs)
-        keeps = keeps_opted_out_rows(self)
+        if keeps_prompt_rows(self):
+            # every prompt's rows from its first token; once it has output, vLLM's start (the new token's) stands
+            for request_id in metadata.requests:
+                if int(requests[request_id].num_output_tokens) == 0:
+                    metadata.requests[request_id] = 0
+            return metadata
         for request_id in engine.opted_out & metadata.requests.keys():
-            metadata.requests[request_id] = _emit_start(requests[request_id]) if keeps else NEVER
+            metadata.requests[request_id] = NEVER
         return metadata
 
     return wrapper
@@ -83,7 +94,7 @@ def _building(build_connector_meta: Callable[..., Any]) -> Callable[..., Any]:
 def _taking(take_output: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(take_output)
     def wrapper(self: Any, request: Any, output: Any, *args: Any, **kwargs: Any) -> Any:
-        if request.request_id in engine.opted_out and not keeps_opted_out_rows(self):
+        if request.request_id in engine.opted_out and not keeps_prompt_rows(self):
             return None
         return take_output(self, request, output, *args, **kwargs)
 

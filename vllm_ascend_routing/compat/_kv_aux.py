@@ -108,8 +108,8 @@ class _BlockStore:
         self.prompts: dict[str, np.ndarray] = {}  # request id -> its prompt rows, from its first chunk
         # request id -> (request, first token, rows) for the metadata of the step that schedules it
         self.carried: dict[str, tuple[Any, int, np.ndarray]] = {}
-        # Opted-out requests' rows too: they travel with the KV this scheduler's connector stores or lends.
-        _aux_requests.keep_opted_out_rows(aux)
+        # Every request's prompt rows (opted out, or asking for rows from a later token): they travel with its KV.
+        _aux_requests.keep_prompt_rows(aux)
         patching.wrap(aux, "take_output", self._keeping_prompt, around=True)
         patching.wrap(aux, "build_connector_meta", self._with_carried, around=True)
 
@@ -120,7 +120,7 @@ class _BlockStore:
             num_prompt = int(request.num_prompt_tokens)
             if rows is not None and entry is not None and int(entry.token_start) == 0 and len(rows) >= num_prompt:
                 self.prompts.setdefault(request.request_id, np.array(rows[:num_prompt]))
-            return rows
+            return rows if entry is None else _aux_requests.from_first_token(request, int(entry.token_start), rows)
 
         return keeping_prompt
 
