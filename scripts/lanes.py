@@ -12,8 +12,9 @@ JSON file this script rewrites after the run); a target with no recorded minutes
 ``--apart`` groups never run at the same time. Every line a target prints is passed through as it comes, tagged
 with its target; every target runs even after one fails (a CI run reports all its failures), and a table of each
 worker's targets, minutes and verdicts ends the run. A target that passes but printed a line starting
-``SKIPPED:`` (e.g. test-native without nvcc) is shown as skipped, with that line's reason, never as ok. Exit
-status: 0 only if every target passed.
+``SKIPPED:`` (e.g. test-native without nvcc) is shown as skipped, with that line's reason, never as ok. After the
+table, each failed target's pytest ``FAILED``/``ERROR`` lines (or its last lines) are printed again, so the end of
+a CI log says what failed. Exit status: 0 only if every target passed.
 
 The caller makes every environment first (``make venvs``): stages then never install into a venv another
 stage is running tests in.
@@ -28,11 +29,17 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 _PRINT = threading.Lock()
 SKIPPED = "SKIPPED:"  # a target's line saying it did not do its work, and why
+# pytest's lines naming what failed (its short summary, -r fE, on by default): repeated after the table, because a
+# CI log is often read from its end, and a failed stage's own lines lie tens of minutes of output above it.
+FAILURE_PREFIXES = ("FAILED ", "ERROR ")
+RECAP_TAIL = 15  # a failed stage that printed none of those: its last lines instead
+RECAP_MAX = 40  # at most this many named failures per stage, the rest counted
 
 
 @dataclass
@@ -41,6 +48,8 @@ class Stage:
     seconds: float = 0.0
     returncode: int | None = None  # None: not run
     skipped: str = ""  # the reason of its SKIPPED: line, if it printed one
+    failures: list[str] = field(default_factory=list)  # its lines naming a failed test, in order
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=RECAP_TAIL))  # its last lines
 
     @property
     def verdict(self) -> str:
@@ -147,6 +156,9 @@ def run_stage(tag: str, stage: Stage, make: list[str], started: float, worker: s
         say(tag, line.rstrip("\n"))
         if line.startswith(SKIPPED) and not stage.skipped:
             stage.skipped = line[len(SKIPPED) :].strip()
+        if line.startswith(FAILURE_PREFIXES):
+            stage.failures.append(line.rstrip("\n"))
+        stage.tail.append(line.rstrip("\n"))
     stage.returncode = proc.wait()
     stage.seconds = time.monotonic() - began
 
@@ -158,6 +170,20 @@ def summary(lanes: list[Worker], wall: float) -> list[str]:
         lines.append(f"  {lane.name}: {total / 60:.1f} min")
         for stage in lane.stages:
             lines.append(f"    {stage.target:<28} {stage.seconds / 60:6.1f} min  {stage.verdict}")
+    return lines
+
+
+def recap(lanes: list[Worker]) -> list[str]:
+    """What each failed stage said failed: pytest's FAILED/ERROR lines, or its last lines if it printed none."""
+    lines: list[str] = []
+    for stage in (stage for lane in lanes for stage in lane.stages):
+        if stage.returncode in (None, 0):
+            continue
+        lines.append(f"{stage.target} failed (exit {stage.returncode}):")
+        named = stage.failures[:RECAP_MAX]
+        lines.extend(f"  {line}" for line in named or stage.tail)
+        if len(stage.failures) > len(named):
+            lines.append(f"  ... and {len(stage.failures) - len(named)} more")
     return lines
 
 
@@ -181,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         for done in [pool.submit(run_worker, worker, queue, make, started) for worker in workers]:
             done.result()
-    for line in summary(workers, time.monotonic() - started):
+    for line in [*summary(workers, time.monotonic() - started), *recap(workers)]:
         print(line, flush=True)
     if args.history:
         write_history(args.history, workers)

@@ -26,6 +26,8 @@ flag:
 \t@touch flag; echo made-flag
 broken:
 \t@echo about-to-fail; exit 3
+pytest-like:
+\t@echo "FAILED tests/e2e/test_x.py::test_y - AssertionError: 3 != 4"; echo "1 failed, 2 passed"; exit 1
 after:
 \t@echo after-ran
 skipping:
@@ -75,6 +77,17 @@ def test_a_failed_target_fails_the_run_and_the_others_go_on(tmp_path: Path) -> N
         "ok",
         "ok",
     ]
+
+
+@needs_make
+def test_the_end_of_the_run_names_what_each_failed_target_failed(tmp_path: Path) -> None:
+    code, out = run(tmp_path, "--jobs", "1", "pytest-like", "broken", "after")
+    assert code == 1
+    recap = out[out.index("lanes: ") :].splitlines()
+    start = recap.index("pytest-like failed (exit 2):")  # make's exit status for a failed recipe
+    assert recap[start + 1] == "  FAILED tests/e2e/test_x.py::test_y - AssertionError: 3 != 4"
+    assert recap[start + 2] == "broken failed (exit 2):" and recap[start + 3] == "  about-to-fail"  # no FAILED line
+    assert not any(line.startswith("after failed") for line in recap)
 
 
 @needs_make
