@@ -51,6 +51,7 @@ LOCAL_HIT = 2 * BLOCK_SIZE  # tokens of the longest decoded prompt in the consum
 PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 LEASE_SECONDS = 900  # the producer frees a lent block on the consumer's notification only, never by expiry here
+NOTIFY_WAIT_SECONDS = 120  # how long the producer waits, stepping, for the consumer's last notifications
 FIELD = kv_carrier.TransferParamsCarrier.FIELD
 
 
@@ -123,7 +124,11 @@ def producer(arch: str, exchange: Path) -> None:
     lent = free_idle - _free_blocks(llm)
     _write(exchange / "params.json", [c.kv_transfer_params for c in done])
     _wait_for(exchange / "consumer.done", None, 600)
-    for _ in range(3):  # steps: NIXL's notifications are read in them
+    # Steps until every lent block is back (NIXL's notifications are read in them; they travel on their own, so a
+    # loaded machine needs more than a few). The lease is far longer than this wait: a block freed here was freed by
+    # a notification, and one still lent at the end was never notified.
+    waited = time.monotonic()
+    while free_idle - _free_blocks(llm) > 0 and time.monotonic() - waited < NOTIFY_WAIT_SECONDS:
         offline.generate(llm, [[5, 6, 7]], 2, cache_salt=f"step-{time.monotonic_ns()}")
         time.sleep(0.5)
     _write(
@@ -135,6 +140,7 @@ def producer(arch: str, exchange: Path) -> None:
             "rows_attached": kv_transfer.stats().rows_stored,
             "blocks_lent": lent,
             "blocks_still_lent": free_idle - _free_blocks(llm),
+            "notify_wait_seconds": round(time.monotonic() - waited, 1),
             "sentinel": offline.sentinel_totals(llm),
         },
     )
