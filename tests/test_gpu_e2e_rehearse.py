@@ -103,3 +103,9 @@ def test_the_reference_step_needs_every_moe_layer_hooked_and_equal_ids(monkeypat
     monkeypatch.setattr(rehearse, "child", answers(same, other))
     with pytest.raises(rehearse.RehearsalError, match=f"{archs[-1]}: ids or logits differ"):
         rehearse.check_reference({}, Path("/nowhere"), "python")
+
+
+def test_without_nvcc_the_kernel_build_is_a_failure_naming_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(rehearse.shutil, "which", lambda name: None)
+    with pytest.raises(rehearse.RehearsalError, match="no nvcc on PATH"):
+        rehearse.check_kernel_build(tmp_path)

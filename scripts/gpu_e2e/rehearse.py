@@ -18,9 +18,12 @@ versions the GPU machine's image holds: ``image.txt``), run by that environment'
 5. ``surface``: ``doctor --platform cuda --surface`` on the payload's vLLM: every target the plugin patches;
 6. ``reference``: the run's tiny models built and the transformers reference computed with the image's transformers,
    every MoE layer's router hooked, the ids and logits equal to those of ``--compare-python``'s transformers;
-7. ``triton``: the capture's Triton kernel against the oracle in the image's Triton, in its interpreter.
+7. ``triton``: the capture's Triton kernel against the oracle in the image's Triton, in its interpreter;
+8. ``kernel-build``: the CUDA kernel built as the GPU run's ``kernel_build`` job builds it (``gpu_check.py
+   --build-only`` in a copy of the checkout) against the image's torch, with this machine's nvcc, and registered.
 
-What stays for the GPU: the sm_90 cut's kernels running (``smoke``), CUDA graphs, async scheduling, the engines.
+What stays for the GPU: the sm_90 cut's kernels running (``smoke``), the CUDA tests, CUDA graphs, async scheduling, the
+engines.
 Exit status 0 only if every step passed.
 """
 
@@ -263,6 +266,22 @@ def check_triton(env: Mapping[str, str]) -> str:
     return f"Triton {triton.__version__}: {last}"
 
 
+def check_kernel_build(work: Path) -> str:
+    if not shutil.which("nvcc"):
+        raise RehearsalError("no nvcc on PATH: the GPU run's kernel build cannot be rehearsed on this machine")
+    tree = device_run.native_tree(work / "native")
+    command = [sys.executable, str(tree / "scripts" / "gpu_check.py"), "--build-only", "--keep-build"]
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0:
+        raise RehearsalError(
+            f"gpu_check.py --build-only against the image's torch:\n{(done.stdout + done.stderr)[-3000:]}"
+        )
+    built = [line.split(": ", 1)[1] for line in lines if line.strip().startswith("ok (") and " via " in line]
+    return f"{built[0] if built else 'built'}; {lines[-1]}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--payload", type=Path, default=ROOT / ".gpu-e2e")
@@ -291,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         ("surface", lambda: check_surface(env)),
         ("reference", lambda: check_reference(env, work, args.compare_python)),
         ("triton", lambda: check_triton(env)),
+        ("kernel-build", lambda: check_kernel_build(work)),
     ]
     print(f"gpu-e2e-rehearse: {sys.executable} (Python {sys.version.split()[0]}), work in {work}", flush=True)
     failed = []
@@ -308,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     verdict = f"FAILED: {', '.join(failed)}" if failed else "PASSED"
-    print(f"gpu-e2e-rehearse: {verdict} (what stays for a GPU: the kernels running, CUDA graphs, the engines)")
+    stays = "the kernels running, the CUDA tests, CUDA graphs, the engines"
+    print(f"gpu-e2e-rehearse: {verdict} (what stays for a GPU: {stays})")
     return 1 if failed else 0
 
 
