@@ -17,7 +17,8 @@ versions the GPU machine's image holds: ``image.txt``), run by that environment'
    there; the plugin's entry point found once; no module taken from a distribution the image does not hold;
 5. ``surface``: ``doctor --platform cuda --surface`` on the payload's vLLM: every target the plugin patches;
 6. ``reference``: the run's tiny models built and the transformers reference computed with the image's transformers,
-   every MoE layer's router hooked, the ids and logits equal to those of ``--compare-python``'s transformers;
+   every MoE layer's router hooked, the ids and logits equal to those of ``--compare-python``'s transformers; vLLM's
+   ``ModelConfig`` of each read through the image's transformers as through the other;
 7. ``triton``: the capture's Triton kernel against the oracle in the image's Triton, in its interpreter;
 8. ``kernel-build``: the CUDA kernel built as the GPU run's ``kernel_build`` job builds it (``gpu_check.py
    --build-only`` in a copy of the checkout) against the image's torch, with this machine's nvcc, and registered.
@@ -172,6 +173,7 @@ def reference_digests(root: Path, architectures: Iterable[str]) -> dict[str, Any
     import hashlib
 
     import transformers
+    from vllm.config import ModelConfig
 
     from vllm_ascend_routing.preflight import models
     from vllm_ascend_routing.preflight.reference import RouterReference
@@ -181,11 +183,14 @@ def reference_digests(root: Path, architectures: Iterable[str]) -> dict[str, Any
         model = models.build_tiny_moe(arch, root / arch)
         reference = RouterReference(model.path, model.num_hidden_layers, model.num_experts, model.top_k)
         ids, logits = reference.routed_experts_and_logits(list(range(3, 67)))
+        # vLLM reads the checkpoint's config through this transformers too (an engine's first step).
+        config = ModelConfig(model=str(model.path), dtype="float32", max_model_len=512)
         out[arch] = {
             "moe_layers": list(model.moe_layers),
             "hooked": sorted(reference._logits),
             "ids": hashlib.sha256(ids.tobytes()).hexdigest(),
             "logits": [round(float(value), 3) for value in logits.sum(axis=(0, 2))],
+            "vllm_reads": [*config.architectures, config.hf_config.num_hidden_layers],
         }
     return out
 
@@ -233,7 +238,9 @@ def check_surface(env: Mapping[str, str]) -> str:
 
 def check_reference(env: Mapping[str, str], work: Path, compare_python: str | None) -> str:
     archs = gpu_run_architectures()
-    mine = child(["--reference", str(work / "models-image"), *archs], env)
+    # The plugin off: vLLM inspects a model in a child process that loads plugins, and the plugin refuses the platform
+    # vLLM finds without a GPU ('').
+    mine = child(["--reference", str(work / "models-image"), *archs], {**env, "VLLM_ASCEND_ROUTING": "0"})
     problems = [
         f"{arch}: routers hooked in layers {mine[arch]['hooked']}, MoE layers {mine[arch]['moe_layers']}"
         for arch in archs
@@ -241,7 +248,8 @@ def check_reference(env: Mapping[str, str], work: Path, compare_python: str | No
     ]
     against = ""
     if compare_python:
-        theirs = child(["--reference", str(work / "models-compare"), *archs], {"PYTHONPATH": str(ROOT)}, compare_python)
+        plain = {"PYTHONPATH": str(ROOT), "VLLM_ASCEND_ROUTING": "0"}
+        theirs = child(["--reference", str(work / "models-compare"), *archs], plain, compare_python)
         problems += [
             f"{arch}: ids or logits differ from transformers {theirs['transformers']}'s"
             for arch in archs
@@ -250,7 +258,7 @@ def check_reference(env: Mapping[str, str], work: Path, compare_python: str | No
         against = f", equal to transformers {theirs['transformers']}'s"
     if problems:
         raise RehearsalError("\n".join(problems))
-    return f"transformers {mine['transformers']}: {', '.join(archs)}, every MoE layer hooked{against}"
+    return f"transformers {mine['transformers']}: {', '.join(archs)}, every MoE layer hooked, read by vLLM{against}"
 
 
 def check_triton(env: Mapping[str, str]) -> str:
