@@ -210,6 +210,12 @@ def native_tree(target: Path) -> Path:
     return target
 
 
+def kernel_build_command(tree: Path) -> list[str]:
+    """The CUDA kernel built in ``tree`` as ``make gpu-check`` builds it, up to its registration (also what
+    ``rehearse.py`` runs against the image's torch)."""
+    return [sys.executable, str(tree / "scripts" / "gpu_check.py"), "--build-only", "--keep-build"]
+
+
 def device_jobs(names: list[str], site: Path, log_dir: Path, kernel: bool = True) -> list[Job]:
     """The kernel build and the CUDA tests on it (``kernel``), then the engine checks (Triton's kernel, or the
     build's)."""
@@ -217,7 +223,7 @@ def device_jobs(names: list[str], site: Path, log_dir: Path, kernel: bool = True
     plain = {"PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}
     build = Job(
         "kernel_build",
-        [sys.executable, str(tree / "scripts" / "gpu_check.py"), "--build-only", "--keep-build"],
+        kernel_build_command(tree),
         plain,
         timeout_s=300,
         engine=False,

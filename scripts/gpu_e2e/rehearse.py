@@ -278,9 +278,8 @@ def check_kernel_build(work: Path) -> str:
     if not shutil.which("nvcc"):
         raise RehearsalError("no nvcc on PATH: the GPU run's kernel build cannot be rehearsed on this machine")
     tree = device_run.native_tree(work / "native")
-    command = [sys.executable, str(tree / "scripts" / "gpu_check.py"), "--build-only", "--keep-build"]
     env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
+    done = subprocess.run(device_run.kernel_build_command(tree), cwd=tree, env=env, capture_output=True, text=True)
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0:
         raise RehearsalError(
