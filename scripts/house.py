@@ -57,6 +57,8 @@ class House:
     upward: list[str]  # the imports running up the layers
     across: list[str]  # backends/ importing compat/ (the two axes)
     cycles: list[list[str]]
+    rooms: dict[str, set[str]]  # top-level module or folder -> the rooms it imports (every import counted)
+    back: list[tuple[str, str]]  # imports between rooms that close a circle
 
     @property
     def lines(self) -> dict[str, int]:
@@ -85,7 +87,8 @@ def measure(table: Any) -> House:
         for target in targets
         if module.startswith(f"{PACKAGE}.backends") and target.startswith(f"{PACKAGE}.compat")
     )
-    return House(tuple(table.LAYERS), modules, upward, across, table.cycles(graph))
+    rooms = table.room_graph()
+    return House(tuple(table.LAYERS), modules, upward, across, table.cycles(graph), rooms, table.back_edges(rooms))
 
 
 def short(module: str) -> str:
@@ -118,6 +121,12 @@ def report(root: Path, summary: bool) -> list[str]:
     out += [f"    {line}" for line in house.across]
     out.append(f"import cycles: {len(house.cycles)}")
     out += [f"    {' <-> '.join(cycle)}" for cycle in house.cycles]
+    arrows = sum(len(targets) for targets in house.rooms.values())
+    out.append(
+        f"rooms (top-level modules and folders, every import counted): {len(house.rooms)}, {arrows} imports between "
+        f"them; imports running back up (closing a circle of rooms): {len(house.back)}"
+    )
+    out += [f"    {room} imports {target}, which imports it back" for room, target in house.back]
     return out
 
 

@@ -19,6 +19,7 @@ def test_every_module_of_the_package_is_counted_once_in_its_layer() -> None:
     for index, modules in enumerate(measured.modules):
         assert all(test_import_graph.layer_of(module) == index for module, _ in modules)
     assert measured.upward == [] and measured.across == [] and measured.cycles == []  # test_import_graph's too
+    assert measured.rooms == test_import_graph.room_graph() and measured.back == []
 
 
 def test_an_upward_import_and_a_backend_importing_compat_are_found(tmp_path: Path) -> None:
@@ -35,11 +36,14 @@ def test_an_upward_import_and_a_backend_importing_compat_are_found(tmp_path: Pat
         import_graph=lambda: {low: {high}, high: set(), backend: {compat}},
         layer_of=layers.__getitem__,
         cycles=lambda graph: [],
+        room_graph=lambda: {"low": {"high"}, "high": {"low"}},
+        back_edges=test_import_graph.back_edges,
     )
     measured = house.measure(table)
     assert measured.modules == [[(low, 1)], [(high, 600)]]
     assert measured.upward == [f"{low} (layer 0) imports {high} (layer 1)"]
     assert measured.across == [f"{backend} imports {compat}"]
+    assert measured.back == [("low", "high")]
 
 
 def test_the_report_prints_the_totals() -> None:
@@ -48,3 +52,7 @@ def test_the_report_prints_the_totals() -> None:
     assert any(line.startswith("modules: ") and "largest: " in line for line in lines)
     assert "imports running up the layers: 0" in lines and "import cycles: 0" in lines
     assert "backends importing compat: 0" in lines
+    assert any(
+        line.startswith("rooms (") and line.endswith("imports running back up (closing a circle of rooms): 0")
+        for line in lines
+    )

@@ -21,15 +21,16 @@ def is_type_checking_block(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
-def imports_of(path: Path, modules: set[str]) -> set[str]:
-    """Package modules ``path`` imports at run time (``if TYPE_CHECKING:`` blocks are not run)."""
+def imports_of(path: Path, modules: set[str], type_checking: bool = False) -> set[str]:
+    """Package modules ``path`` imports at run time (``if TYPE_CHECKING:`` blocks, which are not run, only with
+    ``type_checking``)."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     stack: list[ast.AST] = [ast.parse(path.read_text())]
     while stack:
         node = stack.pop()
-        if is_type_checking_block(node):
+        if is_type_checking_block(node) and not type_checking:
             continue
         stack.extend(ast.iter_child_nodes(node))
         if isinstance(node, ast.Import):
@@ -45,10 +46,49 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
     return (found & modules) - {name}
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
     paths = sorted(PACKAGE.rglob("*.py"))
     modules = {module_name(path) for path in paths}
-    return {module_name(path): imports_of(path, modules) for path in paths}
+    return {module_name(path): imports_of(path, modules, type_checking) for path in paths}
+
+
+def room_of(module: str) -> str:
+    """The room a module is in: its top-level module or folder of the package (``kv.follower`` is in ``kv``; the
+    package's own ``__init__`` is ``(root)``)."""
+    name = module.removeprefix("vllm_ascend_routing").removeprefix(".")
+    return name.split(".")[0] or "(root)"
+
+
+def room_graph(graph: dict[str, set[str]] | None = None) -> dict[str, set[str]]:
+    """Which room imports which, every import counted (function-level and ``TYPE_CHECKING`` ones too): the house as
+    one reads it from the folders, where a folder is one piece however its modules are layered inside."""
+    graph = import_graph(type_checking=True) if graph is None else graph
+    rooms: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        room = room_of(module)
+        rooms.setdefault(room, set()).update(room_of(target) for target in targets if room_of(target) != room)
+    return rooms
+
+
+def back_edges(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """The imports that close a circle, one per circle a depth-first walk finds (none: the rooms stand in floors,
+    each importing only lower ones)."""
+    state: dict[str, int] = {}  # 1: on the walk's path, 2: done
+    found: list[tuple[str, str]] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                found.append((node, target))
+            elif target not in state:
+                visit(target)
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return found
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -92,6 +132,26 @@ def test_the_package_has_no_import_cycle() -> None:
     assert cycles(graph) == []
 
 
+def test_no_room_imports_one_that_imports_it_back() -> None:
+    """At the scale of rooms (top-level modules and folders), every import counted: no circle. A module may live low
+    in one folder's layers and still close a circle between two folders (``kv_transfer`` importing ``compat``, which
+    imported it back, did), which the per-module layers below do not see."""
+    rooms = room_graph()
+    assert {"compat", "kv", "output", "backends"} <= rooms.keys()
+    assert back_edges(rooms) == []
+
+
+def test_the_room_check_finds_a_circle_between_folders() -> None:
+    graph = {
+        "vllm_ascend_routing.kv.follower": {"vllm_ascend_routing.compat.base"},
+        "vllm_ascend_routing.compat._kv_slots": {"vllm_ascend_routing.kv.carriers"},
+        "vllm_ascend_routing.kv.carriers": set(),
+        "vllm_ascend_routing.compat.base": set(),
+    }
+    assert room_graph(graph) == {"kv": {"compat"}, "compat": {"kv"}}
+    assert back_edges(room_graph(graph)) == [("kv", "compat")]
+
+
 def test_the_check_finds_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -111,12 +171,12 @@ def test_leaf_modules_import_nothing_of_the_package_but_the_release_table() -> N
 LAYERS: tuple[tuple[str, ...], ...] = (
     # leaves: plain data and state, no package imports
     ("releases", "runner_state", "_logging", "contract", "parallel", "_post_import", "compat._shm_store",
-     "ops._id_rule", "ops._reference", "backends._layer", "errors"),
+     "ops._id_rule", "ops._reference", "backends._layer", "errors", "reporting", "context"),
     ("envs", "patching"),  # settings; Patch and the one way to patch
-    ("ops", "capture", "sentinel", "sleep_mode", "validate", "_cpu_compat", "replay", "kv_carrier",  # capture, checks
+    ("ops", "capture", "sentinel", "sleep_mode", "validate", "_cpu_compat", "replay", "kv",  # capture, checks, KV rows
      "output.options", "output.weights", "output.provenance"),  # per-request options, weight version, record
     # the interface; P/D hand-over; the output features' engine, front-end and server hooks
-    ("compat.base", "compat._detect", "compat", "compat._runners", "runner_mixin", "peers", "kv_transfer", "output"),
+    ("compat.base", "compat._detect", "compat", "compat._runners", "runner_mixin", "peers", "output"),
     ("backends",),  # where routing is intercepted
     # the generations: each module the release table names, and what they share
     ("compat._common", "compat._kv_slots", "compat._kv_aux", "compat._aux_requests",

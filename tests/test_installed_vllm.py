@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from vllm_ascend_routing import _cpu_compat, integration, kv_transfer, manifest, patching
+from vllm_ascend_routing import _cpu_compat, integration, kv, manifest, patching
 from vllm_ascend_routing.compat import UnsupportedVllmError, get_api
 from vllm_ascend_routing.output import serving
 from vllm_ascend_routing.patching import RELY, Patch, resolve
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.vllm
 # (rows of KV the instance computed held in its scheduler; ExampleConnector's carried beside its KV); and NIXL's pull
 # mode (NixlConnector, NixlPullConnector: rows carried in its kv_transfer_params). A connector a
 # later vLLM adds fails test_every_kv_connector_this_vllm_registers_is_classified until it is put here or in
-# kv_transfer.REFUSED (it hands KV between instances).
+# kv.REFUSED (it hands KV between instances).
 SERVED_CONNECTORS = frozenset(
     {
         "ExampleConnector",
@@ -223,8 +223,8 @@ def test_every_kv_connector_this_vllm_registers_is_classified() -> None:
 
     registered = set(KVConnectorFactory._registry)
     assert registered, "vLLM's KV connector registry is empty"
-    unclassified = registered - SERVED_CONNECTORS - set(kv_transfer.REFUSED)
+    unclassified = registered - SERVED_CONNECTORS - set(kv.REFUSED)
     assert not unclassified, f"KV connectors neither served nor refused: {sorted(unclassified)}"
     for name in registered:
         config = type("KVTransferConfig", (), {"kv_connector": name, "kv_role": "kv_both"})
-        assert kv_transfer.serves(config) is (name in SERVED_CONNECTORS), name
+        assert kv.serves(config) is (name in SERVED_CONNECTORS), name

@@ -20,6 +20,7 @@ import torch
 
 from vllm_ascend_routing import capture, runner_mixin, runner_state, sentinel
 from vllm_ascend_routing.compat import _shm_store as store
+from vllm_ascend_routing.reporting import ProcessReports
 from vllm_ascend_routing.validate import RoutingValidationError
 
 GENERATIONS = ("shm", "runner-output", "aux-output")
@@ -27,7 +28,7 @@ GENERATIONS = ("shm", "runner-output", "aux-output")
 
 @pytest.fixture(autouse=True)
 def fresh_counters(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sentinel, "_STATS", sentinel.SentinelStats())
+    monkeypatch.setattr(sentinel, "_REPORTS", ProcessReports(sentinel.SentinelStats, kept=3))
 
 
 def user_view(generation: str, rows: np.ndarray, num_experts: int) -> np.ndarray:

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vllm_ascend_routing import kv_carrier
-from vllm_ascend_routing.kv_carrier import ROWS_FILE, Missing, RowLayout, SharedStorageCarrier
+from vllm_ascend_routing.kv import carriers
+from vllm_ascend_routing.kv.carriers import ROWS_FILE, Missing, RowLayout, SharedStorageCarrier
 
 LAYOUT = RowLayout(3, 2, "uint8")
 BLOCK = 4
@@ -114,9 +114,8 @@ def test_rows_of_other_tokens_or_another_layout_are_missing(carrier: Any, tmp_pa
 
 def test_patches_are_optional_relied_on_rows() -> None:
     from vllm_ascend_routing.patching import RELY
-    from vllm_ascend_routing.releases import Generation
 
-    rows_ = kv_carrier.patches((Generation.RUNNER_OUTPUT,))
+    rows_ = carriers.patches()
     assert rows_ and all(row.action == RELY and not row.required for row in rows_)
     assert {row.target.rpartition(":")[2] for row in rows_} == {
         "ExampleConnector._generate_foldername_debug",
@@ -131,8 +130,8 @@ def held_request(prompt: list[int], **identity: Any) -> Any:
     return SimpleNamespace(request_id="h", prompt_token_ids=prompt, mm_features=[], **identity)
 
 
-def held(capacity: int = 1 << 20) -> kv_carrier.HeldRowsCarrier:
-    return kv_carrier.HeldRowsCarrier("OffloadingConnector", LAYOUT, BLOCK, capacity)
+def held(capacity: int = 1 << 20) -> carriers.HeldRowsCarrier:
+    return carriers.HeldRowsCarrier("OffloadingConnector", LAYOUT, BLOCK, capacity)
 
 
 def test_held_rows_serve_a_reload_of_kv_this_instance_computed() -> None:
@@ -246,7 +245,7 @@ def lent(block_ids: Any = ([1, 2],)) -> tuple[bool, dict[str, Any]]:
 def test_nixl_rows_ride_in_the_transfer_params_to_the_request_that_loads_the_kv() -> None:
     """The prefill instance's finished request puts its rows into the parameters NIXL returns; the decode request
     that carries those parameters gets exactly the rows of the tokens it loads."""
-    carrier = kv_carrier.TransferParamsCarrier(object(), LAYOUT)
+    carrier = carriers.TransferParamsCarrier(object(), LAYOUT)
     prompt = list(range(100, 111))
     finished = lent()
     assert carrier.put(transfer_request(prompt, outputs=[7]), rows(11), finished) == 11
@@ -261,7 +260,7 @@ def test_nixl_rows_ride_in_the_transfer_params_to_the_request_that_loads_the_kv(
 
 
 def test_nixl_parameters_without_exact_rows_are_missing_with_the_reason() -> None:
-    carrier = kv_carrier.TransferParamsCarrier(object(), LAYOUT)
+    carrier = carriers.TransferParamsCarrier(object(), LAYOUT)
     prompt = list(range(100, 111))
     assert carrier.put(transfer_request(prompt), rows(11), (False, None)) == 0  # no KV lent: nothing to carry
     assert carrier.put(transfer_request(prompt), rows(11), None) == 0
@@ -277,6 +276,6 @@ def test_nixl_parameters_without_exact_rows_are_missing_with_the_reason() -> Non
     assert isinstance(past, Missing)  # tokens [8, 13): past the 11 carried
     broken = carrier.get(transfer_request(prompt, params={carrier.FIELD: "not base64 !"}), 0, 8)
     assert isinstance(broken, Missing) and "cannot be read" in broken.reason
-    wider = kv_carrier.TransferParamsCarrier(object(), RowLayout(3, 4, "uint8"))
+    wider = carriers.TransferParamsCarrier(object(), RowLayout(3, 4, "uint8"))
     layout = wider.get(transfer_request(prompt, params=dict(params)), 0, 8)
     assert isinstance(layout, Missing) and "another model or configuration" in layout.reason

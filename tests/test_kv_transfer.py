@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vllm_ascend_routing import kv_carrier, kv_transfer, patching, validate
+from vllm_ascend_routing import kv, patching, validate
 from vllm_ascend_routing.compat.base import UnsupportedVllmError
-from vllm_ascend_routing.kv_carrier import Missing, RowLayout
+from vllm_ascend_routing.kv import Missing, RowLayout, carriers, follower
 from vllm_ascend_routing.patching import RELY
 
 LAYOUT = RowLayout(3, 2, "uint8")
@@ -94,13 +94,13 @@ def request(request_id: str, outputs: int = 0) -> Any:
 
 def follow(offers: dict[str, int]) -> tuple[OfferingConnector, StandInCarrier, StandInRows]:
     connector, store = OfferingConnector(offers), StandInRows()
-    follower = kv_transfer._Follower(connector, store, StandInCarrier(connector, LAYOUT), MODEL)
-    carrier = follower.carrier
+    followed = follower.Follower(connector, store, StandInCarrier(connector, LAYOUT), MODEL)
+    carrier = followed.carrier
     assert isinstance(carrier, StandInCarrier)
     for name, make in (
-        ("get_num_new_matched_tokens", follower.matched),
-        ("update_state_after_alloc", follower.allocated),
-        ("request_finished", follower.finished),
+        ("get_num_new_matched_tokens", followed.matched),
+        ("update_state_after_alloc", followed.allocated),
+        ("request_finished", followed.finished),
     ):
         setattr(connector, name, make(getattr(connector, name)))
     return connector, carrier, store
@@ -109,30 +109,28 @@ def follow(offers: dict[str, int]) -> tuple[OfferingConnector, StandInCarrier, S
 def test_loaded_tokens_get_the_rows_carried_with_their_kv() -> None:
     connector, carrier, store = follow({"r1": 8})
     carrier.stored["r1"] = rows(20)
-    before = kv_transfer.stats()
+    before = kv.stats()
     r1 = request("r1")
     assert connector.get_num_new_matched_tokens(r1, 4) == (8, False)  # local hit of 4, 8 more offered
     connector.update_state_after_alloc(r1, "blocks", 8)
     (injected,) = store.injected
     assert injected[:2] == ("r1", 4) and np.array_equal(injected[2], rows(20)[4:12])
-    assert kv_transfer.loaded_span(r1) == (4, 8) and kv_transfer.loaded_rows(r1) == 8
-    assert kv_transfer.loaded_rows(request("r2")) == 0 and kv_transfer.loaded_span(request("r2")) is None
-    after = kv_transfer.stats()
+    assert kv.loaded_span(r1) == (4, 8) and kv.loaded_rows(r1) == 8
+    assert kv.loaded_rows(request("r2")) == 0 and kv.loaded_span(request("r2")) is None
+    after = kv.stats()
     assert (after.requests_loaded - before.requests_loaded, after.rows_loaded - before.rows_loaded) == (1, 8)
 
 
 def test_an_offer_without_rows_is_declined_and_reported_by_request_and_token() -> None:
     connector, _, store = follow({"r7": 12})
-    before = kv_transfer.stats()
+    before = kv.stats()
     r7 = request("r7")
     assert connector.get_num_new_matched_tokens(r7, 4) == (0, False)  # declined: vLLM computes them here
     connector.update_state_after_alloc(r7, "blocks", 0)
-    assert store.injected == [] and kv_transfer.loaded_rows(r7) == 0
-    after = kv_transfer.stats()
+    assert store.injected == [] and kv.loaded_rows(r7) == 0
+    after = kv.stats()
     assert (after.offers_declined - before.offers_declined, after.rows_declined - before.rows_declined) == (1, 12)
-    assert any(
-        "request r7" in text and "[4, 16)" in text and "no routing rows" in text for text in kv_transfer.first_reports()
-    )
+    assert any("request r7" in text and "[4, 16)" in text and "no routing rows" in text for text in kv.first_reports())
 
 
 @pytest.mark.parametrize("strict", [False, True])
@@ -163,12 +161,12 @@ def test_a_finished_request_stores_its_prompt_rows_beside_its_kv() -> None:
     connector, carrier, store = follow({})
     store.prompts["done"] = rows(20)
     store.prompts["aborted"] = rows(20)
-    before = kv_transfer.stats()
+    before = kv.stats()
     assert connector.request_finished(request("done", outputs=1), [0, 1]) == (False, None)
     connector.request_finished(request("aborted", outputs=0), [0, 1])  # its prompt rows may be incomplete
     assert carrier.puts == [("done", 20)]
     assert connector.finished == ["done", "aborted"] and store.forgotten == ["done", "aborted"]
-    assert kv_transfer.stats().rows_stored - before.rows_stored == 20
+    assert kv.stats().rows_stored - before.rows_stored == 20
     store.prompts["bad"] = rows(20)
     store.prompts["bad"][3, 1] = 5  # a dense layer with ids: not routing, not stored
     connector.request_finished(request("bad", outputs=1), [0, 1])
@@ -180,19 +178,19 @@ def kv_config(name: str | None, role: str = "kv_consumer", extra: Any = None) ->
 
 
 def test_refusals_name_the_connector_and_what_to_do() -> None:
-    nccl = kv_transfer.refusal(kv_config("P2pNcclConnector"), "runner-output")
+    nccl = kv.refusal(kv_config("P2pNcclConnector"), "runner-output")
     assert "P2pNcclConnector (kv_consumer) is not covered" in nccl and "RDMA/NCCL" in nccl
-    assert "remove --kv-transfer-config" in nccl and kv_transfer.DOCS in nccl and "Served: NixlConnector" in nccl
-    push = kv_transfer.refusal(kv_config("NixlPushConnector"), "aux-output")
+    assert "remove --kv-transfer-config" in nccl and kv.DOCS in nccl and "Served: NixlConnector" in nccl
+    push = kv.refusal(kv_config("NixlPushConnector"), "aux-output")
     assert "NixlPushConnector (kv_consumer) is not covered: in NIXL's push mode" in push and "use NixlConnector" in push
     inside = [{"kv_connector": "NixlConnector"}, {"kv_connector": "OffloadingConnector"}]
-    nixl_inside = kv_transfer.refusal(kv_config("MultiConnector", "kv_both", {"connectors": inside}), "aux-output")
+    nixl_inside = kv.refusal(kv_config("MultiConnector", "kv_both", {"connectors": inside}), "aux-output")
     assert "NixlConnector (inside MultiConnector) (kv_both) is not covered" in nixl_inside
     assert "configure it alone" in nixl_inside
     inner = [{"kv_connector": "OffloadingConnector"}, {"kv_connector": "MooncakeConnector"}]
-    multi = kv_transfer.refusal(kv_config("MultiConnector", "kv_both", {"connectors": inner}), "aux-output")
+    multi = kv.refusal(kv_config("MultiConnector", "kv_both", {"connectors": inner}), "aux-output")
     assert "MooncakeConnector (inside MultiConnector) (kv_both) is not covered" in multi
-    old = kv_transfer.refusal(kv_config("ExampleConnector"), "shm", carried_here=False)
+    old = kv.refusal(kv_config("ExampleConnector"), "shm", carried_here=False)
     assert "served from vLLM 0.22 on" in old and "'shm'" in old
 
 
@@ -218,34 +216,32 @@ def test_refusals_name_the_connector_and_what_to_do() -> None:
 )
 def test_which_connectors_are_served_and_how(name: str | None, extra: Any, served: bool, held: bool) -> None:
     config = kv_config(name, "kv_both", extra)
-    assert (kv_transfer.serves(config), kv_transfer.holds_rows(config)) == (served, held)
-    assert not kv_transfer.serves(None) and kv_transfer.connector_name(kv_config(None)) is None
+    assert (kv.serves(config), kv.holds_rows(config)) == (served, held)
+    assert not kv.serves(None) and kv.connector_name(kv_config(None)) is None
 
 
-def test_refuse_uncovered_at_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm_ascend_routing import compat
-
-    carrying = SimpleNamespace(kv_rows=SimpleNamespace(patches=()))
-    monkeypatch.setattr(compat, "get_api", lambda: carrying)
-    kv_transfer.refuse_uncovered(SimpleNamespace(kv_transfer_config=None), "runner-output")
-    kv_transfer.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config(None)), "runner-output")
-    kv_transfer.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config("ExampleConnector")), "runner-output")
-    kv_transfer.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config("OffloadingConnector")), "aux-output")
-    kv_transfer.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config("NixlConnector")), "aux-output")
+def test_refuse_uncovered_at_model_load() -> None:
+    carrying: Any = SimpleNamespace(patches=())
+    kv.refuse_uncovered(SimpleNamespace(kv_transfer_config=None), "runner-output", carrying)
+    kv.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config(None)), "runner-output", carrying)
+    kv.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config("ExampleConnector")), "runner-output", carrying)
+    kv.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config("OffloadingConnector")), "aux-output", carrying)
+    kv.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config("NixlConnector")), "aux-output", carrying)
     with pytest.raises(UnsupportedVllmError, match="MooncakeConnector"):
-        kv_transfer.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config("MooncakeConnector")), "aux-output")
-    monkeypatch.setattr(compat, "get_api", lambda: SimpleNamespace())  # a generation without kv_rows (0.20, 0.21)
-    with pytest.raises(UnsupportedVllmError, match="served from vLLM 0.22 on"):
-        kv_transfer.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config("ExampleConnector")), "shm")
-    absent = kv_carrier.patches(())[0]
-    monkeypatch.setattr(compat, "get_api", lambda: SimpleNamespace(kv_rows=SimpleNamespace(patches=(absent,))))
-    with pytest.raises(UnsupportedVllmError, match="lacks what the plugin carries its rows with"):
-        kv_transfer.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config("ExampleConnector")), "aux")
+        kv.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config("MooncakeConnector")), "aux-output", carrying)
+    with pytest.raises(UnsupportedVllmError, match="served from vLLM 0.22 on"):  # a generation without kv_rows
+        kv.refuse_uncovered(SimpleNamespace(kv_transfer_config=kv_config("ExampleConnector")), "shm", None)
+    absent = carriers.patches()[0]
+    for lacking, relied in ((SimpleNamespace(patches=(absent,)), ()), (carrying, (absent,))):
+        with pytest.raises(UnsupportedVllmError, match="lacks what the plugin carries its rows with"):
+            kv.refuse_uncovered(
+                SimpleNamespace(kv_transfer_config=kv_config("ExampleConnector")), "aux", lacking, relied
+            )
 
 
 def test_the_scheduler_hook_follows_only_a_connector_with_routed_experts(monkeypatch: pytest.MonkeyPatch) -> None:
     followed: list[Any] = []
-    monkeypatch.setattr(kv_transfer, "_follow", lambda scheduler, connector, rows: followed.append(connector))
+    monkeypatch.setattr(follower, "follow", lambda scheduler, connector, rows: followed.append(connector))
     store = StandInRows()
 
     class KvRows:
@@ -259,14 +255,14 @@ def test_the_scheduler_hook_follows_only_a_connector_with_routed_experts(monkeyp
     def init(self: Any, connector: Any, routed: bool) -> None:
         self.connector, self.routed = connector, routed
 
-    wrapped = kv_transfer.attaching(init, KvRows())
+    wrapped = follower.attaching(init, KvRows())
     for connector, routed in (("c1", True), (None, True), ("c3", False)):
         wrapped(SimpleNamespace(), connector, routed)
     assert followed == ["c1"]
 
 
 def test_connector_rows_are_relied_on_not_replaced() -> None:
-    rows_ = kv_transfer.connector_patches(())
+    rows_ = follower.connector_patches()
     assert [row.target.rpartition(".")[2] for row in rows_] == [
         "get_num_new_matched_tokens",
         "update_state_after_alloc",
@@ -279,20 +275,19 @@ def test_connector_rows_are_relied_on_not_replaced() -> None:
 def test_model_load_refuses_through_the_kv_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     """``_common.refuse_unsupported_config`` (every generation's prepare) asks ``refuse_uncovered``: a covered
     connector passes where the generation carries rows, anything else is refused by name."""
-    from vllm_ascend_routing import compat
     from vllm_ascend_routing.compat import _common
 
     def config(name: str) -> Any:
         return SimpleNamespace(parallel_config=SimpleNamespace(), kv_transfer_config=kv_config(name))
 
-    monkeypatch.setattr(compat, "get_api", lambda: SimpleNamespace(kv_rows=SimpleNamespace(patches=())))
-    _common.refuse_unsupported_config(config("ExampleConnector"), "runner-output")
-    _common.refuse_unsupported_config(config("LMCacheConnectorV1"), "runner-output")
+    carrying: Any = SimpleNamespace(patches=())
+    monkeypatch.setattr(kv, "RELIED", ())  # no vLLM here: nothing it relies on resolves
+    _common.refuse_unsupported_config(config("ExampleConnector"), "runner-output", carrying)
+    _common.refuse_unsupported_config(config("LMCacheConnectorV1"), "runner-output", carrying)
     with pytest.raises(UnsupportedVllmError, match="P2pNcclConnector .kv_consumer. is not covered"):
-        _common.refuse_unsupported_config(config("P2pNcclConnector"), "runner-output")
-    monkeypatch.setattr(compat, "get_api", lambda: SimpleNamespace())
+        _common.refuse_unsupported_config(config("P2pNcclConnector"), "runner-output", carrying)
     with pytest.raises(UnsupportedVllmError, match="served from vLLM 0.22 on"):
-        _common.refuse_unsupported_config(config("ExampleConnector"), "device-cache")
+        _common.refuse_unsupported_config(config("ExampleConnector"), "device-cache", None)
 
 
 def test_a_connector_without_a_carrier_serves_the_rows_this_instance_computed(
@@ -317,8 +312,8 @@ def test_a_connector_without_a_carrier_serves_the_rows_this_instance_computed(
     scheduler = Scheduler()
     scheduler.vllm_config = config  # type: ignore[attr-defined]
     connector, store = OfferingConnector({"tier": 8, "elsewhere": 8}), StandInRows()
-    kv_transfer._follow(scheduler, connector, store)
-    held = kv_transfer.held_rows(scheduler)
+    follower.follow(scheduler, connector, store)
+    held = kv.held_rows(scheduler)
     assert held is not None and held.capacity == 1 << 20  # VLLM_ASCEND_ROUTING_KV_HELD_ROWS_MIB=1
 
     def prompt_request(request_id: str, prompt: list[int], outputs: int = 0) -> Any:
@@ -332,7 +327,7 @@ def test_a_connector_without_a_carrier_serves_the_rows_this_instance_computed(
     tier = prompt_request("tier", prompt)
     assert connector.get_num_new_matched_tokens(tier, 0) == (8, False)
     connector.update_state_after_alloc(tier, "blocks", 8)
-    assert np.array_equal(store.injected[-1][2], rows(12)[:8]) and kv_transfer.loaded_span(tier) == (0, 8)
+    assert np.array_equal(store.injected[-1][2], rows(12)[:8]) and kv.loaded_span(tier) == (0, 8)
     elsewhere = prompt_request("elsewhere", list(range(50, 62)))  # KV computed by another instance
     assert connector.get_num_new_matched_tokens(elsewhere, 0) == (0, False)
     assert scheduler.reset_prefix_cache() is True and resets == [True]
@@ -346,10 +341,10 @@ def test_a_connector_without_a_carrier_serves_the_rows_this_instance_computed(
     [("NixlConnector", True), ("NixlPullConnector", True), ("ExampleConnector", True), ("NixlPushConnector", False)],
 )
 def test_vllm_s_own_refusal_is_lifted_only_for_connectors_with_a_carrier(name: str, lifted: bool) -> None:
-    assert kv_transfer.lifts(kv_config(name), name) is lifted
-    assert not kv_transfer.lifts(kv_config("OffloadingConnector"), "NixlConnector")  # not configured: not lifted
+    assert kv.lifts(kv_config(name), name) is lifted
+    assert not kv.lifts(kv_config("OffloadingConnector"), "NixlConnector")  # not configured: not lifted
     inside = kv_config("MultiConnector", "kv_both", {"connectors": [{"kv_connector": "NixlConnector"}]})
-    assert not kv_transfer.lifts(inside, "NixlConnector")  # refused inside MultiConnector
+    assert not kv.lifts(inside, "NixlConnector")  # refused inside MultiConnector
 
 
 class HybridConnector(OfferingConnector):
@@ -371,14 +366,14 @@ def test_a_hybrid_allocator_connector_s_finished_requests_are_followed(monkeypat
         made.append(StandInCarrier(connector, layout))
         return made[-1]
 
-    monkeypatch.setitem(kv_carrier.CARRIERS, "HybridConnector", carrier)
+    monkeypatch.setitem(carriers.CARRIERS, "HybridConnector", carrier)
     scheduler = SimpleNamespace(
         vllm_config=SimpleNamespace(
             kv_transfer_config=kv_config("HybridConnector", "kv_producer"), cache_config=SimpleNamespace(block_size=4)
         )
     )
     connector, store = HybridConnector({}), StandInRows()
-    kv_transfer._follow(scheduler, connector, store)
+    follower.follow(scheduler, connector, store)
     store.prompts["p1"] = rows(20)
     returned = connector.request_finished_all_groups(request("p1", outputs=1), ([0, 1],))
     assert returned == (True, {"do_remote_prefill": True, "remote_block_ids": ([0, 1],)})

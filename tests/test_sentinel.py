@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from vllm_ascend_routing import capture, sentinel
+from vllm_ascend_routing.reporting import ProcessReports
 from vllm_ascend_routing.sentinel import Sentinel
 from vllm_ascend_routing.validate import RoutingValidationError
 
@@ -23,7 +24,7 @@ STEP = [("req-a", 2), ("req-b", 3)]
 
 @pytest.fixture(autouse=True)
 def fresh_counters(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sentinel, "_STATS", sentinel.SentinelStats())
+    monkeypatch.setattr(sentinel, "_REPORTS", ProcessReports(sentinel.SentinelStats, kept=3))
 
 
 def _sentinel(top_k: int = 2, layers: tuple[int, ...] = (1, 3), strict: bool = True, num_experts: int = 8) -> Sentinel:
@@ -297,10 +298,10 @@ def test_doctor_reports_the_sentinel_counters(monkeypatch: pytest.MonkeyPatch) -
 
     prepared = capture.PreparedCapture.bound(torch.zeros(4, 3, 2, dtype=torch.int16), torch.zeros(1), 8, (0, 2))
     monkeypatch.setattr(runner_state, "captures_in_process", lambda: [prepared])
-    monkeypatch.setattr(sentinel, "_STATS", sentinel.SentinelStats(3, 24, 0, 0))
+    sentinel._REPORTS.count(steps_checked=3, rows_checked=24)
     expected = "2 MoE layers bound; always-on check: 24 rows in 3 steps, 0 all-zero, 0 invalid ids"
     assert self_check.capture_report() == (expected, [])
-    monkeypatch.setattr(sentinel, "_STATS", sentinel.SentinelStats(3, 24, 4, 1))
+    sentinel._REPORTS.count(zero_rows=4, invalid_ids=1)
     assert len(self_check.capture_report()[1]) == 2
     # The workers' counters (collective_rpc), where the runners are other processes: none bound here.
     monkeypatch.setattr(runner_state, "captures_in_process", lambda: [])

@@ -16,6 +16,7 @@ from tests.fakes import BufferedModel
 from tests.harness import sleep_stand_in
 from vllm_ascend_routing import runner_state, sentinel, sleep_mode
 from vllm_ascend_routing.capture import PreparedCapture
+from vllm_ascend_routing.reporting import ProcessReports
 from vllm_ascend_routing.validate import RoutingValidationError
 
 ACCELERATORS = [pytest.param("cuda", marks=pytest.mark.cuda), pytest.param("npu", marks=pytest.mark.npu)]
@@ -24,7 +25,7 @@ STEP = [("req-a", 5)]
 
 @pytest.fixture(autouse=True)
 def fresh_counters(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sentinel, "_STATS", sentinel.SentinelStats())
+    monkeypatch.setattr(sentinel, "_REPORTS", ProcessReports(sentinel.SentinelStats, kept=3))
 
 
 class _GraphWrapper:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from types import ModuleType
 
-from vllm_ascend_routing import _cpu_compat, kv_transfer, manifest, ops, output, peers, validate
+from vllm_ascend_routing import _cpu_compat, kv, manifest, ops, output, peers, validate
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing._post_import import when_imported
 from vllm_ascend_routing.compat import UnsupportedVllmError, get_api, vllm_version
@@ -47,7 +47,8 @@ def install() -> None:
     for cls in filter(None, (_load(runner.path) for runner in runners if not runner.in_vllm_ascend)):
         apply_mixin(cls, api)
     api.install()
-    kv_transfer.install(api)  # rows follow KV connectors where the generation can carry them
+    if api.kv_rows is not None:  # rows follow KV connectors where the generation can carry them
+        kv.follower.install(api.kv_rows)
     validate.install()
     output.install(api, vllm_version())
     peers.install(api.routed_experts_requested)

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from types import ModuleType
 
-from vllm_ascend_routing import _cpu_compat, envs, peers, releases, runner_mixin, validate
+from vllm_ascend_routing import _cpu_compat, envs, kv, peers, releases, runner_mixin, validate
 from vllm_ascend_routing.backends import _rebind, ascend, ascend_router, cpu_moe, zero_expert_router
 from vllm_ascend_routing.compat import _aux_requests, _kv_aux, _kv_slots
 from vllm_ascend_routing.compat.base import CaptureAPI, Generation, UnsupportedVllmError
@@ -48,7 +48,7 @@ _DECLARING = (
     _cpu_compat,
     validate,
     peers,
-    _kv_slots,  # rows of tokens KV connectors load (kv_transfer), per generation
+    _kv_slots,  # rows of tokens KV connectors load (kv), per generation
     _kv_aux,
     weights,  # the output features (output/): weight version, engine core, front end, server
     engine,
@@ -72,10 +72,11 @@ def _runner_rows(generation: Generation, platform: str) -> list[Patch]:
 
 def patches_for(generation: Generation, platform: str) -> list[Patch]:
     """The rows that apply to ``generation`` on ``platform`` (runner hooks first)."""
+    api = next((api for api in adapters() if api.generation is generation), None)
+    kv_rows = list(kv.PATCHES) if getattr(api, "kv_rows", None) is not None else []
     declared = [
         patch
-        for module in (*generation_modules(), *_DECLARING)
-        for patch in module.PATCHES
+        for patch in [*(p for module in (*generation_modules(), *_DECLARING) for p in module.PATCHES), *kv_rows]
         if generation in patch.generations and patch.platform in ("any", platform)
     ]
     return _runner_rows(generation, platform) + declared

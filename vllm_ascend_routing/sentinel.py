@@ -22,7 +22,6 @@ MoE layout the config does not tell (``contract.moe_layers``) are checked too.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +31,7 @@ import torch
 
 from vllm_ascend_routing import envs
 from vllm_ascend_routing._logging import get_logger
+from vllm_ascend_routing.reporting import ProcessReports, loud
 from vllm_ascend_routing.validate import RoutingValidationError
 
 logger = get_logger(__name__)
@@ -50,22 +50,18 @@ class SentinelStats:
         return dict(vars(self))
 
 
-_STATS = SentinelStats()
-_FIRST_REPORTS: list[str] = []  # the first few reports of this process, as logged (doctor, tests)
-_KEPT_REPORTS = 3
-_LOCK = threading.Lock()  # several runners (DP engines in one process, tests) may share the counters
+# Several runners (DP engines in one process, tests) share the counters; the first three reports are kept.
+_REPORTS = ProcessReports(SentinelStats, kept=3)
 
 
 def stats() -> SentinelStats:
     """A copy of this process's counters."""
-    with _LOCK:
-        return SentinelStats(**_STATS.as_dict())
+    return _REPORTS.stats()
 
 
 def first_reports() -> list[str]:
     """The first reports this process made (at most three), as logged."""
-    with _LOCK:
-        return list(_FIRST_REPORTS)
+    return _REPORTS.first_reports()
 
 
 @dataclass
@@ -214,11 +210,12 @@ class Sentinel:
     ) -> None:
         new_errors = errors - self._errors_seen
         self._errors_seen = errors
-        with _LOCK:
-            _STATS.steps_checked += 1
-            _STATS.rows_checked += num_tokens * len(self.bound_layers) if self.checks_zero_rows else 0
-            _STATS.zero_rows += zero_count
-            _STATS.invalid_ids += max(new_errors, 0)
+        _REPORTS.count(
+            steps_checked=1,
+            rows_checked=num_tokens * len(self.bound_layers) if self.checks_zero_rows else 0,
+            zero_rows=zero_count,
+            invalid_ids=max(new_errors, 0),
+        )
         problems = []
         if zero_count:
             row, column = divmod(first, len(self.bound_layers))
@@ -239,10 +236,8 @@ class Sentinel:
     def _report(self, message: str) -> None:
         self._reports += 1
         text = f"vllm-ascend-routing: {message}."
-        with _LOCK:
-            if len(_FIRST_REPORTS) < _KEPT_REPORTS:
-                _FIRST_REPORTS.append(text)
-        if self.strict or self._reports & (self._reports - 1) == 0:  # the 1st, 2nd, 4th ... : loud, no flood
+        _REPORTS.keep(text)
+        if self.strict or loud(self._reports):
             logger.error("%s (report %d; counters: %s)", text, self._reports, stats().as_dict())
         if self.strict:
             raise RoutingValidationError(text)

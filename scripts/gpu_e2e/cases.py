@@ -159,7 +159,7 @@ def preemption_part(llm: Any, arch: str, dtype: str) -> dict[str, Any]:
 def offload_part(llm: Any, arch: str, dtype: str, cpu: bool) -> dict[str, Any]:
     """Four prompts, then four others that take their place in the engine's KV cache (768 tokens: the first four's
     blocks are evicted), then the first four again: their KV comes back from vLLM's CPU offload tier, and the rows of
-    those tokens from what the plugin held when they were first computed (kv_carrier.HeldRowsCarrier). Then, after
+    those tokens from what the plugin held when they were first computed (carriers.HeldRowsCarrier). Then, after
     another eviction, each first prompt's next turn (prompt, its answer, more tokens): the tier's blocks now reach
     into the answer, whose rows the plugin held too (vLLM 0.22-0.30). Every row against the reference; ``loaded``
     (each request's ``routed_experts_info``) must show rows loaded, past the answer's first token in the next turn.

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.ascend.conftest import ASCEND_SRC
-from vllm_ascend_routing import kv_transfer
+from vllm_ascend_routing import kv
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ascend]
 
@@ -35,11 +35,7 @@ def config(name: str) -> object:
 def test_vllm_ascend_p2p_connectors_are_refused_and_its_stores_served() -> None:
     connectors = registered()
     assert connectors, "no register_connector call found in vllm-ascend's source"
-    wrong = {
-        name: module
-        for name, module in connectors.items()
-        if kv_transfer.serves(config(name)) == (".kv_p2p." in module)
-    }
+    wrong = {name: module for name, module in connectors.items() if kv.serves(config(name)) == (".kv_p2p." in module)}
     assert not wrong, f"classified wrongly (kv_p2p must be refused, the rest served): {wrong}"
     refused = sorted(name for name, module in connectors.items() if ".kv_p2p." in module)
     served = sorted(name for name in connectors if name not in refused)

@@ -23,6 +23,7 @@ from tests.fakes import BufferedModel
 from tests.harness import sleep_stand_in
 from vllm_ascend_routing import sentinel, sleep_mode
 from vllm_ascend_routing.capture import PreparedCapture
+from vllm_ascend_routing.reporting import ProcessReports
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ascend]
 
@@ -53,7 +54,7 @@ def _worker_module(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 @pytest.mark.parametrize("kept", [True, False])
 def test_vllm_ascends_level_2_wake_up_restores_the_capture_state(monkeypatch: pytest.MonkeyPatch, kept: bool) -> None:
     module = _worker_module(monkeypatch)
-    monkeypatch.setattr(sentinel, "_STATS", sentinel.SentinelStats())
+    monkeypatch.setattr(sentinel, "_REPORTS", ProcessReports(sentinel.SentinelStats, kept=3))
     model = BufferedModel()
     prepared = PreparedCapture.bound(
         torch.zeros(8, 4, 2, dtype=torch.int16), torch.zeros(1, dtype=torch.int64), 8, (1, 3)

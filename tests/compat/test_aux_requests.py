@@ -47,8 +47,8 @@ def connector(monkeypatch: pytest.MonkeyPatch) -> Connector:
     monkeypatch.setattr(engine, "selecting", {"out", "cached"})
     monkeypatch.setattr(engine, "opted_out", {"out"})
     hooked = type("Hooked", (Connector,), {})
-    hooked.build_connector_meta = _aux_requests._building(Connector.build_connector_meta)  # type: ignore[method-assign]
-    hooked.take_output = _aux_requests._taking(Connector.take_output)  # type: ignore[method-assign]
+    hooked.build_connector_meta = _aux_requests._building(Connector.build_connector_meta, engine.SELECTION)  # type: ignore[method-assign]
+    hooked.take_output = _aux_requests._taking(Connector.take_output, engine.SELECTION)  # type: ignore[method-assign]
     return hooked()
 
 

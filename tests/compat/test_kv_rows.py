@@ -210,8 +210,8 @@ def test_the_aux_store_wraps_around_the_per_request_options_on_the_connector_cla
     class OptionsInstalled(AuxScheduler):
         pass
 
-    patching.wrap(OptionsInstalled, "take_output", _aux_requests._taking)
-    patching.wrap(OptionsInstalled, "build_connector_meta", _aux_requests._building)
+    patching.wrap(OptionsInstalled, "take_output", lambda m: _aux_requests._taking(m, engine.SELECTION))
+    patching.wrap(OptionsInstalled, "build_connector_meta", lambda m: _aux_requests._building(m, engine.SELECTION))
     aux = OptionsInstalled()
     store = _kv_aux._BlockStore(aux, aux_config())
     request = SimpleNamespace(request_id="r", num_prompt_tokens=5, num_computed_tokens=8, num_output_tokens=0)

@@ -58,15 +58,12 @@ def test_dual_batch_overlap_is_refused() -> None:
         refuse_unsupported_config(config(enable_dbo=True), "runner-output")
 
 
-def test_a_kv_transfer_connector_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A connector whose loaded tokens' rows the plugin does not carry (``kv_transfer``: any on 0.20/0.21, those that
-    hand KV between instances without a carrier from 0.22) is refused at model load, naming it and what to change."""
-    from vllm_ascend_routing import compat
-
+def test_a_kv_transfer_connector_is_refused() -> None:
+    """A connector whose loaded tokens' rows the plugin does not carry (``kv``: any on 0.20/0.21, those that hand KV
+    between instances without a carrier from 0.22) is refused at model load, naming it and what to change."""
     connector = SimpleNamespace(kv_connector="MooncakeConnector", kv_role="kv_both")
-    monkeypatch.setattr(compat, "get_api", lambda: SimpleNamespace())  # a generation without kv_rows (0.20, 0.21)
     with pytest.raises(UnsupportedVllmError, match="MooncakeConnector.*remove --kv-transfer-config"):
-        refuse_unsupported_config(config(kv_transfer_config=connector), "shm")
-    monkeypatch.setattr(compat, "get_api", lambda: SimpleNamespace(kv_rows=SimpleNamespace(patches=())))
+        refuse_unsupported_config(config(kv_transfer_config=connector), "shm", None)  # no kv_rows (0.20, 0.21)
+    carrying: Any = SimpleNamespace(patches=())
     with pytest.raises(UnsupportedVllmError, match="MooncakeConnector.*is not covered.*remove --kv-transfer-config"):
-        refuse_unsupported_config(config(kv_transfer_config=connector), "runner-output")
+        refuse_unsupported_config(config(kv_transfer_config=connector), "runner-output", carrying)

@@ -39,7 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from vllm_ascend_routing import kv_carrier, kv_transfer
+from vllm_ascend_routing import kv
+from vllm_ascend_routing.kv import carriers
 from vllm_ascend_routing.preflight import consistency, models, offline
 from vllm_ascend_routing.preflight.scenarios import MAX_TOKENS, _verdict, model_dir
 
@@ -118,7 +119,7 @@ def _refused(model: models.TinyMoE, storage: Path, connector: str, role: str) ->
 
 
 def _refused_at_load(model: models.TinyMoE, storage: Path) -> dict[str, Any]:
-    """The refusal every worker raises at model load (``kv_transfer.refuse_uncovered``, from the generation's
+    """The refusal every worker raises at model load (``kv.refuse_uncovered``, from the generation's
     ``prepare``), on vLLM's own config for an ExampleConnector engine: an engine start would show it only in a
     worker process's log (the CPU build's workers run apart on 0.20.x)."""
     from vllm.config import KVTransferConfig
@@ -139,7 +140,7 @@ def _refused_at_load(model: models.TinyMoE, storage: Path) -> dict[str, Any]:
         ),
     )
     try:
-        kv_transfer.refuse_uncovered(args.create_engine_config(), get_api().generation.value)
+        kv.refuse_uncovered(args.create_engine_config(), get_api().generation.value, get_api().kv_rows, kv.RELIED)
     except UnsupportedVllmError as error:
         return {"refused": True, "error": type(error).__name__, "message": str(error)}
     return {"refused": False}
@@ -173,9 +174,9 @@ def _disaggregated(model: models.TinyMoE, storage: Path) -> dict[str, Any]:
     started = time.monotonic()
 
     def phase(name: str, llm: Any, batch: list[list[int]], max_tokens: int, salt: str = "") -> list[offline.Completion]:
-        before = kv_transfer.stats()
+        before = kv.stats()
         done = offline.generate(llm, batch, max_tokens, cache_salt=salt)
-        after = kv_transfer.stats()
+        after = kv.stats()
         verdict = _verdict(offline.check(reference, model, done))
         verdict["rows_loaded"] = after.rows_loaded - before.rows_loaded
         # what each request's provenance record says was loaded (routed_experts_info, output/engine.py)
@@ -191,7 +192,7 @@ def _disaggregated(model: models.TinyMoE, storage: Path) -> dict[str, Any]:
     prefill = phase("producer", producer, sets["A"] + sets["B"], 1)
     out["sentinel_producer"] = offline.sentinel_totals(producer)
     _close(producer)
-    out["storage_rows_files"] = len(list(storage.rglob(kv_carrier.ROWS_FILE)))
+    out["storage_rows_files"] = len(list(storage.rglob(carriers.ROWS_FILE)))
     decode = {"A": _decode_prompts(prefill[: len(SET_A)]), "B": _decode_prompts(prefill[len(SET_A) :])}
     # Set B's longest prompt: its KV stays, its rows go (a producer without the plugin leaves exactly this).
     removed = _remove_rows(storage, decode["B"][-1])
@@ -210,7 +211,7 @@ def _disaggregated(model: models.TinyMoE, storage: Path) -> dict[str, Any]:
     loaded["C"] = phase("consumer_loads_kv_both", consumer, decode["C"], MAX_TOKENS - 1)
     out["sentinel_consumer"] = offline.sentinel_totals(consumer)
     _close(consumer)
-    out["reports"] = kv_transfer.first_reports()
+    out["reports"] = kv.first_reports()
     out["removed_rows_file"] = removed
 
     tier = _engine(model, storage, "kv_both", PREFILL_BUDGET, tier=True)
@@ -241,7 +242,7 @@ def _held_against_returned(llm: Any, done: list[offline.Completion]) -> dict[str
     against the array the engine returned for it: the whole sequence's rows on 0.22-0.30 (the slot buffer gives
     them), the prompt's on 0.31+."""
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    held = kv_transfer.held_rows(scheduler)
+    held = kv.held_rows(scheduler)
     if held is None:
         return {"held": None}
     whole = prompt = 0
@@ -259,7 +260,7 @@ def _held_against_returned(llm: Any, done: list[offline.Completion]) -> dict[str
 
 def _remove_rows(storage: Path, decode_prompt: list[int]) -> bool:
     """Remove the rows file beside the KV of ``decode_prompt``'s loaded prefix (found by its token ids)."""
-    for path in storage.rglob(kv_carrier.ROWS_FILE):
+    for path in storage.rglob(carriers.ROWS_FILE):
         with np.load(path) as stored:
             tokens = stored["token_ids"]
         if len(tokens) and list(tokens) == decode_prompt[: len(tokens)] and len(tokens) > 256:

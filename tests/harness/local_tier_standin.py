@@ -3,7 +3,7 @@
 ``OffloadingConnector``, or a cache service such as LMCache), none of which runs on vLLM's CPU build: vLLM's own
 ``ExampleConnector`` (shared-storage KV, which runs here) under another name. The plugin then serves it as it
 serves every such connector: rows of prompts computed on the instance held in its scheduler
-(``kv_carrier.HeldRowsCarrier``), KV computed elsewhere computed here instead. Loaded by vLLM's connector factory
+(``carriers.HeldRowsCarrier``), KV computed elsewhere computed here instead. Loaded by vLLM's connector factory
 through ``kv_connector_module_path``; never installed by the plugin.
 
 Like vLLM's offload connectors (``OffloadingConnector``, ``SimpleCPUOffloadConnector``) it supports the hybrid

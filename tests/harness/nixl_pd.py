@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from tests.harness.disaggregation import BLOCK_SIZE, DECODE_BUDGET, PREFILL_BUDGET, _against_single, _oracle, prompts
-from vllm_ascend_routing import kv_carrier, kv_transfer
+from vllm_ascend_routing import kv
+from vllm_ascend_routing.kv import carriers
 from vllm_ascend_routing.preflight import models, offline
 from vllm_ascend_routing.preflight.scenarios import MAX_TOKENS, _verdict, model_dir
 
@@ -52,7 +53,7 @@ PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 LEASE_SECONDS = 900  # the producer frees a lent block on the consumer's notification only, never by expiry here
 NOTIFY_WAIT_SECONDS = 120  # how long the producer waits, stepping, for the consumer's last notifications
-FIELD = kv_carrier.TransferParamsCarrier.FIELD
+FIELD = carriers.TransferParamsCarrier.FIELD
 
 
 def _engine(model: models.TinyMoE, role: str, budget: int) -> Any:
@@ -137,7 +138,7 @@ def producer(arch: str, exchange: Path) -> None:
             "verdict": verdict,
             "opted_out_returned": done[OPTED_OUT].routed_experts is not None,
             "omitted": omitted,
-            "rows_attached": kv_transfer.stats().rows_stored,
+            "rows_attached": kv.stats().rows_stored,
             "blocks_lent": lent,
             "blocks_still_lent": free_idle - _free_blocks(llm),
             "notify_wait_seconds": round(time.monotonic() - waited, 1),
@@ -198,9 +199,9 @@ def _consume(model: models.TinyMoE, exchange: Path, child: subprocess.Popen[str]
     llm = _engine(model, "kv_consumer", DECODE_BUDGET)
 
     def phase(name: str, batch: list[list[int]], params: list[dict[str, Any] | None] | None = None) -> Any:
-        before = kv_transfer.stats()
+        before = kv.stats()
         done = offline.generate(llm, batch, MAX_TOKENS, kv_transfer_params=params)
-        after = kv_transfer.stats()
+        after = kv.stats()
         verdict = _verdict(offline.check(reference, model, done))
         verdict["rows_loaded"] = after.rows_loaded - before.rows_loaded
         verdict["rows_declined"] = after.rows_declined - before.rows_declined
@@ -224,7 +225,7 @@ def _consume(model: models.TinyMoE, exchange: Path, child: subprocess.Popen[str]
     loaded = phase("nixl_decode", decoded, carried)
     declined = phase("nixl_rows_stripped", [sets["stripped"]], [stripped])
     declined += phase("nixl_params_of_other_tokens", [sets["other"]], [params[-1]])
-    out["reports"] = kv_transfer.first_reports()
+    out["reports"] = kv.first_reports()
     every = loaded + declined
     whole = offline.generate(llm, [c.prompt_ids for c in every], MAX_TOKENS, cache_salt="one-engine")
     out["single"] = _against_single(whole, every)

@@ -13,7 +13,7 @@ import pytest
 
 from tests.test_kv_transfer import follow
 from tests.test_kv_transfer import rows as kv_rows
-from vllm_ascend_routing import kv_transfer
+from vllm_ascend_routing import kv
 from vllm_ascend_routing.output import engine, provenance, weights
 
 
@@ -147,7 +147,7 @@ def test_a_prefix_cache_reset_moves_cached_from_to_the_next_steps_version(schedu
 def test_loaded_rows_are_the_kv_connectors_hand_over(
     scheduler: Scheduler, extra_args: dict[str, Any] | None, start: int, first: int, cached: int, loaded: int
 ) -> None:
-    """P/D: the record's ``loaded`` is what ``kv_transfer`` followed the connector load (tokens 8..19 here, after
+    """P/D: the record's ``loaded`` is what ``kv`` followed the connector load (tokens 8..19 here, after
     a local hit of 8), counted from the request's first row; those rows are not ``computed``."""
     r = request("r", 30, extra_args, cached=8, start=start)
     connector, carrier, _ = follow({"r": 12})
@@ -155,7 +155,7 @@ def test_loaded_rows_are_the_kv_connectors_hand_over(
     scheduler.add_request(r)
     assert connector.get_num_new_matched_tokens(r, 8) == (12, False)  # vLLM's scheduler: the local hit, then this
     connector.update_state_after_alloc(r, "blocks", 12)
-    assert kv_transfer.loaded_span(r) == (8, 12)
+    assert kv.loaded_span(r) == (8, 12)
     step(scheduler, ["r"], ["r"], [], 1)
     part = step(scheduler, ["r"], [], ["r"], 1)["r"].kv_transfer_params[engine.RECORD_KEY]
     assert (part["first_token"], part["cached"], part["loaded"]) == (first, cached, loaded)

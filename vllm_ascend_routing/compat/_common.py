@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from vllm_ascend_routing import backends, kv_transfer, sleep_mode
+from vllm_ascend_routing import backends, kv, sleep_mode
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import (
     LayerCapture,
@@ -18,7 +18,7 @@ from vllm_ascend_routing.capture import (
     new_error_counter,
 )
 from vllm_ascend_routing.compat._runners import GROUP_0_SNAPSHOT_MODULES
-from vllm_ascend_routing.compat.base import Generation, UnsupportedVllmError
+from vllm_ascend_routing.compat.base import Generation, RequestSelection, UnsupportedVllmError
 from vllm_ascend_routing.parallel import RankLayout
 
 logger = get_logger(__name__)
@@ -37,6 +37,7 @@ class GenerationAdapter:
 
     generation: Generation
     narrowed_by_expert_count: bool
+    kv_rows: kv.KvRows | None = None  # rows of tokens a KV connector loaded (``None``: KV connectors are refused)
 
     def routed_experts_requested(self, vllm_config: Any) -> bool:
         """``--enable-return-routed-experts``, on the model config (where every generation but aux-output keeps it)."""
@@ -48,6 +49,9 @@ class GenerationAdapter:
 
     def refuse_before_binding(self, vllm_config: Any) -> None:
         """This generation's own refusals, before the shared ones (``refuse_unsupported_config``): none here."""
+
+    def install_request_options(self, selection: RequestSelection) -> None:
+        """None: this generation's transport reads the request's parameters as the output feature leaves them."""
 
     def prepare(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> PreparedCapture | None:
         if not self.routed_experts_requested(vllm_config):
@@ -66,7 +70,7 @@ def prepare_capture(
     """At model load, for an engine of ``api``'s generation that returns routed experts: refuse what cannot be
     served exactly (its name in the messages; ``api.narrowed_by_expert_count``: ``refuse_unrepresentable_ids``),
     then bind the target model's MoE layers to a ``[max_num_batched_tokens, *shape[:2]]`` buffer."""
-    refuse_unsupported_config(vllm_config, api.generation.value)
+    refuse_unsupported_config(vllm_config, api.generation.value, getattr(api, "kv_rows", None))
     num_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
     prepared = bind_target_model(model, num_tokens, shape, device, rank_layout(vllm_config))
     refuse_unrepresentable_ids(prepared, api.narrowed_by_expert_count)
@@ -122,8 +126,9 @@ def misplaced_slot_group(runner: Any) -> int | None:
     return gid
 
 
-def refuse_unsupported_config(vllm_config: Any, generation: str) -> None:
-    """Raise for parallel layouts and KV connectors whose routing rows this plugin cannot place exactly."""
+def refuse_unsupported_config(vllm_config: Any, generation: str, kv_rows: kv.KvRows | None = None) -> None:
+    """Raise for parallel layouts and KV connectors whose routing rows this plugin cannot place exactly
+    (``kv_rows``: the generation's store of loaded rows; ``None``: every KV connector is refused)."""
     parallel = vllm_config.parallel_config
     for attr, what in _PARALLELISM_REFUSED.items():
         size = getattr(parallel, attr, 1) or 1
@@ -139,7 +144,7 @@ def refuse_unsupported_config(vllm_config: Any, generation: str) -> None:
             "remove --enable-dbo or unset VLLM_ASCEND_ROUTING."
         )
     backends.refuse_unsupported_config(vllm_config)
-    kv_transfer.refuse_uncovered(vllm_config, generation)  # connectors whose loaded tokens' rows are not carried
+    kv.refuse_uncovered(vllm_config, generation, kv_rows, kv.RELIED)  # connectors whose loaded rows are not carried
 
 
 def rank_layout(vllm_config: Any) -> RankLayout | None:

@@ -12,7 +12,7 @@ request's first output is assembled. A finished request's prompt rows are the fi
 for it (``take_output``), kept until the request finishes.
 
 vLLM's own check refuses routed experts only with the Nixl, MoRIIO and Mooncake connectors; the plugin refuses
-every connector it does not carry rows for at model load (``kv_transfer.refuse_uncovered``).
+every connector it does not carry rows for at model load (``kv.refuse_uncovered``).
 """
 
 from __future__ import annotations
@@ -22,17 +22,16 @@ from typing import Any
 
 import numpy as np
 
-from vllm_ascend_routing import kv_carrier, kv_transfer, patching
+from vllm_ascend_routing import patching
 from vllm_ascend_routing.compat import _aux_requests
 from vllm_ascend_routing.compat.base import Generation
-from vllm_ascend_routing.kv_carrier import RowLayout
+from vllm_ascend_routing.kv import RowLayout
 from vllm_ascend_routing.patching import RELY, Patch
 
 _AUX = (Generation.AUX_OUTPUT,)
 _REMOVE = "vLLM carries aux outputs through KV connectors itself"
 _SCHEDULER = "vllm.distributed.aux_output_connector.connector:AuxOutputSchedulerConnector"
 _WORKER = "vllm.distributed.aux_output_connector.worker:AuxOutputWorkerConnector"
-SCHEDULER_INIT = kv_transfer.scheduler_init_patch(_AUX, _REMOVE)
 BEGIN_STEP = Patch(
     f"{_WORKER}.begin_step",
     "after vLLM registers a step's block hashes: carried rows of loaded blocks staged and published",
@@ -42,7 +41,7 @@ BEGIN_STEP = Patch(
     required=False,
 )
 # Needed only once a KV connector is configured: optional in the manifest, required then
-# (``kv_transfer.refuse_uncovered`` checks ``AuxRows.patches``).
+# (``kv.refuse_uncovered`` checks ``AuxRows.patches``).
 _RELIED = (
     Patch(f"{_SCHEDULER}.take_output", "a request's first chunk holds its prompt rows (wrapped per instance)",
           _REMOVE, _AUX, ("self", "request", "output"), required=False, action=RELY),
@@ -54,7 +53,7 @@ _RELIED = (
           "carried rows staged as vLLM stages captured ones", _REMOVE, _AUX,
           ("self", "request_id", "token_start", "rows"), required=False, action=RELY),
 )  # fmt: skip
-CARRYING = (SCHEDULER_INIT, BEGIN_STEP, *_RELIED, *kv_transfer.connector_patches(_AUX), *kv_carrier.patches(_AUX))
+CARRYING = (BEGIN_STEP, *_RELIED)
 # The manifest's rows: one per target. The per-request options replace take_output and build_connector_meta on
 # every engine (compat/_aux_requests.py, required): their rows are those targets' rows.
 _OPTIONS = {patch.target for patch in _aux_requests.PATCHES}
@@ -83,12 +82,11 @@ def _staging_carried(begin_step: Any) -> Any:
 
 
 class AuxRows:
-    """``kv_transfer.KvRows`` of this generation."""
+    """``kv.KvRows`` of this generation."""
 
     patches = CARRYING  # all required once a KV connector is configured
 
     def install(self) -> None:
-        patching.replace(SCHEDULER_INIT, lambda init: kv_transfer.attaching(init, self))
         patching.replace(BEGIN_STEP, _staging_carried)
 
     def attach(self, scheduler: Any) -> _BlockStore | None:
@@ -97,7 +95,7 @@ class AuxRows:
 
 
 class _BlockStore:
-    """One scheduler's side of the AuxOutput store (``kv_transfer.SchedulerRows``)."""
+    """One scheduler's side of the AuxOutput store (``kv.SchedulerRows``)."""
 
     def __init__(self, aux: Any, vllm_config: Any) -> None:
         model_config = vllm_config.model_config

@@ -28,10 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from vllm_ascend_routing import kv_carrier, kv_transfer, patching
+from vllm_ascend_routing import kv, patching
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.compat.base import Generation, UnsupportedVllmError
-from vllm_ascend_routing.kv_carrier import RowLayout
+from vllm_ascend_routing.kv import RowLayout
 from vllm_ascend_routing.patching import RELY, Patch
 
 logger = get_logger(__name__)
@@ -39,7 +39,6 @@ logger = get_logger(__name__)
 _RUNNER = (Generation.RUNNER_OUTPUT,)
 _REMOVE = "the lowest supported vLLM is 0.31.0 or newer"
 _MANAGER = "vllm.model_executor.layers.fused_moe.routed_experts_capturer:RoutedExpertsManager"
-SCHEDULER_INIT = kv_transfer.scheduler_init_patch(_RUNNER, _REMOVE)
 IS_KV_TRANSFER_INSTANCE = Patch(
     "vllm.config.kv_transfer:KVTransferConfig.is_kv_transfer_instance",
     "read at vLLM's refusal of routed experts with KV connectors: False there for covered connectors",
@@ -47,7 +46,7 @@ IS_KV_TRANSFER_INSTANCE = Patch(
     _RUNNER,
 )
 # Relied on only once a KV connector is configured: optional in the manifest (an engine without one never needs
-# them), required then (``kv_transfer.refuse_uncovered`` checks ``SlotRows.patches``).
+# them), required then (``kv.refuse_uncovered`` checks ``SlotRows.patches``).
 _RELIED = (
     Patch(
         "vllm.config.vllm:VllmConfig.__post_init__",
@@ -65,13 +64,7 @@ _RELIED = (
     Patch("vllm.v1.core.kv_cache_manager:KVCacheBlocks.get_block_ids", "the blocks vLLM loads into, per KV group",
           _REMOVE, _RUNNER, ("self",), required=False, action=RELY),
 )  # fmt: skip
-PATCHES = (
-    SCHEDULER_INIT,
-    IS_KV_TRANSFER_INSTANCE,
-    *_RELIED,
-    *kv_transfer.connector_patches(_RUNNER),
-    *kv_carrier.patches(_RUNNER),
-)
+PATCHES = (IS_KV_TRANSFER_INSTANCE, *_RELIED)
 
 # vLLM's refusal message, as its config check raises it (located in the bytecode, never matched at run time).
 _REFUSAL_TEXT = ("--enable-return-routed-experts", "KV connectors")
@@ -119,12 +112,12 @@ def _lifting(current: property) -> property:
         if site is not None:
             caller = sys._getframe(1)
             if caller.f_code is site[0] and caller.f_lineno == site[1]:
-                if not kv_transfer.serves(self):
-                    raise UnsupportedVllmError(kv_transfer.refusal(self, Generation.RUNNER_OUTPUT.value))
+                if not kv.serves(self):
+                    raise UnsupportedVllmError(kv.refusal(self, Generation.RUNNER_OUTPUT.value))
                 logger.info(
                     "vLLM's refusal of routed experts with KV connectors lifted for %s: the rows of loaded tokens "
                     "are carried with their KV or held here",
-                    kv_transfer.connector_name(self),
+                    kv.connector_name(self),
                 )
                 return False
         return value
@@ -133,12 +126,11 @@ def _lifting(current: property) -> property:
 
 
 class SlotRows:
-    """``kv_transfer.KvRows`` of this generation."""
+    """``kv.KvRows`` of this generation."""
 
     patches = PATCHES
 
     def install(self) -> None:
-        patching.replace(SCHEDULER_INIT, lambda init: kv_transfer.attaching(init, self))
         patching.replace(IS_KV_TRANSFER_INSTANCE, _lifting)
 
     def attach(self, scheduler: Any) -> _SlotStore | None:
@@ -149,7 +141,7 @@ class SlotRows:
 
 
 class _SlotStore:
-    """One scheduler's slot buffer (``kv_transfer.SchedulerRows``)."""
+    """One scheduler's slot buffer (``kv.SchedulerRows``)."""
 
     def __init__(self, manager: Any) -> None:
         self.manager = manager

@@ -28,14 +28,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_ascend_routing import kv_transfer, patching
+from vllm_ascend_routing import kv, patching
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import PreparedCapture
 from vllm_ascend_routing.compat import _aux_requests
 from vllm_ascend_routing.compat._common import GenerationAdapter, attach_buffer
 from vllm_ascend_routing.compat._kv_aux import AuxRows
 from vllm_ascend_routing.compat._runners import LOAD_MODEL, RUNNER_CLASSES
-from vllm_ascend_routing.compat.base import Generation, RunnerClass, RunnerHook, UnsupportedVllmError
+from vllm_ascend_routing.compat.base import (
+    Generation,
+    RequestSelection,
+    RunnerClass,
+    RunnerHook,
+    UnsupportedVllmError,
+)
 from vllm_ascend_routing.patching import RELY, Patch
 from vllm_ascend_routing.releases import BINDER_FUNCTION
 from vllm_ascend_routing.runner_state import as_binding_runner, binding_runner, prepared_capture
@@ -97,7 +103,7 @@ def _attach_prepared_buffer(model: torch.nn.Module, capturer: Any) -> None:
 class _ConfigAsServed:
     """A ``VllmConfig`` as vLLM's AuxOutput check reads it where the plugin serves what that check refuses:
     ``use_v2_model_runner`` True where the plugin drives the connector the way Model Runner V2 does, and a KV
-    connector whose loaded rows the plugin carries (``kv_transfer.lifts``) not seen by the check's connector test.
+    connector whose loaded rows the plugin carries (``kv.lifts``) not seen by the check's connector test.
     Every other attribute (read or written) is the config's own; only this call sees it."""
 
     def __init__(self, config: Any, drives_connector: bool) -> None:
@@ -105,7 +111,7 @@ class _ConfigAsServed:
         if drives_connector:
             object.__setattr__(self, "use_v2_model_runner", True)
         kv_config = getattr(config, "kv_transfer_config", None)
-        if kv_config is not None and kv_transfer.serves(kv_config):
+        if kv_config is not None and kv.serves(kv_config):
             object.__setattr__(self, "kv_transfer_config", _KvConfigAsServed(kv_config))
 
     def __getattr__(self, name: str) -> Any:
@@ -122,7 +128,7 @@ class _KvConfigAsServed:
         object.__setattr__(self, "_config", config)
 
     def has_connector(self, name: str) -> bool:
-        return not kv_transfer.lifts(self._config, name) and bool(self._config.has_connector(name))
+        return not kv.lifts(self._config, name) and bool(self._config.has_connector(name))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._config, name)
@@ -136,7 +142,7 @@ def _as_served(verify: Callable[[Any], None]) -> Callable[[Any], None]:
     Triton: never on the CPU build). With the plugin driving it from the V1 runner as Model Runner V2 would
     (vLLM exempts out-of-tree platforms, which drive it themselves, the same way), the check is run on the
     config as that runner would present it. It also refuses routed experts with NIXL, whose loaded rows the plugin
-    carries (``kv_transfer.lifts``): that refusal is lifted. Every other condition is still checked."""
+    carries (``kv.lifts``): that refusal is lifted. Every other condition is still checked."""
 
     def verify_aux_output_compatibility(self: Any) -> None:
         from vllm.platforms import current_platform
@@ -168,7 +174,7 @@ class AuxOutputAPI(GenerationAdapter):
     runner_classes: Mapping[str, tuple[RunnerClass, ...]] = RUNNER_CLASSES
     rows_read_in_front_end = False  # rows travel through vLLM's AuxOutput connector
     narrowed_by_expert_count = True  # vLLM returns the array as uint8 where the routed experts fit it
-    kv_rows = AuxRows()  # rows of tokens a KV connector loaded: in the connector's block store (kv_transfer)
+    kv_rows = AuxRows()  # rows of tokens a KV connector loaded: in the connector's block store (``kv``)
 
     def routed_experts_requested(self, vllm_config: Any) -> bool:
         return bool(vllm_config.aux_output_config.enable_return_routed_experts)
@@ -176,7 +182,9 @@ class AuxOutputAPI(GenerationAdapter):
     def install(self) -> None:
         patching.replace(BINDER, lambda _: _attach_prepared_buffer)
         patching.replace(CONFIG_CHECK, _as_served)
-        _aux_requests.install()  # per-request options on the connector's scheduler side
+
+    def install_request_options(self, selection: RequestSelection) -> None:
+        _aux_requests.install(selection)  # per-request options on the connector's scheduler side
 
     def install_ascend(self) -> None:
         """Nothing beyond the runner hooks: Ascend is out-of-tree, so vLLM's check already lets its runner

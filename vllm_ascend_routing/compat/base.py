@@ -27,6 +27,7 @@ __all__ = [
     "SUPPORTED_RELEASES",
     "CaptureAPI",
     "Generation",
+    "RequestSelection",
     "RunnerClass",
     "RunnerHook",
     "StepHooksNotUsed",
@@ -69,6 +70,22 @@ class RunnerClass:
         return self.path.startswith("vllm_ascend")
 
 
+class RequestSelection(Protocol):
+    """The per-request choices of the output feature (``output.engine``), which a generation's scheduler-side hooks
+    act on (0.31+: the AuxOutput connector's emit start); handed to the adapter by that feature at install."""
+
+    @property
+    def selecting(self) -> set[str]:
+        """Requests (by id) whose first row the engine moves or whose rows it drops."""
+
+    @property
+    def opted_out(self) -> set[str]:
+        """Requests (by id) that opted out of their rows."""
+
+    def first_scheduled(self, request: Any) -> int:
+        """At the request's first scheduling (idempotent): decide its first row; returns that token."""
+
+
 class CaptureAPI(Protocol):
     """What the runner mixin and ``integration`` need from one vLLM API generation."""
 
@@ -82,6 +99,8 @@ class CaptureAPI(Protocol):
     # True where vLLM narrows this generation's array by the routed expert count (uint8 up to 256 experts): zero
     # experts' ids past it would wrap there (``_common.refuse_unrepresentable_ids``).
     narrowed_by_expert_count: bool
+    # Where rows of tokens a KV connector loaded are kept for this generation (``None``: KV connectors refused).
+    kv_rows: Any
 
     def routed_experts_requested(self, vllm_config: Any) -> bool:
         """Whether this engine was started with ``--enable-return-routed-experts`` (where this generation keeps it)."""
@@ -91,6 +110,9 @@ class CaptureAPI(Protocol):
 
     def install_ascend(self) -> None:
         """Patch this generation's call sites in vllm-ascend (idempotent; run when its worker imports them)."""
+
+    def install_request_options(self, selection: RequestSelection) -> None:
+        """Where this generation's transport needs them: scheduler-side hooks acting on ``selection`` (idempotent)."""
 
     def prepare(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> PreparedCapture | None:
         """At model load, before any forward: check the config, allocate the static capture buffer and

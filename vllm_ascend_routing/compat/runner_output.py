@@ -79,7 +79,7 @@ class RunnerOutputAPI(GenerationAdapter, StepHooksNotUsed):
     runner_classes: Mapping[str, tuple[RunnerClass, ...]] = RUNNER_CLASSES
     rows_read_in_front_end = False  # rows travel in vLLM's runner output
     narrowed_by_expert_count = True  # vLLM returns the array as uint8 where the routed experts fit it
-    kv_rows = SlotRows()  # rows of tokens a KV connector loaded: in the scheduler's slot buffer (kv_transfer)
+    kv_rows = SlotRows()  # rows of tokens a KV connector loaded: in the scheduler's slot buffer (``kv``)
 
     def install(self) -> None:
         for patch in PATCHES:

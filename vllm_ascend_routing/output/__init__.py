@@ -28,4 +28,5 @@ def install(api: CaptureAPI, vllm: str) -> None:
     if api.generation in engine.UPDATE_FROM_OUTPUT.generations:
         weights.install()
         engine.install()
+        api.install_request_options(engine.SELECTION)
         serving.install()

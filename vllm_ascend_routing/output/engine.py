@@ -11,7 +11,7 @@ In the scheduler, for engines that return routed experts:
     the AuxOutput connector's emit start). An opted-out request's first row is its last prompt token's, so vLLM
     reads one prompt row for it (not the prompt's), and its rows never leave this process (dropped from its outputs);
   * ``_free_request``: a finished request's record (first row, cached rows, rows a KV connector loaded as
-    ``kv_transfer`` followed them (P/D hand-over), weight versions) goes to
+    ``kv`` followed them (P/D hand-over), weight versions) goes to
     the front end with its last output, under ``RECORD_KEY`` in ``kv_transfer_params``, which the front end
     removes again (``output.frontend``): vLLM's array is never touched;
   * ``reset_prefix_cache``: rows served from the prefix cache afterwards were computed at or after the next
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_ascend_routing import kv_transfer, patching
+from vllm_ascend_routing import kv, patching
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.compat._requests import local_cached_tokens
 from vllm_ascend_routing.output import options, weights
@@ -68,7 +68,7 @@ _SCHEDULER_STATE = "_vllm_ascend_routing_output"  # Scheduler attribute: its Eng
 _UNSET = object()
 
 # Requests (by id) whose first row this engine moves or whose rows it drops, and those opted out: the generation
-# modules' scheduler-side hooks act on these only (``compat/_aux_requests.py``).
+# modules' scheduler-side hooks act on these only (``SELECTION``, handed to the adapter at install).
 selecting: set[str] = set()
 opted_out: set[str] = set()
 
@@ -146,6 +146,25 @@ def select(request: Any, state: RequestState) -> int:
         request.sampling_params = params
     state.first_token = start
     return start
+
+
+class _Selection:
+    """This process's per-request choices, as the adapter's scheduler-side hooks read them
+    (``compat.base.RequestSelection``)."""
+
+    @property
+    def selecting(self) -> set[str]:
+        return selecting
+
+    @property
+    def opted_out(self) -> set[str]:
+        return opted_out
+
+    def first_scheduled(self, request: Any) -> int:
+        return first_scheduled(request)
+
+
+SELECTION = _Selection()
 
 
 def _engine_state(scheduler: Any) -> EngineState:
@@ -258,8 +277,8 @@ def engine_record(request: Any, engine: EngineState) -> dict[str, Any]:
 
 def loaded_from(request: Any, first: int) -> int:
     """The request's rows from token ``first`` on whose tokens' KV, and rows, a KV connector loaded (P/D: the
-    tokens ``kv_transfer.loaded_span`` names, computed on the instance that stored that KV)."""
-    span = kv_transfer.loaded_span(request)
+    tokens ``kv.loaded_span`` names, computed on the instance that stored that KV)."""
+    span = kv.loaded_span(request)
     if span is None:
         return 0
     start, count = span

@@ -9,7 +9,7 @@ over HTTP, ``routed_experts_info`` next to ``routed_experts`` in each choice).
 
 Row ``i`` of the array is token ``first_token + i``; ``computed + cached + loaded == rows``: rows this engine's
 forward computed for the request, rows served from its prefix cache (computed by an earlier request), rows loaded
-through a KV connector (P/D hand-over: ``kv_transfer.loaded_span``). ``weight_version``: how many times the model's
+through a KV connector (P/D hand-over: ``kv.loaded_span``). ``weight_version``: how many times the model's
 weights had been loaded or updated (``output.weights``) when the request's first forward and the forward of its
 last row ran; rows served from the prefix cache were computed at ``cached_from`` or later (``null`` without
 cached rows). ``straddles``: the rows may come from more than one weight version (``null``: a version is unknown).

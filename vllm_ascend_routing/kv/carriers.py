@@ -41,23 +41,21 @@ from typing import Any, Protocol
 import numpy as np
 
 from vllm_ascend_routing.patching import RELY, Patch
-from vllm_ascend_routing.releases import Generation
 
 ROWS_FILE = "vllm_ascend_routing_rows.npz"
 _FORMAT = 1
 _EXAMPLE = "vllm.distributed.kv_transfer.kv_connector.v1.example_connector"
 
 
-def patches(generations: tuple[Generation, ...]) -> tuple[Patch, ...]:
-    """What the carriers rely on in vLLM, for the generations that carry rows (optional: checked when the
-    connector is configured, ``missing_symbols``)."""
+def patches() -> tuple[Patch, ...]:
+    """What the carriers rely on in vLLM (optional in the manifest: ``policy.refuse_uncovered`` requires them once
+    the connector is configured)."""
     return (
         Patch(
             f"{_EXAMPLE}:ExampleConnector._generate_foldername_debug",
             "ExampleConnector's folder for a prompt prefix: the rows are stored beside that KV",
             "never while ExampleConnector is covered",
-            generations,
-            ("self", "token_ids", "mm_hashes"),
+            params=("self", "token_ids", "mm_hashes"),
             required=False,
             action=RELY,
         ),
@@ -65,8 +63,7 @@ def patches(generations: tuple[Generation, ...]) -> tuple[Patch, ...]:
             f"{_EXAMPLE}:align_to_block_size",
             "how many prompt tokens ExampleConnector stores (its whole blocks)",
             "never while ExampleConnector is covered",
-            generations,
-            ("num_tokens", "block_size"),
+            params=("num_tokens", "block_size"),
             required=False,
             action=RELY,
         ),
