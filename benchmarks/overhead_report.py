@@ -19,9 +19,9 @@ from overhead_engine import ARCH, KV_CACHE_BYTES, Engine, engine_method, machine
 
 def capture_memory(num_layers: int, top_k: int, num_experts: int, max_batched: int, kv_slots: int) -> dict[str, int]:
     """Host bytes held by capture buffers for this generation (CPU build: device buffer is host memory)."""
-    from vllm_ascend_routing.compat import get_api
+    from vllm_ascend_routing.compat import adapter as get_adapter
 
-    generation = get_api().generation.value
+    generation = get_adapter().generation.value
     step_buffer = max_batched * num_layers * top_k * 2  # our int16 [max_batched, L, K]
     narrow = 1 if num_experts <= 256 else 2
     if generation == "shm":
@@ -36,7 +36,7 @@ def capture_memory(num_layers: int, top_k: int, num_experts: int, max_batched: i
 
 def assemble_16k(num_layers: int = 61, top_k: int = 8, num_experts: int = 256, tokens: int = 16384) -> dict[str, float]:
     """Seconds to assemble one 16k-token request's routing from a KV-slot store, as each generation does."""
-    from vllm_ascend_routing.compat import _shm_store as store
+    from vllm_ascend_routing.compat.shm import store
 
     rng = np.random.default_rng(0)
     block = 16

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from vllm_ascend_routing import compat, errors
-from vllm_ascend_routing.compat import base
+from vllm_ascend_routing.compat import interface as base
 
 
 def test_unsupported_vllm_error_is_one_class_wherever_it_is_imported() -> None:

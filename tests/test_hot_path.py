@@ -213,9 +213,9 @@ def test_host_kernel_dispatches_no_aten_op() -> None:
 
 
 def test_step_hooks_add_no_work_on_the_cpu() -> None:
-    from vllm_ascend_routing.compat import _shm_store as store
-    from vllm_ascend_routing.compat.runner_output import RunnerOutputAPI
-    from vllm_ascend_routing.compat.shm import ShmAPI, ShmRoutedExpertsCapturer
+    from vllm_ascend_routing.compat.runner_output.adapter import RunnerOutputAdapter
+    from vllm_ascend_routing.compat.shm import store
+    from vllm_ascend_routing.compat.shm.adapter import ShmAdapter, ShmRoutedExpertsCapturer
 
     prepared = bind_target_model(FakeModel(cpu=False), 64, (3, 2, 8), torch.device("cpu"))
     capturer = ShmRoutedExpertsCapturer()
@@ -225,8 +225,8 @@ def test_step_hooks_add_no_work_on_the_cpu() -> None:
     runner = SimpleNamespace(routed_experts_attn_gid=0)  # vLLM's runner (attention in KV group 0)
     try:
         with OpLog() as log:
-            RunnerOutputAPI().after_forward(runner, prepared, 64)
-            ShmAPI().after_forward(runner, prepared, 64)
+            RunnerOutputAdapter().after_forward(runner, prepared, 64)
+            ShmAdapter().after_forward(runner, prepared, 64)
         assert log.ops == []
     finally:
         ShmRoutedExpertsCapturer._instance = None

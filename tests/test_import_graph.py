@@ -7,8 +7,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from vllm_ascend_routing import releases
-
 PACKAGE = Path(__file__).resolve().parents[1] / "vllm_ascend_routing"
 
 
@@ -143,10 +141,10 @@ def test_no_room_imports_one_that_imports_it_back() -> None:
 
 def test_the_room_check_finds_a_circle_between_folders() -> None:
     graph = {
-        "vllm_ascend_routing.kv.follower": {"vllm_ascend_routing.compat.base"},
-        "vllm_ascend_routing.compat._kv_slots": {"vllm_ascend_routing.kv.carriers"},
+        "vllm_ascend_routing.kv.follower": {"vllm_ascend_routing.compat.interface"},
+        "vllm_ascend_routing.compat.runner_output.kv_rows": {"vllm_ascend_routing.kv.carriers"},
         "vllm_ascend_routing.kv.carriers": set(),
-        "vllm_ascend_routing.compat.base": set(),
+        "vllm_ascend_routing.compat.interface": set(),
     }
     assert room_graph(graph) == {"kv": {"compat"}, "compat": {"kv"}}
     assert back_edges(room_graph(graph)) == [("kv", "compat")]
@@ -170,18 +168,15 @@ def test_leaf_modules_import_nothing_of_the_package_but_the_release_table() -> N
 # ``__init__`` is ``register()``, wiring). A module may import its own layer or lower ones.
 LAYERS: tuple[tuple[str, ...], ...] = (
     # leaves: plain data and state, no package imports
-    ("releases", "runner_state", "_logging", "contract", "parallel", "_post_import", "compat._shm_store",
+    ("releases", "runner_state", "_logging", "contract", "parallel", "_post_import", "compat.shm.store",
      "ops._id_rule", "ops._reference", "backends._layer", "errors", "reporting", "context"),
     ("envs", "patching"),  # settings; Patch and the one way to patch
     ("ops", "capture", "sentinel", "sleep_mode", "validate", "_cpu_compat", "replay", "kv",  # capture, checks, KV rows
      "output.options", "output.weights", "output.provenance"),  # per-request options, weight version, record
-    # the interface; P/D hand-over; the output features' engine, front-end and server hooks
-    ("compat.base", "compat._detect", "compat", "compat._runners", "runner_mixin", "peers", "output"),
     ("backends",),  # where routing is intercepted
-    # the generations: each module the release table names, and what they share
-    ("compat._common", "compat._kv_slots", "compat._kv_aux", "compat._aux_requests",
-     *(span.adapter.removeprefix("vllm_ascend_routing.") for span in releases.implemented())),
-    ("manifest", "integration", ""),  # wiring: collect, verify, install; register()
+    ("compat",),  # the adapter: its interface, detection, and one folder per generation
+    ("runner_mixin", "peers", "output"),  # features that hold the adapter: runner hooks, start-up check, output
+    ("features", "manifest", "integration", ""),  # wiring: the registry, collect, verify, install; register()
     ("versions", "__main__", "preflight"),  # user-facing tools: doctor, its self-check and pre-flight
 )  # fmt: skip
 
@@ -210,7 +205,7 @@ def test_no_module_imports_a_higher_layer() -> None:
 
 def test_the_layer_check_finds_an_upward_import() -> None:
     assert layer_of("vllm_ascend_routing.releases") < layer_of("vllm_ascend_routing.manifest")
-    assert layer_of("vllm_ascend_routing.backends.ascend") > layer_of("vllm_ascend_routing.compat.base")
+    assert layer_of("vllm_ascend_routing.backends.ascend") < layer_of("vllm_ascend_routing.compat.interface")
     assert layer_of("vllm_ascend_routing.backends._layer") == 0
 
 
@@ -239,9 +234,9 @@ def test_the_backends_never_import_the_generations() -> None:
 
 def test_the_axes_check_finds_a_backend_importing_compat() -> None:
     backend = PACKAGE / "backends" / "ascend_config.py"
-    graph = {"vllm_ascend_routing.backends.ascend_config": {"vllm_ascend_routing.compat.base"}}
+    graph = {"vllm_ascend_routing.backends.ascend_config": {"vllm_ascend_routing.compat.interface"}}
     assert compat_imports_of_backends(graph, [backend]) == {
-        "vllm_ascend_routing.backends.ascend_config": ["vllm_ascend_routing.compat.base"]
+        "vllm_ascend_routing.backends.ascend_config": ["vllm_ascend_routing.compat.interface"]
     }
 
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from vllm_ascend_routing import _cpu_compat, integration, kv, manifest, patching
-from vllm_ascend_routing.compat import UnsupportedVllmError, get_api
+from vllm_ascend_routing.compat import UnsupportedVllmError
+from vllm_ascend_routing.compat import adapter as get_adapter
 from vllm_ascend_routing.output import serving
 from vllm_ascend_routing.patching import RELY, Patch, resolve
 from vllm_ascend_routing.preflight import findings
@@ -100,11 +101,11 @@ def test_features_detect_the_generation_of_this_release() -> None:
     import vllm
 
     span = generation_of(vllm.__version__)  # the release table
-    assert span is not None and get_api().generation is span.generation
+    assert span is not None and get_adapter().generation is span.generation
 
 
 def _vllm_rows() -> list[Patch]:
-    return [patch for patch in manifest.patches_for(get_api().generation, "cpu") if patch.package == "vllm"]
+    return [patch for patch in manifest.patches_for(get_adapter().generation, "cpu") if patch.package == "vllm"]
 
 
 def _engine_rows() -> list[Patch]:
@@ -132,13 +133,13 @@ def _remove(monkeypatch: pytest.MonkeyPatch, target: str) -> None:
 @pytest.fixture
 def nothing_patched(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     # A refused start-up must patch nothing: fail the test if the adapter's install is reached.
-    monkeypatch.setattr(type(get_api()), "install", lambda self: pytest.fail("patched before verification"))
+    monkeypatch.setattr(type(get_adapter()), "install", lambda self: pytest.fail("patched before verification"))
     yield
 
 
 def test_start_up_verifies_every_target_of_this_generation(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_ASCEND_ROUTING_VALIDATE", "strict")
-    findings = manifest.verify(get_api().generation, "cpu")
+    findings = manifest.verify(get_adapter().generation, "cpu")
     assert [f.patch.target for f in findings if f.problem] == []
     assert {f.patch.target for f in findings} == {p.target for p in _engine_rows()}
     assert any(f.present and f.patch.target.endswith(".load_model") for f in findings)
@@ -162,7 +163,7 @@ def test_each_required_target_removed_is_refused_at_start_up_by_name(
 
 def test_the_servers_targets_are_verified_when_it_imports_them(monkeypatch: pytest.MonkeyPatch) -> None:
     rows = [patch for patch in _vllm_rows() if patch.feature == serving.SERVING]
-    if get_api().generation not in (Generation.RUNNER_OUTPUT, Generation.AUX_OUTPUT):
+    if get_adapter().generation not in (Generation.RUNNER_OUTPUT, Generation.AUX_OUTPUT):
         assert rows == []  # no routed experts in vLLM's server before 0.22: nothing streamed or recorded there
         return
     assert [patching.problem(patch) for patch in rows] == [None] * len(rows)
@@ -182,7 +183,7 @@ def test_a_moved_binder_group_with_no_member_left_is_refused(
     for patch in _vllm_rows():
         if patch.one_of:
             groups.setdefault(patch.one_of, []).append(patch)
-    if get_api().generation.value in ("aux-output", "device-cache"):
+    if get_adapter().generation.value in ("aux-output", "device-cache"):
         # aux-output: vLLM's connector binder is one required target; device-cache (0.21.0): vLLM's capturer is
         # never created under the plugin, so nothing of it is handed a buffer
         assert groups == {}
@@ -202,10 +203,10 @@ def test_validation_targets_are_checked_only_while_validation_is_on(monkeypatch:
     assert target in {patch.target for patch in _vllm_rows()}
     _remove(monkeypatch, target)
     monkeypatch.setenv("VLLM_ASCEND_ROUTING_VALIDATE", "0")
-    manifest.verify(get_api().generation, "cpu")  # not relied on: start-up goes on
+    manifest.verify(get_adapter().generation, "cpu")  # not relied on: start-up goes on
     monkeypatch.setenv("VLLM_ASCEND_ROUTING_VALIDATE", "1")
     with pytest.raises(UnsupportedVllmError, match="_new_completion_output"):
-        manifest.verify(get_api().generation, "cpu")
+        manifest.verify(get_adapter().generation, "cpu")
 
 
 def test_doctor_lists_every_verified_target() -> None:

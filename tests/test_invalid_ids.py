@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from vllm_ascend_routing import capture, runner_mixin, runner_state, sentinel
-from vllm_ascend_routing.compat import _shm_store as store
+from vllm_ascend_routing.compat.shm import store
 from vllm_ascend_routing.reporting import ProcessReports
 from vllm_ascend_routing.validate import RoutingValidationError
 

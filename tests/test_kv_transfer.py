@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from vllm_ascend_routing import kv, patching, validate
-from vllm_ascend_routing.compat.base import UnsupportedVllmError
+from vllm_ascend_routing.compat.interface import UnsupportedVllmError
 from vllm_ascend_routing.kv import Missing, RowLayout, carriers, follower
 from vllm_ascend_routing.patching import RELY
 

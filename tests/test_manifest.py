@@ -4,16 +4,22 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.util
 import inspect
+from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from tests import test_import_graph
 from vllm_ascend_routing import _cpu_compat, manifest, validate
 from vllm_ascend_routing.backends import ascend, cpu_moe
-from vllm_ascend_routing.compat import aux_output, runner_output, shm
-from vllm_ascend_routing.compat.base import UnsupportedVllmError
+from vllm_ascend_routing.compat.aux_output import adapter as aux_output
+from vllm_ascend_routing.compat.interface import UnsupportedVllmError
+from vllm_ascend_routing.compat.runner_output import adapter as runner_output
+from vllm_ascend_routing.compat.shm import adapter as shm
+from vllm_ascend_routing.features import FEATURES
 from vllm_ascend_routing.patching import CAPTURING, RELY, REPLACE, VALIDATION, Patch
 
 GENERATIONS = [api.generation for api in manifest.adapters()]
@@ -49,12 +55,13 @@ def test_a_target_two_features_hook_is_one_row_and_still_required_by_both() -> N
     """0.31+'s AuxOutput scheduler connector: the per-request options replace take_output and build_connector_meta
     (required on every engine), the rows of loaded tokens wrap them per instance once a KV connector is configured.
     One manifest row each (the options'), and the KV connector check still requires both."""
-    from vllm_ascend_routing.compat import _aux_requests, _kv_aux
+    from vllm_ascend_routing.compat.aux_output import kv_rows as _kv_aux
+    from vllm_ascend_routing.compat.aux_output import requests as _aux_requests
 
     shared = {patch.target for patch in _aux_requests.PATCHES}
-    rows = [p for p in manifest.patches_for(aux_output.AuxOutputAPI.generation, "cpu") if p.target in shared]
+    rows = [p for p in manifest.patches_for(aux_output.AuxOutputAdapter.generation, "cpu") if p.target in shared]
     assert sorted(p.target for p in rows) == sorted(shared) and all(p.action == REPLACE and p.required for p in rows)
-    assert shared <= {patch.target for patch in aux_output.AuxOutputAPI.kv_rows.patches}
+    assert shared <= {patch.target for patch in aux_output.AuxOutputAdapter.kv_rows.patches}
     assert not shared & {patch.target for patch in _kv_aux.PATCHES}
 
 
@@ -65,14 +72,14 @@ def test_validation_rows_cover_every_generation_that_installs_them() -> None:
 
 
 def test_aux_output_rows_include_its_runner_hooks_and_binder() -> None:
-    targets = {patch.target for patch in manifest.patches_for(aux_output.AuxOutputAPI.generation, "cpu")}
+    targets = {patch.target for patch in manifest.patches_for(aux_output.AuxOutputAdapter.generation, "cpu")}
     assert "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens" in targets
     assert aux_output.BINDER.target in targets and aux_output.CONFIG_CHECK.target in targets
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="checks the refusal where vLLM is absent")
 def test_without_vllm_every_required_target_is_named_in_the_refusal() -> None:
-    generation = runner_output.RunnerOutputAPI.generation
+    generation = runner_output.RunnerOutputAdapter.generation
     with pytest.raises(UnsupportedVllmError) as refused:
         manifest.verify(generation, "cpu")
     message = str(refused.value)
@@ -109,14 +116,30 @@ def _replaced_in(module: ModuleType) -> set[str]:
     return targets
 
 
-def test_a_row_says_replace_exactly_when_its_module_replaces_its_target() -> None:
-    modules = (*manifest.generation_modules(), *manifest._DECLARING)
-    for module in modules:
-        replaced = _replaced_in(module)
-        declared = {patch.target: patch.action for patch in module.PATCHES}
-        assert replaced <= set(declared), f"{module.__name__} replaces an undeclared target"
-        for target, action in declared.items():
-            assert action == (REPLACE if target in replaced else RELY), f"{module.__name__}: {target} says {action}"
+def _package_modules() -> list[ModuleType]:
+    package = Path(manifest.__file__).resolve().parent
+    names = [test_import_graph.module_name(path) for path in sorted(package.rglob("*.py"))]
+    modules = [importlib.import_module(name) for name in names if not name.endswith("__main__")]
+    return [module for module in modules if "patching" in inspect.getsource(module)]  # the modules that may patch
+
+
+def test_a_row_says_replace_exactly_when_some_module_replaces_its_target() -> None:
+    """Every ``patching.replace`` of the package names a declared row, and a row says REPLACE exactly where one
+    does: the manifest's rows (the adapters' and every feature's) are the patches actually applied."""
+    replaced = {target for module in _package_modules() for target in _replaced_in(module)}
+    declared: dict[str, set[str]] = {}
+    for adapter in manifest.adapters():
+        for patch in adapter.patches:
+            declared.setdefault(patch.target, set()).add(patch.action)
+    for feature in FEATURES:
+        for patch in feature.patches:
+            declared.setdefault(patch.target, set()).add(patch.action)
+    assert replaced <= set(declared), f"undeclared targets replaced: {sorted(replaced - set(declared))}"
+    for target, actions in declared.items():
+        if target in replaced:
+            assert REPLACE in actions, f"{target} is replaced but no row says so"
+        else:
+            assert actions == {RELY}, f"{target} says {actions}, nothing replaces it"
 
 
 @pytest.mark.parametrize("platform", ["cpu", "npu"], ids=lambda platform: f"{platform}-runners")

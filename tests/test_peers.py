@@ -187,13 +187,15 @@ def test_the_engine_hook_asks_only_when_routed_experts_are_requested(monkeypatch
 
 
 def test_each_generation_says_where_routed_experts_are_requested() -> None:
-    from vllm_ascend_routing.compat import aux_output, runner_output, shm
+    from vllm_ascend_routing.compat.aux_output import adapter as aux_output
+    from vllm_ascend_routing.compat.runner_output import adapter as runner_output
+    from vllm_ascend_routing.compat.shm import adapter as shm
 
     in_model_config = types.SimpleNamespace(model_config=types.SimpleNamespace(enable_return_routed_experts=True))
     in_aux_config = types.SimpleNamespace(aux_output_config=types.SimpleNamespace(enable_return_routed_experts=True))
-    assert shm.ShmAPI().routed_experts_requested(in_model_config)
-    assert runner_output.RunnerOutputAPI().routed_experts_requested(in_model_config)
-    assert aux_output.AuxOutputAPI().routed_experts_requested(in_aux_config)  # vLLM 0.31+ moved the flag
+    assert shm.ShmAdapter().routed_experts_requested(in_model_config)
+    assert runner_output.RunnerOutputAdapter().routed_experts_requested(in_model_config)
+    assert aux_output.AuxOutputAdapter().routed_experts_requested(in_aux_config)  # vLLM 0.31+ moved the flag
 
 
 def test_the_hook_point_is_in_the_manifest() -> None:

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from vllm_ascend_routing import runner_mixin, runner_state
-from vllm_ascend_routing.compat import runner_output
 from vllm_ascend_routing.compat._runners import CAPTURER_HOOKS, RUNNER_CLASSES
+from vllm_ascend_routing.compat.runner_output import adapter as runner_output
 
 
 class FakeAPI:

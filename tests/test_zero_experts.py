@@ -14,7 +14,7 @@ from tests.fakes import FakeModel
 from vllm_ascend_routing import contract, replay, validate
 from vllm_ascend_routing.backends import router
 from vllm_ascend_routing.compat._common import bind_target_model, refuse_unrepresentable_ids
-from vllm_ascend_routing.compat.base import UnsupportedVllmError
+from vllm_ascend_routing.compat.interface import UnsupportedVllmError
 
 E, Z = 8, 4
 

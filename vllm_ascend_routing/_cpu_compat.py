@@ -26,14 +26,14 @@ from typing import Any
 
 from vllm_ascend_routing import patching
 from vllm_ascend_routing._logging import get_logger
+from vllm_ascend_routing.context import InstallContext
 from vllm_ascend_routing.patching import RELY, Patch, resolve
-from vllm_ascend_routing.releases import Generation
 
 ACTIVATION_TABLE = Patch(
     "vllm.model_executor.layers.fused_moe.cpu_fused_moe:_CPU_MOE_ACT_FN",
     "CPU compat fix: SiluAndMul built at forward time outside the config context (its SILU entry replaced)",
     "the lowest supported vLLM is 0.28.0 or newer",
-    (Generation.SHM, Generation.DEVICE_CACHE, Generation.RUNNER_OUTPUT),
+    vllm="0.20.0-0.27.1",
     platform="cpu",
     required=False,
     releases="vLLM 0.20.0-0.27.1",
@@ -44,16 +44,23 @@ TORCH_PATH = Patch(
     "CPU compat fix: the pure-PyTorch MoE bakes id(layer) into the compiled graph vLLM caches, so a restart loading "
     "it fails (KeyError); where a layer takes that path the process compiles afresh (VLLM_DISABLE_COMPILE_CACHE=1)",
     "the lowest supported vLLM is 0.28.0 or newer",
-    (Generation.SHM, Generation.DEVICE_CACHE, Generation.RUNNER_OUTPUT),
+    vllm="0.20.0-0.27.1",
     params=("self", "layer"),
     platform="cpu",
     required=False,
     releases="vLLM 0.20.0-0.27.1",
 )
 PATCHES = (ACTIVATION_TABLE, TORCH_PATH)
+NEEDS: tuple[str, ...] = ()  # a fix of vLLM's CPU MoE, whatever the generation
 COMPILE_CACHE = "VLLM_DISABLE_COMPILE_CACHE"
 _MODULE = ACTIVATION_TABLE.target.partition(":")[0]
 logger = get_logger(__name__)
+
+
+def install(ctx: InstallContext) -> None:
+    """On the CPU platform: both fixes where this vLLM needs them (logged when applied)."""
+    if ctx.platform == "cpu" and apply():
+        logger.info("CPU MoE compat fix applied (docs/evidence.md, 'CPU compat fix')")
 
 
 def apply() -> bool:

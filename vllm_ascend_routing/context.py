@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,11 +11,14 @@ from typing import Any
 @dataclass(frozen=True)
 class InstallContext:
     """One process's installation: the generation's adapter (``compat.Adapter``: its capabilities, its stores), the
-    platform's device type and the vLLM release, as detected once by ``integration.install``."""
+    platform's device type and the vLLM release, as detected once by ``integration.install``, and how to verify a
+    package's targets that are imported later (vllm-ascend's worker modules)."""
 
     adapter: Any  # compat.Adapter; typed loosely so that features need not import compat (which imports them)
     platform: str
     vllm: str
+    # Verify the targets of a package (``"vllm_ascend"``) when it is imported later (``manifest.verify``).
+    verify: Callable[[str], object] = lambda package: None
 
 
 def satisfied(adapter: Any, needs: tuple[str, ...]) -> bool:

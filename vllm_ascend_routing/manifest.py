@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Patch manifest: every symbol the plugin replaces or relies on in vLLM and vllm-ascend, collected from the
-modules that apply them (each declares its ``Patch`` rows next to the code; a row that replaces is applied
-through ``patching.replace`` with that row), filtered by API generation and platform, and verified. The
-generation modules come from the release table (``releases.implemented()``): each contributes its runner
-hooks on its runner classes and its own ``PATCHES``.
+generation's adapter (its runner hooks on its runner classes, its own ``patches``) and from the features of the
+registry (``features.FEATURES``: each declares its ``Patch`` rows next to the code; a row that replaces is applied
+through ``patching.replace`` with that row), filtered by API generation, platform and the adapter's capabilities,
+and verified.
 
 ``verify`` runs at start-up with the plugin on (vLLM's targets when the plugin registers, vllm-ascend's
 when its runner module is imported): a target that is missing or lost a parameter the plugin relies on
@@ -16,78 +16,43 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterable
 from dataclasses import dataclass
-from types import ModuleType
 
-from vllm_ascend_routing import _cpu_compat, envs, kv, peers, releases, runner_mixin, validate
-from vllm_ascend_routing.backends import _rebind, ascend, ascend_router, cpu_moe, zero_expert_router
-from vllm_ascend_routing.compat import _aux_requests, _kv_aux, _kv_slots
-from vllm_ascend_routing.compat.base import CaptureAPI, Generation, UnsupportedVllmError
-from vllm_ascend_routing.output import engine, frontend, serving, weights
+from vllm_ascend_routing import compat, envs
+from vllm_ascend_routing.compat import Adapter
+from vllm_ascend_routing.errors import UnsupportedVllmError
+from vllm_ascend_routing.features import FEATURES, rows_of
 from vllm_ascend_routing.patching import RELY, REPLACE, VALIDATION, Patch, problem, resolve
+from vllm_ascend_routing.releases import Generation
 
 __all__ = ["Finding", "Patch", "all_patches", "check", "counted", "patches_for", "verify"]
 
 
-def generation_modules() -> tuple[ModuleType, ...]:
-    """The module of every generation the release table says the plugin implements, oldest first."""
-    return tuple(importlib.import_module(span.adapter) for span in releases.implemented())
-
-
-def adapters() -> tuple[type[CaptureAPI], ...]:
-    """Each implemented generation's ``CaptureAPI`` class."""
-    return tuple(module.ADAPTER for module in generation_modules())
-
-
-# Modules outside the generations that patch or rely on something (the generation modules are added to these).
-_DECLARING = (
-    cpu_moe,
-    _rebind,  # bound layers bound again after their weights are processed again
-    zero_expert_router,
-    ascend,
-    ascend_router,
-    _cpu_compat,
-    validate,
-    peers,
-    _kv_slots,  # rows of tokens KV connectors load (kv), per generation
-    _kv_aux,
-    weights,  # the output features (output/): weight version, engine core, front end, server
-    engine,
-    frontend,
-    serving,
-    _aux_requests,
-)
+def adapters() -> tuple[type[Adapter], ...]:
+    """Each implemented generation's adapter class, oldest first (the release table names them)."""
+    return compat.adapter_classes()
 
 
 def platforms() -> tuple[str, ...]:
     """Every platform device type some generation hooks runner classes on."""
-    return tuple(dict.fromkeys(platform for api in adapters() for platform in api.runner_classes))
-
-
-def _runner_rows(generation: Generation, platform: str) -> list[Patch]:
-    api = next((api for api in adapters() if api.generation is generation), None)
-    if api is None or platform not in api.runner_classes:
-        return []
-    return runner_mixin.runner_patches(api.runner_hooks, api.runner_classes[platform], (generation,), platform)
+    return tuple(dict.fromkeys(platform for adapter in adapters() for platform in adapter.runner_classes))
 
 
 def patches_for(generation: Generation, platform: str) -> list[Patch]:
-    """The rows that apply to ``generation`` on ``platform`` (runner hooks first)."""
-    api = next((api for api in adapters() if api.generation is generation), None)
-    kv_rows = list(kv.PATCHES) if getattr(api, "kv_rows", None) is not None else []
-    declared = [
-        patch
-        for patch in [*(p for module in (*generation_modules(), *_DECLARING) for p in module.PATCHES), *kv_rows]
-        if generation in patch.generations and patch.platform in ("any", platform)
-    ]
-    return _runner_rows(generation, platform) + declared
+    """The rows that apply to ``generation`` on ``platform``: the adapter's (its runner hooks first, then its own),
+    then each feature's (``features.FEATURES``) where the adapter has what the feature needs."""
+    adapter = compat.adapter_class(generation)
+    if adapter is None:
+        return []
+    own = adapter.rows(platform) if platform in adapter.runner_classes else []
+    return own + [patch for feature in FEATURES for patch in rows_of(feature, adapter, platform)]
 
 
 def all_patches() -> list[Patch]:
     """Every row of every supported generation and platform, once."""
     rows: dict[str, Patch] = {}
-    for api in adapters():
+    for adapter in adapters():
         for platform in platforms():
-            for patch in patches_for(api.generation, platform):
+            for patch in patches_for(adapter.generation, platform):
                 rows.setdefault(f"{patch.target}|{patch.generations}|{patch.platform}", patch)
     return list(rows.values())
 
@@ -168,7 +133,6 @@ def _present(patch: Patch) -> bool:
 
 
 def _version(package: str) -> str:
-    import importlib
     from importlib import metadata
 
     for distribution in (package.replace("_", "-"), f"{package}-cpu".replace("_", "-")):

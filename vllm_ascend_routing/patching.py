@@ -22,7 +22,7 @@ from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_ascend_routing.releases import Generation, implemented, span_text
+from vllm_ascend_routing.releases import Generation, generations_in, implemented, span_text
 
 ORIGINAL = "_vllm_ascend_routing_original"  # the one marker, on every replacement: what it replaced
 REPLACE = "replace"  # Patch.action: the plugin replaces the target (through ``replace``)
@@ -38,6 +38,8 @@ class Patch:
     target: str
     why: str
     remove_when: str
+    # The generations whose releases have the target. Only a generation's own rows (under ``compat/``) name them;
+    # every other row gives ``vllm`` (a span of releases, "0.20.0-0.27.1", "0.27.1-") or serves every generation.
     generations: tuple[Generation, ...] = CAPTURING
     params: tuple[str, ...] = ()  # leading parameter names the plugin calls or receives
     platform: str = "any"  # "any", "cpu", "npu"
@@ -49,6 +51,12 @@ class Patch:
     releases: str = ""  # narrower than the generations' spans, e.g. "vLLM 0.28.0-0.30.0"
     feature: str = ""  # non-empty: applied (and verified) only while that feature is on, e.g. VALIDATION
     action: str = REPLACE  # REPLACE or RELY
+    vllm: str = ""  # the vLLM releases that have the target ("FIRST-LAST", "FIRST-"): its generations, from the table
+    needs: str = ""  # an adapter capability the row needs (e.g. "per_request_output"): checked where it has it
+
+    def __post_init__(self) -> None:
+        if self.vllm:
+            object.__setattr__(self, "generations", generations_in(self.vllm))
 
     @property
     def package(self) -> str:
@@ -56,7 +64,11 @@ class Patch:
 
     @property
     def release_text(self) -> str:
-        return self.releases or ", ".join(span_text(generation) for generation in self.generations)
+        if self.releases:
+            return self.releases
+        if self.vllm:
+            return f"vLLM {self.vllm}" if not self.vllm.endswith("-") else f"vLLM {self.vllm[:-1]} and later"
+        return ", ".join(span_text(generation) for generation in self.generations)
 
 
 def resolve(target: str) -> Any:

@@ -30,6 +30,7 @@ from typing import Any
 
 from vllm_ascend_routing import envs, patching, runner_state
 from vllm_ascend_routing._logging import get_logger
+from vllm_ascend_routing.context import InstallContext
 from vllm_ascend_routing.errors import UnsupportedVllmError
 from vllm_ascend_routing.patching import Patch
 
@@ -42,6 +43,7 @@ ENGINE_KV_CACHE_INIT = Patch(
     params=("self", "vllm_config"),
 )
 PATCHES = (ENGINE_KV_CACHE_INIT,)
+NEEDS: tuple[str, ...] = ()  # every generation
 
 MASTER_SWITCH = "VLLM_ASCEND_ROUTING"
 # Variables every process of an engine must agree on: the master switch, the generation, validation mode.
@@ -128,7 +130,12 @@ def _ray_node() -> str | None:
 # ---- engine core ----
 
 
-def install(routed_experts_requested: Callable[[Any], bool]) -> None:
+def install(ctx: InstallContext) -> None:
+    """The engine asks its workers before its KV cache exists (idempotent)."""
+    install_check(ctx.adapter.routed_experts_requested)
+
+
+def install_check(routed_experts_requested: Callable[[Any], bool]) -> None:
     """Make the engine core check its workers before it allocates the KV cache, for engines that request
     routed experts (``routed_experts_requested(vllm_config)``, the generation's reading; idempotent)."""
     patching.replace(ENGINE_KV_CACHE_INIT, lambda original: _checking_workers(original, routed_experts_requested))

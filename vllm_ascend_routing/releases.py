@@ -4,13 +4,13 @@ vllm-ascend's releases, and the role each release plays in the test suite.
 
 Plain data and the standard library only: ``scripts/`` load this file by path with the system Python, outside
 any environment that has the package, and the Makefile reads the test roles through ``python releases.py make``
-(``scripts/workflow.py`` generates the CI workflow from them). Detection, ``get_api``, the patch manifest, ``envs``,
+(``scripts/workflow.py`` generates the CI workflow from them). Detection, ``get_adapter``, the patch manifest, ``envs``,
 ``doctor``, ``make matrix`` and the tests all derive from it.
 
 A new release in an existing generation: add it to ``CPU_RELEASES`` (or ``STATIC_RELEASES`` when vLLM
 published no CPU wheel for it), raise that generation's ``last_tested``, run ``make matrix``.
-A new generation: one module under ``compat/`` (the ``CaptureAPI`` adapter, its runner hooks, runner classes
-and ``Patch`` rows; see ``compat/base.py``) and one ``GenerationReleases`` row naming it.
+A new generation: one folder under ``compat/`` (its ``Adapter`` subclass: runner hooks, runner classes, ``Patch``
+rows and capabilities; see ``compat/interface.py``) and one ``GenerationReleases`` row naming it.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class GenerationReleases:
     delete_when: str  # when the adapter (and its manifest rows) can be deleted
     # Lowest supported release from which this generation's adapter is dead code (None: still needed).
     obsolete_from: str | None = None
-    # The module implementing it (its ``ADAPTER`` class); "" where the generation is refused.
+    # Its adapter class, ``"module:Class"`` (the generation's folder under ``compat/``); "" where it is refused.
     adapter: str = ""
     # What identifies it in an installed vLLM: "module" or "module:attribute", each of which must exist ("!...":
     # must not). Detection tries the rows newest first; the version number breaks a tie where none matches.
@@ -67,23 +67,24 @@ BINDER_FUNCTION = "bind_routed_experts_capturer"
 GENERATIONS: tuple[GenerationReleases, ...] = (
     GenerationReleases(Generation.SHM, "0.20.0", "0.20.2", True,
                        "the lowest supported vLLM is 0.22.0 or newer", obsolete_from="0.22.0",
-                       adapter="vllm_ascend_routing.compat.shm", markers=(f"{CAPTURER_MODULE}:RoutedExpertsReader",),
+                       adapter="vllm_ascend_routing.compat.shm:ShmAdapter",
+                       markers=(f"{CAPTURER_MODULE}:RoutedExpertsReader",),
                        row_dtypes=("int32",)),
     GenerationReleases(Generation.DEVICE_CACHE, "0.21.0", "0.21.0", True,
                        "the lowest supported vLLM is 0.22.0 or newer", obsolete_from="0.22.0",
-                       adapter="vllm_ascend_routing.compat.device_cache",
+                       adapter="vllm_ascend_routing.compat.device_cache:DeviceCacheAdapter",
                        markers=(f"{CAPTURER_MODULE}:bind_routing_capture_to_model",
                                 f"{CAPTURER_MODULE}:split_routed_experts"),
                        prompt_rows_field="prompt_routed_experts"),
     GenerationReleases(Generation.RUNNER_OUTPUT, "0.22.0", "0.30.0", True,
                        "the lowest supported vLLM is 0.31.0 or newer", obsolete_from="0.31.0",
-                       adapter="vllm_ascend_routing.compat.runner_output",
+                       adapter="vllm_ascend_routing.compat.runner_output:RunnerOutputAdapter",
                        markers=(f"{CAPTURER_MODULE}:RoutedExpertsManager", "vllm.v1.outputs:RoutedExpertsLists",
                                 f"!{CAPTURER_MODULE}:bind_routing_capture_to_model"),
                        row_dtypes=("uint8", "uint16"), takes_prompt_start=True),
     GenerationReleases(Generation.AUX_OUTPUT, "0.31.0", "0.33.0", True,
                        "a later generation replaces vLLM's AuxOutput connector",
-                       adapter="vllm_ascend_routing.compat.aux_output",
+                       adapter="vllm_ascend_routing.compat.aux_output:AuxOutputAdapter",
                        markers=("vllm.distributed.aux_output_connector",),
                        row_dtypes=("uint8", "uint16"), takes_prompt_start=True),
 )  # fmt: skip
@@ -143,6 +144,21 @@ def span_text(generation: Generation) -> str:
 def implemented() -> tuple[GenerationReleases, ...]:
     """The generations the plugin serves (an adapter module each), oldest first."""
     return tuple(span for span in GENERATIONS if span.adapter)
+
+
+def generations_in(vllm: str) -> tuple[Generation, ...]:
+    """The implemented generations with a release in ``vllm``, a span of vLLM releases ``"FIRST-LAST"`` (``"FIRST-"``:
+    up to the newest): where a piece of vLLM's code a patch row names exists, as generations."""
+    first, _, last = vllm.partition("-")
+    low, high = version_key(first), version_key(last) if last else None
+    found = []
+    for index, span in enumerate(GENERATIONS):
+        newest = index == len(GENERATIONS) - 1
+        starts_before_high = high is None or version_key(span.first) <= high
+        ends_after_low = newest or version_key(span.last_tested) >= low
+        if span.adapter and starts_before_high and ends_after_low:
+            found.append(span.generation)
+    return tuple(found)
 
 
 def row_contracts() -> dict[str, tuple[str, bool]]:

@@ -32,6 +32,7 @@ import numpy as np
 
 from vllm_ascend_routing import contract, envs, patching
 from vllm_ascend_routing._logging import get_logger
+from vllm_ascend_routing.context import InstallContext
 from vllm_ascend_routing.contract import Violation
 from vllm_ascend_routing.patching import VALIDATION, Patch
 
@@ -75,6 +76,7 @@ NEW_COMPLETION_OUTPUT = Patch(
     feature=VALIDATION,
 )
 PATCHES = (*ENGINE_INITS, FROM_NEW_REQUEST, NEW_COMPLETION_OUTPUT)
+NEEDS: tuple[str, ...] = ()  # every generation
 
 
 class RoutingValidationError(RuntimeError):
@@ -198,7 +200,7 @@ def unchecked_arrays() -> int:
     return _unchecked
 
 
-def install() -> None:
+def install(ctx: InstallContext | None = None) -> None:
     """Patch vLLM's front-end so finished requests are checked (idempotent; only when enabled)."""
     mode = envs.VLLM_ASCEND_ROUTING_VALIDATE
     if mode == "off":

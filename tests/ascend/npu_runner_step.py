@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import vllm_ascend_routing
     from vllm_ascend_routing import peers
-    from vllm_ascend_routing.compat.base import UnsupportedVllmError
+    from vllm_ascend_routing.compat.interface import UnsupportedVllmError
 
     runner_module = RUNNER_MODULES[args.kind]
     result: dict[str, Any] = {"imported_before_register": runner_module in sys.modules}
@@ -252,10 +252,10 @@ def main(argv: list[str] | None = None) -> None:
     workers = peers.verify_workers(SimpleNamespace(collective_rpc=lambda ask: [ask(worker)]))
     result["workers_bound_layers"] = [answer.bound_layers for answer in workers]
     result["moe_layers"] = len(layers)
-    from vllm_ascend_routing.compat import get_api
-    from vllm_ascend_routing.compat.base import Generation
+    from vllm_ascend_routing.compat import adapter as get_adapter
+    from vllm_ascend_routing.compat.interface import Generation
 
-    if get_api().generation is Generation.DEVICE_CACHE:
+    if get_adapter().generation is Generation.DEVICE_CACHE:
         from tests.ascend.npu_runner_device_cache import device_cache_steps
 
         result["steps"] = device_cache_steps(runner, module, layers, kv_config, args, result, patch)
@@ -450,7 +450,7 @@ def step_v1(
         step["shipped_dtype"] = str(np.asarray(shipped.routing_data).dtype)
         step["shipped_slots"] = np.asarray(shipped.slot_mapping).astype(np.int64).tolist()
     else:  # 0.20.x: the rows the scheduler's reader finds in shared memory at those slots
-        from vllm_ascend_routing.compat.shm import ShmRoutedExpertsReader
+        from vllm_ascend_routing.compat.shm.adapter import ShmRoutedExpertsReader
 
         reader = ShmRoutedExpertsReader.get_instance() or ShmRoutedExpertsReader.create()
         reader.attach_buffer(NUM_KV_BLOCKS * BLOCK_SIZE, runner.vllm_config)

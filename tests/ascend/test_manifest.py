@@ -13,8 +13,8 @@ from tests.ascend import real_moe
 from tests.ascend.conftest import ASCEND_SRC
 from vllm_ascend_routing import manifest
 from vllm_ascend_routing.backends import ascend_router
-from vllm_ascend_routing.compat import get_api
-from vllm_ascend_routing.compat.base import UnsupportedVllmError
+from vllm_ascend_routing.compat import adapter as get_adapter
+from vllm_ascend_routing.compat.interface import UnsupportedVllmError
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ascend]
 
@@ -22,7 +22,7 @@ DESIGN = real_moe.design() if ASCEND_SRC else ""
 
 
 def ascend_patches() -> list[manifest.Patch]:
-    return [p for p in manifest.patches_for(get_api().generation, "npu") if p.target.startswith("vllm_ascend")]
+    return [p for p in manifest.patches_for(get_adapter().generation, "npu") if p.target.startswith("vllm_ascend")]
 
 
 def seam() -> tuple[object, str]:
@@ -38,7 +38,7 @@ def test_every_patch_target_exists_with_expected_parameters() -> None:
     assert any(target.endswith(seam()[1]) for target in present), present
     problems = {p.target: manifest.problem(p) for p in patches}
     assert {target: found for target, found in problems.items() if found} == {}
-    findings = manifest.verify(get_api().generation, "npu", "vllm_ascend")  # what start-up runs
+    findings = manifest.verify(get_adapter().generation, "npu", "vllm_ascend")  # what start-up runs
     # This design's forward (the MoE forward the guard wraps) is present.
     forwards = {"layer": "AscendFusedMoE.forward_impl", "runner": "AscendMoERunner._forward_impl"}
     wanted = forwards.get(DESIGN, "AscendRoutedExperts.forward_impl")
@@ -55,11 +55,11 @@ def test_a_renamed_seam_is_refused_with_its_name(monkeypatch: pytest.MonkeyPatch
     owner, name = seam()
     monkeypatch.delattr(owner, name)  # what a future release renaming it looks like
     with pytest.raises(UnsupportedVllmError) as refused:
-        manifest.verify(get_api().generation, "npu", "vllm_ascend")
+        manifest.verify(get_adapter().generation, "npu", "vllm_ascend")
     message = str(refused.value)
     assert "vllm-ascend's routing seam: none of" in message
     assert "experts_selector:select_experts" in message
-    if get_api().generation in ascend_router.ROUTED_SELECT.generations:  # where the router design can exist
+    if get_adapter().generation in ascend_router.ROUTED_SELECT.generations:  # where the router design can exist
         assert "AscendRoutedExperts._select_experts" in message
     assert "not supported yet" in message
 
@@ -68,4 +68,4 @@ def test_a_changed_signature_is_refused(monkeypatch: pytest.MonkeyPatch) -> None
     owner, name = seam()
     monkeypatch.setattr(owner, name, lambda hidden, logits, k: None)
     with pytest.raises(UnsupportedVllmError, match="lacks parameter"):
-        manifest.verify(get_api().generation, "npu", "vllm_ascend")
+        manifest.verify(get_adapter().generation, "npu", "vllm_ascend")

@@ -26,15 +26,15 @@ from typing import Any
 import pytest
 
 from tests.ascend.conftest import ASCEND_RELEASE, EXPECTED
-from vllm_ascend_routing.compat import get_api
-from vllm_ascend_routing.compat.base import Generation, UnsupportedVllmError
+from vllm_ascend_routing.compat import adapter as get_adapter
+from vllm_ascend_routing.compat.interface import Generation, UnsupportedVllmError
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ascend]
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVING = EXPECTED.runners if EXPECTED is not None else ()
 # vLLM 0.21.0 (device-cache) refuses routed experts with async scheduling (test_async_scheduling_is_refused).
-DEVICE_CACHE = EXPECTED is not None and get_api().generation is Generation.DEVICE_CACHE
+DEVICE_CACHE = EXPECTED is not None and get_adapter().generation is Generation.DEVICE_CACHE
 CASES = [
     (kind, mode, hybrid)
     for kind in SERVING
@@ -113,7 +113,7 @@ def test_every_step_hands_off_the_exact_rows(case: tuple[str, str, bool]) -> Non
     if DEVICE_CACHE:
         check_device_cache_steps(steps, hybrid)
         return
-    if hybrid and get_api().generation is Generation.SHM:  # vLLM 0.20.x: the snapshot cannot be re-taken
+    if hybrid and get_adapter().generation is Generation.SHM:  # vLLM 0.20.x: the snapshot cannot be re-taken
         assert "keys routed-experts rows by KV cache group 0's slots" in steps["refused"]
         return
     assert "refused" not in steps, steps.get("refused")
@@ -122,9 +122,9 @@ def test_every_step_hands_off_the_exact_rows(case: tuple[str, str, bool]) -> Non
     assert steps["load_model_wraps"].endswith("load_model")
     blocks = steps["blocks"]
     if kind == "v1":
-        assert blocks["start"] or get_api().generation is not Generation.SHM, blocks
+        assert blocks["start"] or get_adapter().generation is not Generation.SHM, blocks
         assert blocks["after"], blocks  # found in the real source, so they really ran
-        if get_api().generation is not Generation.SHM:
+        if get_adapter().generation is not Generation.SHM:
             assert blocks["slots"], blocks
             # An async branch (a cloned snapshot, copied on the output stream), or the one synchronous copy serving
             # both schedulings: vllm-ascend before its async fix (#10727, e.g. 0.22.1rc1) synchronises the stream
@@ -138,7 +138,7 @@ def test_every_step_hands_off_the_exact_rows(case: tuple[str, str, bool]) -> Non
         num_tokens = len(step["slots"])
         # the class's execute_model is the plugin's hook around the runner's own (vllm-ascend's NPU runner)
         assert step["wraps"] == ["NPUModelRunner.execute_model", "not hooked"]
-        if get_api().generation is Generation.SHM:
+        if get_adapter().generation is Generation.SHM:
             assert step["stored_rows"] == step["expected"]
         else:
             assert step["shipped_dtype"] == "int16"
@@ -209,7 +209,7 @@ def test_vllm_ascend_own_binder_and_capture_stay_off(case: tuple[str, str, bool]
         assert steps["capturer_capture_module"] == "vllm_ascend.patch.worker.patch_routed_experts_capture"
     else:
         assert ASCEND_RELEASE == "0.20.2rc1"  # the one release without it
-    if get_api().generation is Generation.SHM:
+    if get_adapter().generation is Generation.SHM:
         assert steps["capturer"] == "ShmRoutedExpertsCapturer"
         assert steps["vllm_ascend_own_capturer"] == "None"  # its MoE method finds no capturer instance
     else:
@@ -250,7 +250,7 @@ def test_a_runner_that_cannot_serve_routed_experts_is_refused() -> None:
         with pytest.raises(ValueError, match="V2 model runner"):
             platform._validate_routing_replay_config(config)
     if "v2" not in SERVING:  # vLLM's Model Runner V2 of this release has no routed-experts capture
-        from vllm_ascend_routing.compat.runner_output import RunnerOutputAPI
+        from vllm_ascend_routing.compat.runner_output.adapter import RunnerOutputAdapter
 
         if DEVICE_CACHE:  # vLLM 0.21.0's own V2 validation refuses routed experts
             from vllm.config import VllmConfig
@@ -266,9 +266,9 @@ def test_a_runner_that_cannot_serve_routed_experts_is_refused() -> None:
             with pytest.raises(ValueError, match="routed experts capture"):
                 VllmConfig._validate_v2_model_runner(v2)  # type: ignore[arg-type]
             return
-        if get_api().generation is not Generation.RUNNER_OUTPUT:
+        if get_adapter().generation is not Generation.RUNNER_OUTPUT:
             return  # 0.20.x: vllm-ascend's worker never builds Model Runner V2 with vLLM 0.20.2
         config = SimpleNamespace(model_config=SimpleNamespace(enable_return_routed_experts=True))
         config.use_v2_model_runner = True  # type: ignore[attr-defined]
         with pytest.raises(UnsupportedVllmError, match="Model Runner V2 has no routed-experts capture"):
-            RunnerOutputAPI().prepare(None, config, None)  # type: ignore[arg-type]
+            RunnerOutputAdapter().prepare(None, config, None)  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ import pytest
 from tests.ascend.conftest import ASCEND_SRC
 from vllm_ascend_routing.backends import ascend_config
 from vllm_ascend_routing.compat._common import refuse_unsupported_config
-from vllm_ascend_routing.compat.base import UnsupportedVllmError
+from vllm_ascend_routing.compat.interface import UnsupportedVllmError
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ascend]
 

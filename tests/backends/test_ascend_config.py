@@ -57,7 +57,7 @@ def test_rank_layout_per_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_dual_batch_overlap_is_refused_naming_the_flag() -> None:
-    from vllm_ascend_routing.compat.base import UnsupportedVllmError
+    from vllm_ascend_routing.compat.interface import UnsupportedVllmError
 
     overlapped = config(1)
     overlapped.parallel_config.enable_dbo = True  # micro-batches would overwrite each other's rows

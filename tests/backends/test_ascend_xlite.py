@@ -12,8 +12,8 @@ import pytest
 
 from vllm_ascend_routing import backends
 from vllm_ascend_routing.backends import ascend_config
-from vllm_ascend_routing.compat.base import UnsupportedVllmError
-from vllm_ascend_routing.compat.runner_output import RunnerOutputAPI
+from vllm_ascend_routing.compat.interface import UnsupportedVllmError
+from vllm_ascend_routing.compat.runner_output.adapter import RunnerOutputAdapter
 
 
 def config(additional: Any) -> Any:
@@ -63,7 +63,7 @@ def _v2_runner(monkeypatch: pytest.MonkeyPatch, with_capture: bool | None) -> No
 
 @pytest.mark.parametrize("with_capture", [False, None])
 def test_model_runner_v2_without_capture_is_refused(monkeypatch: pytest.MonkeyPatch, with_capture: bool | None) -> None:
-    from vllm_ascend_routing.compat import runner_output
+    from vllm_ascend_routing.compat.runner_output import adapter as runner_output
 
     _v2_runner(monkeypatch, with_capture)
     assert runner_output._v2_runner_captures() is False
@@ -71,11 +71,11 @@ def test_model_runner_v2_without_capture_is_refused(monkeypatch: pytest.MonkeyPa
         model_config=SimpleNamespace(enable_return_routed_experts=True), use_v2_model_runner=True
     )
     with pytest.raises(UnsupportedVllmError, match="Model Runner V2 has no routed-experts capture"):
-        RunnerOutputAPI().prepare(None, vllm_config, None)  # type: ignore[arg-type]
+        RunnerOutputAdapter().prepare(None, vllm_config, None)  # type: ignore[arg-type]
 
 
 def test_model_runner_v2_with_capture_is_recognised(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm_ascend_routing.compat import runner_output
+    from vllm_ascend_routing.compat.runner_output import adapter as runner_output
 
     _v2_runner(monkeypatch, with_capture=True)
     assert runner_output._v2_runner_captures() is True
@@ -86,7 +86,8 @@ def test_model_runner_v2_capture_on_the_installed_vllm() -> None:
     """On the real vLLM of a runner-output release: Model Runner V2 captures from 0.28.0 on (the refusal's
     claim), read from the installed source."""
     from vllm_ascend_routing import releases
-    from vllm_ascend_routing.compat import _detect, runner_output
+    from vllm_ascend_routing.compat import _detect
+    from vllm_ascend_routing.compat.runner_output import adapter as runner_output
 
     version = _detect.vllm_version()
     span = releases.generation_of(version)

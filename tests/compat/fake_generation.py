@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """A vLLM API generation that exists only for tests/compat/test_registry.py: everything a generation module
-provides, in one module (its adapter, runner hooks, runner classes and Patch rows)."""
+provides, in one module (its adapter: runner hooks, runner classes, Patch rows)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from vllm_ascend_routing.capture import PreparedCapture
 from vllm_ascend_routing.compat._runners import LOAD_MODEL
-from vllm_ascend_routing.compat.base import RunnerClass, RunnerHook, StepHooksNotUsed
+from vllm_ascend_routing.compat.interface import Adapter, RunnerClass, RunnerHook
 from vllm_ascend_routing.patching import RELY, Patch
 
 
@@ -38,8 +38,9 @@ PATCHES = (
 )
 
 
-class FakeAPI(StepHooksNotUsed):
-    generation = FakeGeneration.FAKE
+class FakeAdapter(Adapter):
+    generation = FakeGeneration.FAKE  # type: ignore[assignment]
+    patches = PATCHES
     runner_hooks: tuple[RunnerHook, ...] = (LOAD_MODEL,)
     runner_classes: Mapping[str, tuple[RunnerClass, ...]] = {
         "cpu": (RunnerClass("tests.compat.fake_generation:FakeRunner", True),)
@@ -65,6 +66,3 @@ class FakeAPI(StepHooksNotUsed):
 
     def after_forward(self, runner: Any, prepared: PreparedCapture, num_tokens: int) -> None:
         return None
-
-
-ADAPTER = FakeAPI

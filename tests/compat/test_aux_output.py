@@ -14,9 +14,9 @@ import torch
 
 from vllm_ascend_routing import runner_mixin, runner_state
 from vllm_ascend_routing.capture import PreparedCapture
-from vllm_ascend_routing.compat import aux_output
-from vllm_ascend_routing.compat.aux_output import AuxOutputAPI
-from vllm_ascend_routing.compat.base import UnsupportedVllmError
+from vllm_ascend_routing.compat.aux_output import adapter as aux_output
+from vllm_ascend_routing.compat.aux_output.adapter import AuxOutputAdapter
+from vllm_ascend_routing.compat.interface import UnsupportedVllmError
 
 
 class FakePending:
@@ -83,7 +83,7 @@ class V1Runner:
 
 @pytest.fixture
 def runner(monkeypatch: pytest.MonkeyPatch) -> V1Runner:
-    api = AuxOutputAPI()
+    api = AuxOutputAdapter()
     monkeypatch.setattr(aux_output, "connector_class", lambda: FakeConnector)
     cls = type("PatchedV1Runner", (V1Runner,), {})
     runner_mixin.apply_mixin(cls, api)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from vllm_ascend_routing.compat import _aux_requests
+from vllm_ascend_routing.compat.aux_output import requests as _aux_requests
 from vllm_ascend_routing.output import engine
 
 

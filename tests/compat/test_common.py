@@ -1,31 +1,31 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``compat._common.GenerationAdapter``: the ``prepare`` every generation shares, each adapter defining only what
+"""``compat.Adapter``: the ``prepare`` every generation shares, each adapter defining only what
 differs (its buffer shape, its own refusals, where its flag lives)."""
 
 from __future__ import annotations
 
-import importlib
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from vllm_ascend_routing import releases
+from vllm_ascend_routing import compat
 from vllm_ascend_routing.compat import _common
-from vllm_ascend_routing.compat._common import GenerationAdapter
-from vllm_ascend_routing.compat.base import Generation
+from vllm_ascend_routing.compat.interface import Adapter, Generation
 
 
 def test_every_adapter_prepares_through_the_shared_steps() -> None:
-    for span in releases.implemented():
-        adapter = importlib.import_module(span.adapter).ADAPTER
-        assert issubclass(adapter, GenerationAdapter), span.adapter
-        assert "prepare" not in vars(adapter), f"{span.adapter} repeats prepare: define what differs instead"
-        assert "routing_shape" in vars(adapter), f"{span.adapter} must say how its capturer sizes the buffer"
+    classes = compat.adapter_classes()
+    assert len(classes) == 4
+    for adapter in classes:
+        assert issubclass(adapter, Adapter), adapter
+        assert "prepare" not in vars(adapter), f"{adapter} repeats prepare: define what differs instead"
+        assert "routing_shape" in vars(adapter), f"{adapter} must say how its capturer sizes the buffer"
 
 
-class Recording(GenerationAdapter):
+class Recording(Adapter):
+    generation = Generation.RUNNER_OUTPUT
     narrowed_by_expert_count = False
 
     def __init__(self, calls: list[str]) -> None:
@@ -43,7 +43,7 @@ def test_prepare_is_nothing_without_the_flag_then_refusals_shape_and_binding(mon
     calls: list[str] = []
     bound = object()
 
-    def prepare_capture(api: Any, model: Any, vllm_config: Any, device: Any, shape: tuple[int, int, int]) -> Any:
+    def prepare_capture(model: Any, vllm_config: Any, device: Any, shape: tuple[int, int, int], **kwargs: Any) -> Any:
         calls.append(f"bind {shape}")
         return bound
 
@@ -70,9 +70,15 @@ def test_the_capture_state_is_kept_through_sleep() -> None:
         kv_transfer_config=None,
         model_config=SimpleNamespace(hf_config=SimpleNamespace()),
     )
-    adapter = Recording([])
-    adapter.generation = Generation.RUNNER_OUTPUT
-    prepared = _common.prepare_capture(adapter, model, config, torch.device("cpu"), (3, 2, 4))
+    prepared = _common.prepare_capture(
+        model,
+        config,
+        torch.device("cpu"),
+        (3, 2, 4),
+        generation=Generation.RUNNER_OUTPUT.value,
+        narrowed_by_expert_count=False,
+        kv_rows=None,
+    )
     buffers = dict(model.named_buffers())
     assert buffers[sleep_mode.BUFFER_PREFIX + "invalid_id_count"] is prepared.errors
     assert prepared.layer_ids == (0, 2)

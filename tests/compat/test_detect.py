@@ -12,7 +12,7 @@ import pytest
 
 from vllm_ascend_routing import releases
 from vllm_ascend_routing.compat import _detect
-from vllm_ascend_routing.compat.base import SUPPORTED_RELEASES, Generation, UnsupportedVllmError
+from vllm_ascend_routing.compat.interface import SUPPORTED_RELEASES, Generation, UnsupportedVllmError
 
 CAPTURER = "vllm.model_executor.layers.fused_moe.routed_experts_capturer"
 
@@ -122,13 +122,13 @@ def test_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_aux_output_generation_gets_its_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm_ascend_routing import compat
-    from vllm_ascend_routing.compat.aux_output import AuxOutputAPI
+    from vllm_ascend_routing.compat.aux_output.adapter import AuxOutputAdapter
 
     fake_vllm(monkeypatch, "0.32.0", ["RoutedExpertsCapturer"], [], aux=True)
-    compat.get_api.cache_clear()
+    compat.adapter.cache_clear()
     try:
-        api = compat.get_api()
-        assert isinstance(api, AuxOutputAPI)
+        api = compat.adapter()
+        assert isinstance(api, AuxOutputAdapter)
         assert api.generation is Generation.AUX_OUTPUT
     finally:
-        compat.get_api.cache_clear()
+        compat.adapter.cache_clear()

@@ -14,7 +14,7 @@ import torch
 
 from vllm_ascend_routing import contract, replay
 from vllm_ascend_routing.capture import PreparedCapture
-from vllm_ascend_routing.compat import device_cache
+from vllm_ascend_routing.compat.device_cache import adapter as device_cache
 
 BLOCK, LAYERS, TOP_K = 4, 3, 2
 MOE = (0, 2)  # decoder layer 1 is dense
@@ -52,7 +52,7 @@ class FakeRunner:
 def ready(runner: FakeRunner, capture: PreparedCapture, num_blocks: int = 8) -> None:
     spec = SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=BLOCK))
     config = SimpleNamespace(num_blocks=num_blocks, kv_cache_groups=[spec])
-    device_cache.DeviceCacheAPI().kv_cache_ready(runner, capture, config, False)
+    device_cache.DeviceCacheAdapter().kv_cache_ready(runner, capture, config, False)
 
 
 def step(
@@ -64,7 +64,7 @@ def step(
     finished: tuple[str, ...] = (),
 ) -> dict[str, np.ndarray] | None:
     """One step: the forward writes each scheduled position's row, then sampling ships."""
-    api = device_cache.DeviceCacheAPI()
+    api = device_cache.DeviceCacheAdapter()
     scheduler_output = SimpleNamespace(
         finished_req_ids=set(finished),
         num_scheduled_tokens={r: n for r, _, n, _ in batch},
@@ -190,7 +190,7 @@ def test_an_output_that_cannot_carry_the_rows_is_refused() -> None:
     step is refused, never shipped without rows."""
     runner, capture = FakeRunner(), prepared()
     ready(runner, capture)
-    api = device_cache.DeviceCacheAPI()
+    api = device_cache.DeviceCacheAdapter()
     scheduler_output = SimpleNamespace(
         finished_req_ids=set(), num_scheduled_tokens={"a": 2}, total_num_scheduled_tokens=2
     )

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 
 from vllm_ascend_routing import patching
-from vllm_ascend_routing.compat import _aux_requests, _kv_aux, _kv_slots
-from vllm_ascend_routing.compat.base import UnsupportedVllmError
+from vllm_ascend_routing.compat.aux_output import kv_rows as _kv_aux
+from vllm_ascend_routing.compat.aux_output import requests as _aux_requests
+from vllm_ascend_routing.compat.interface import UnsupportedVllmError
+from vllm_ascend_routing.compat.runner_output import kv_rows as _kv_slots
 from vllm_ascend_routing.output import engine
 
 BLOCK = 4

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from vllm_ascend_routing.compat._common import refuse_unsupported_config
-from vllm_ascend_routing.compat.base import UnsupportedVllmError
+from vllm_ascend_routing.compat.interface import UnsupportedVllmError
 
 
 def config(kv_transfer_config: Any = None, **parallel: Any) -> Any:

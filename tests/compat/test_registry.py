@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A new vLLM API generation is one module and one release-table row: with only those two (a test module,
-``fake_generation``, and a row added to ``releases.GENERATIONS``), detection, ``envs``, ``get_api``, the patch
-manifest and the runner hooks all serve it."""
+"""A new vLLM API generation is its adapter (a folder of ``compat/``) and one release-table row: with only those two
+(a test module, ``fake_generation``, and a row added to ``releases.GENERATIONS``), detection, ``envs``,
+``compat.adapter``, the patch manifest and the runner hooks all serve it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 
 from tests.compat import fake_generation
 from vllm_ascend_routing import envs, manifest, releases, runner_mixin
-from vllm_ascend_routing.compat import _detect, get_api
+from vllm_ascend_routing.compat import _detect
+from vllm_ascend_routing.compat import adapter as get_adapter
 from vllm_ascend_routing.releases import GenerationReleases
 
 FAKE = fake_generation.FakeGeneration.FAKE
@@ -26,13 +27,13 @@ def fake_row(monkeypatch: pytest.MonkeyPatch) -> Iterator[GenerationReleases]:
         "9.0.0",
         True,
         "never",
-        adapter="tests.compat.fake_generation",
+        adapter="tests.compat.fake_generation:FakeAdapter",
         markers=("json:dumps", "!json:no_such_symbol"),
     )
     monkeypatch.setattr(releases, "GENERATIONS", (*releases.GENERATIONS, row))
-    get_api.cache_clear()
+    get_adapter.cache_clear()
     yield row
-    get_api.cache_clear()
+    get_adapter.cache_clear()
 
 
 def test_the_row_and_module_are_all_a_generation_needs(
@@ -42,8 +43,8 @@ def test_the_row_and_module_are_all_a_generation_needs(
     assert _detect._by_features() is FAKE  # its markers hold here, and detection tries the newest row first
     monkeypatch.setenv("VLLM_ASCEND_ROUTING_VLLM_API", FAKE.value)  # envs accepts the table's new name
     assert FAKE.value == envs.VLLM_ASCEND_ROUTING_VLLM_API
-    api = get_api()
-    assert isinstance(api, fake_generation.FakeAPI)
+    api = get_adapter()
+    assert isinstance(api, fake_generation.FakeAdapter)
 
     rows = manifest.patches_for(FAKE, "cpu")  # type: ignore[arg-type]
     assert [row.target for row in rows] == ["tests.compat.fake_generation:FakeRunner.load_model", "json:dumps"]
@@ -62,11 +63,11 @@ def test_the_row_and_module_are_all_a_generation_needs(
 
 
 def test_without_its_row_the_generation_does_not_exist(monkeypatch: pytest.MonkeyPatch) -> None:
-    get_api.cache_clear()
+    get_adapter.cache_clear()
     monkeypatch.setenv("VLLM_ASCEND_ROUTING_VLLM_API", FAKE.value)
     with pytest.raises(ValueError, match="expected one of auto, shm, device-cache, runner-output, aux-output"):
         envs.VLLM_ASCEND_ROUTING_VLLM_API  # noqa: B018
-    assert all(module.ADAPTER is not fake_generation.FakeAPI for module in manifest.generation_modules())
+    assert all(adapter is not fake_generation.FakeAdapter for adapter in manifest.adapters())
 
 
 def test_a_marker_that_must_be_absent_rules_a_row_out(

@@ -10,18 +10,16 @@ import pytest
 
 from vllm_ascend_routing import manifest, releases
 from vllm_ascend_routing.compat import _detect
-from vllm_ascend_routing.compat.base import SUPPORTED_RELEASES
-from vllm_ascend_routing.releases import GENERATIONS, Generation, version_key
+from vllm_ascend_routing.compat.interface import SUPPORTED_RELEASES
+from vllm_ascend_routing.releases import GENERATIONS, version_key
 
 PACKAGE = Path(releases.__file__).parent
-# Modules only a generation's own module uses, deleted with it.
-PRIVATE_MODULES = {Generation.SHM: ("compat/_shm_store.py",)}
 
 
 def adapter_files(span: releases.GenerationReleases) -> tuple[str, ...]:
-    """The generation's module (its row's ``adapter``) and the modules only it uses."""
-    own = span.adapter.removeprefix("vllm_ascend_routing.").replace(".", "/") + ".py"
-    return (own, *PRIVATE_MODULES.get(span.generation, ()))
+    """The generation's folder (its row's ``adapter`` names a class in it): everything only it uses lives there."""
+    module = span.adapter.partition(":")[0]
+    return (module.removeprefix("vllm_ascend_routing.").replace(".", "/"),)
 
 
 def test_spans_are_ordered_and_cover_every_listed_release() -> None:
@@ -72,7 +70,7 @@ def test_old_generation_is_deleted_once_the_lowest_supported_release_passes_it(
     span: releases.GenerationReleases,
 ) -> None:
     """Fails the day the lowest supported release reaches ``obsolete_from``: delete the adapter, its manifest
-    rows and its table entry (e.g. lowest >= 0.22 -> remove ``compat/shm.py``)."""
+    rows and its table entry (e.g. lowest >= 0.22 -> remove ``compat/shm/``)."""
     lowest = releases.lowest_supported()
     files = adapter_files(span)
     assert all((PACKAGE / name).exists() for name in files)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ascend_routing.compat import _shm_store as store
+from vllm_ascend_routing.compat.shm import store
 
 OTHER_UID = 65534  # nobody
 needs_root = pytest.mark.skipif(os.getuid() != 0, reason="creating a file owned by another uid needs root")

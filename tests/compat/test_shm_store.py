@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vllm_ascend_routing.compat import _shm_store as store
+from vllm_ascend_routing.compat.shm import store
 
 
 def spec(num_experts: int = 64, slots: int = 4096, layers: int = 48, top_k: int = 8) -> store.SegmentSpec:
@@ -73,7 +73,7 @@ def test_segment_of_dead_owner_is_removed_at_next_start() -> None:
     code = (
         "import os\n"
         "from multiprocessing import resource_tracker\n"
-        "from vllm_ascend_routing.compat import _shm_store as store\n"
+        "from vllm_ascend_routing.compat.shm import store\n"
         f"writer = store.SegmentWriter(store.SegmentSpec({s.key!r}, (4, 1, 1), store.storage_dtype(8)))\n"
         "resource_tracker.unregister(writer._shm._name, 'shared_memory')  # as if the tracker died with it\n"
         "print(writer.name, flush=True)\n"

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from vllm_ascend_routing.compat._common import misplaced_slot_group
-from vllm_ascend_routing.compat.base import UnsupportedVllmError
-from vllm_ascend_routing.compat.runner_output import RunnerOutputAPI
-from vllm_ascend_routing.compat.shm import refuse_misplaced_slots
+from vllm_ascend_routing.compat.interface import UnsupportedVllmError
+from vllm_ascend_routing.compat.runner_output.adapter import RunnerOutputAdapter
+from vllm_ascend_routing.compat.shm.adapter import refuse_misplaced_slots
 
 
 def runner_class(module: str) -> type:
@@ -56,7 +56,7 @@ def test_which_runner_snapshots_the_wrong_group(
 
 
 def test_runner_output_re_takes_the_snapshot_from_the_attention_group() -> None:
-    api, prepared = RunnerOutputAPI(), SimpleNamespace()
+    api, prepared = RunnerOutputAdapter(), SimpleNamespace()
     hybrid = runner(ASCEND_V1, 1)
     capturer = SimpleNamespace(device_buffer=torch.zeros(16, 2, 2, dtype=torch.int16))
     prepared = SimpleNamespace(buffer=capturer.device_buffer, deferred=())  # no layer left to vLLM

@@ -49,9 +49,9 @@ def vllm_view(rows: np.ndarray, num_experts: int) -> np.ndarray:
 
 @pytest.mark.parametrize("num_experts", [255, 256, 300])
 def test_vllms_transport_narrows_an_invalid_id_as_assumed(num_experts: int) -> None:
-    from vllm_ascend_routing.compat import get_api
+    from vllm_ascend_routing.compat import adapter as get_adapter
 
-    if get_api().generation.value == "shm":
+    if get_adapter().generation.value == "shm":
         pytest.skip("vLLM 0.20.x's transport is replaced by the plugin's store (tests/test_invalid_ids.py runs it)")
     rows = np.array([[[-1, 3], [num_experts - 1, 0]], [[2, -1], [1, 5]]], dtype=np.int16)
     shown = vllm_view(rows, num_experts)

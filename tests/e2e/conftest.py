@@ -120,6 +120,6 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Scenarios:
 
 @pytest.fixture(scope="session")
 def generation() -> str:
-    from vllm_ascend_routing.compat import get_api
+    from vllm_ascend_routing.compat import adapter as get_adapter
 
-    return get_api().generation.value
+    return get_adapter().generation.value

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from vllm_ascend_routing.compat import _shm_store as store
+from vllm_ascend_routing.compat.shm import store
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 

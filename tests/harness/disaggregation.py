@@ -64,13 +64,13 @@ def prompts(lengths: tuple[int, ...], seed: int) -> list[list[int]]:
 
 
 def run_disaggregation(arch: str) -> dict[str, Any]:
-    from vllm_ascend_routing.compat import get_api
+    from vllm_ascend_routing.compat import adapter as get_adapter
 
     model = models.build_tiny_moe(arch, model_dir() / arch)
     storage = Path(tempfile.mkdtemp(prefix="vllm_ascend_routing_pd_"))
     try:
-        out: dict[str, Any] = {"arch": arch, "generation": get_api().generation.value}
-        if getattr(get_api(), "kv_rows", None) is None:  # this generation refuses every connector
+        out: dict[str, Any] = {"arch": arch, "generation": get_adapter().generation.value}
+        if getattr(get_adapter(), "kv_rows", None) is None:  # this generation refuses every connector
             out["covered"] = _refused_at_load(model, storage)
             out["refused_only"] = True  # no engine ran: no array to validate
             return out
@@ -125,7 +125,8 @@ def _refused_at_load(model: models.TinyMoE, storage: Path) -> dict[str, Any]:
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_ascend_routing.compat import UnsupportedVllmError, get_api
+    from vllm_ascend_routing.compat import UnsupportedVllmError
+    from vllm_ascend_routing.compat import adapter as get_adapter
 
     args = EngineArgs(
         model=str(model.path),
@@ -140,7 +141,9 @@ def _refused_at_load(model: models.TinyMoE, storage: Path) -> dict[str, Any]:
         ),
     )
     try:
-        kv.refuse_uncovered(args.create_engine_config(), get_api().generation.value, get_api().kv_rows, kv.RELIED)
+        kv.refuse_uncovered(
+            args.create_engine_config(), get_adapter().generation.value, get_adapter().kv_rows, kv.RELIED
+        )
     except UnsupportedVllmError as error:
         return {"refused": True, "error": type(error).__name__, "message": str(error)}
     return {"refused": False}

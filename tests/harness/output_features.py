@@ -44,14 +44,14 @@ def output_part(llm: Any) -> dict[str, Any]:
 
 
 def _output_part(llm: Any) -> dict[str, Any]:
-    from vllm_ascend_routing.compat import get_api
+    from vllm_ascend_routing.compat import adapter as get_adapter
     from vllm_ascend_routing.output import engine
 
     arch = Path(llm.llm_engine.model_config.model).name
     model = models.build_tiny_moe(arch, model_dir() / arch)
     reference = offline.reference_for(model)
-    result: dict[str, Any] = {"generation": get_api().generation.value}
-    if get_api().generation not in engine.UPDATE_FROM_OUTPUT.generations:
+    result: dict[str, Any] = {"generation": get_adapter().generation.value}
+    if get_adapter().generation not in engine.UPDATE_FROM_OUTPUT.generations:
         result["refused"] = {"any_option": _refusal(llm, [5, 6, 7], {"return_routed_experts": False})}
         return {"output": result}
     part = _Part(llm, model, reference)

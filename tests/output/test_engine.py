@@ -66,15 +66,19 @@ class Scheduler:
         return True
 
 
+def REQUESTED(vllm_config: Any) -> bool:  # noqa: N802 (the adapter's routed_experts_requested, as the feature hands it)
+    return True
+
+
 @pytest.fixture
 def scheduler(monkeypatch: pytest.MonkeyPatch) -> Scheduler:
     monkeypatch.setattr(engine, "selecting", set())
     monkeypatch.setattr(engine, "opted_out", set())
     hooked = type("HookedScheduler", (Scheduler,), {})
-    hooked.add_request = engine._adding(Scheduler.add_request)  # type: ignore[method-assign]
-    hooked.update_from_output = engine._updating(Scheduler.update_from_output)  # type: ignore[method-assign]
-    hooked._free_request = engine._freeing(Scheduler._free_request)  # type: ignore[method-assign]
-    hooked.reset_prefix_cache = engine._resetting(Scheduler.reset_prefix_cache)  # type: ignore[method-assign]
+    hooked.add_request = engine._adding(Scheduler.add_request, REQUESTED)  # type: ignore[method-assign]
+    hooked.update_from_output = engine._updating(Scheduler.update_from_output, REQUESTED)  # type: ignore[method-assign]
+    hooked._free_request = engine._freeing(Scheduler._free_request, REQUESTED)  # type: ignore[method-assign]
+    hooked.reset_prefix_cache = engine._resetting(Scheduler.reset_prefix_cache, REQUESTED)  # type: ignore[method-assign]
     instance = hooked()
     setattr(instance, engine._SCHEDULER_STATE, engine.EngineState(enabled=True))
     return instance

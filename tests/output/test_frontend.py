@@ -19,16 +19,16 @@ OPT_IN = options.RequestOptions(returns=True)
 
 def test_true_on_an_engine_without_the_flag_is_refused_for_that_request() -> None:
     with pytest.raises(options.RequestOptionError, match="started without --enable-return-routed-experts"):
-        frontend.check(OPT_IN, Generation.RUNNER_OUTPUT, serves=True, engine_returns=False)
-    frontend.check(OPT_OUT, Generation.RUNNER_OUTPUT, serves=True, engine_returns=False)  # nothing to opt out of
-    frontend.check(OPT_IN, Generation.AUX_OUTPUT, serves=True, engine_returns=True)
-    frontend.check(options.NONE, Generation.SHM, serves=False, engine_returns=True)  # asks nothing: vLLM as usual
+        frontend.check(OPT_IN, Generation.RUNNER_OUTPUT.value, serves=True, engine_returns=False)
+    frontend.check(OPT_OUT, Generation.RUNNER_OUTPUT.value, serves=True, engine_returns=False)  # nothing to opt out of
+    frontend.check(OPT_IN, Generation.AUX_OUTPUT.value, serves=True, engine_returns=True)
+    frontend.check(options.NONE, Generation.SHM.value, serves=False, engine_returns=True)  # asks nothing: vLLM as usual
 
 
 @pytest.mark.parametrize("generation", [Generation.SHM, Generation.DEVICE_CACHE])
 def test_any_option_on_vllm_0_20_and_0_21_is_refused_for_that_request(generation: Generation) -> None:
     with pytest.raises(options.RequestOptionError, match=f"need vLLM 0.22 or later.*\\({generation.value}\\)"):
-        frontend.check(OPT_OUT, generation, serves=False, engine_returns=True)
+        frontend.check(OPT_OUT, generation.value, serves=False, engine_returns=True)
 
 
 class Processor:
@@ -43,11 +43,9 @@ class Processor:
 
 @pytest.fixture
 def processor(monkeypatch: pytest.MonkeyPatch) -> Processor:
-    from vllm_ascend_routing import compat
-
-    monkeypatch.setattr(compat, "get_api", lambda: SimpleNamespace(routed_experts_requested=lambda config: True))
+    adapter = SimpleNamespace(generation=Generation.RUNNER_OUTPUT, routed_experts_requested=lambda config: True)
     hooked = type("HookedProcessor", (Processor,), {})
-    hooked.process_inputs = frontend._checking(Processor.process_inputs, Generation.RUNNER_OUTPUT, True)  # type: ignore[method-assign]
+    hooked.process_inputs = frontend._checking(Processor.process_inputs, adapter, True)  # type: ignore[method-assign]
     return hooked()
 
 

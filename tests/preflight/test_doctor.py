@@ -24,10 +24,10 @@ from vllm_ascend_routing.preflight import doctor, findings, guide, self_check
 def test_report_lists_every_setting_with_its_effective_value(
     monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
-    from vllm_ascend_routing.compat import get_api
+    from vllm_ascend_routing.compat import adapter as get_adapter
 
-    request.addfinalizer(get_api.cache_clear)  # the adapter the override picked must not outlive this test
-    get_api.cache_clear()
+    request.addfinalizer(get_adapter.cache_clear)  # the adapter the override picked must not outlive this test
+    get_adapter.cache_clear()
     monkeypatch.setenv("VLLM_ASCEND_ROUTING_VLLM_API", "shm")
     lines, _ = findings.environment_report()
     values = dict(lines)
@@ -76,7 +76,7 @@ def test_refusal_ends_with_fail_and_no_self_check(monkeypatch: pytest.MonkeyPatc
         raise UnsupportedVllmError("vLLM 0.21.0 is refused: use 0.20.x or 0.22-0.30")
 
     monkeypatch.setattr("vllm_ascend_routing.compat.vllm_version", lambda: "0.21.0")
-    monkeypatch.setattr("vllm_ascend_routing.compat.get_api", refused)
+    monkeypatch.setattr("vllm_ascend_routing.compat.adapter", refused)
     monkeypatch.setattr(self_check, "run", lambda *a: pytest.fail("no self-check after a refusal"))
     printed: list[str] = []
     assert doctor.run(print_fn=printed.append) == 1
@@ -114,7 +114,7 @@ def passing_doctor(tmp_path: Path, *args: str) -> list[str]:
 
 def on_the_newest_generation_only(option: str) -> None:
     """Options whose code is the same on every generation run on the newest (aux-output: make e2e-0.32.0)."""
-    from vllm_ascend_routing.compat._detect import detect_generation  # not get_api: other tests override it
+    from vllm_ascend_routing.compat._detect import detect_generation  # not get_adapter: other tests override it
 
     if detect_generation().value != "aux-output":
         pytest.skip(f"doctor {option} is generation-independent; it runs on the aux-output generation (0.32.0)")
@@ -318,7 +318,7 @@ def test_the_json_report_of_a_refusal_names_it(monkeypatch: pytest.MonkeyPatch) 
         raise UnsupportedVllmError("vLLM 0.21.0 is refused")
 
     monkeypatch.setattr("vllm_ascend_routing.compat.vllm_version", lambda: "0.21.0")
-    monkeypatch.setattr("vllm_ascend_routing.compat.get_api", refused)
+    monkeypatch.setattr("vllm_ascend_routing.compat.adapter", refused)
     monkeypatch.setenv("VLLM_ASCEND_ROUTING", "1")
     report = doctor.new_report()
     assert doctor.run(print_fn=lambda line: None, report=report) == 1

@@ -23,6 +23,7 @@ import torch
 
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.backends import (
+    _rebind,
     ascend,
     ascend_config,
     ascend_router,
@@ -35,12 +36,16 @@ from vllm_ascend_routing.backends import (
 from vllm_ascend_routing.backends._layer import quant_method
 from vllm_ascend_routing.backends._rebind import bind_again_after_processing
 from vllm_ascend_routing.capture import LayerCapture
+from vllm_ascend_routing.context import InstallContext
 
 __all__ = [
     "BACKENDS",
+    "NEEDS",
+    "PATCHES",
     "Backend",
     "UnboundLayerError",
     "bind_model",
+    "install",
     "moe_layers",
     "quant_method",
     "refuse_unsupported_config",
@@ -69,6 +74,22 @@ BACKENDS: tuple[tuple[str, Backend], ...] = (
     ("zero_expert_router", zero_expert_router),
     ("router", router),
 )
+
+
+# The backends as a feature of the registry (``features.FEATURES``): what they rely on or wrap per layer in vLLM and
+# vllm-ascend. Nothing is installed process-wide: each layer is bound at model load (``bind_model``).
+PATCHES = (
+    *cpu_moe.PATCHES,
+    *_rebind.PATCHES,  # bound layers bound again after their weights are processed again
+    *zero_expert_router.PATCHES,
+    *ascend.PATCHES,
+    *ascend_router.PATCHES,
+)
+NEEDS: tuple[str, ...] = ()
+
+
+def install(ctx: InstallContext) -> None:
+    """Nothing process-wide: layers are bound at model load, through the capture feature's ``load_model`` hook."""
 
 
 class UnboundLayerError(RuntimeError):

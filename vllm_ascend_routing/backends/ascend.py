@@ -38,12 +38,11 @@ from vllm_ascend_routing.backends._recorded import (
 )
 from vllm_ascend_routing.capture import LayerCapture
 from vllm_ascend_routing.patching import RELY, Patch
-from vllm_ascend_routing.releases import Generation
 
 __all__ = ["PATCHES", "RoutingNotRecordedError", "bind", "handles"]
 
 # vllm-ascend's select_experts design (0.20.2rc1 on vLLM 0.20.2, 0.21.0rc1 on 0.21.0, then 0.22.1rc1 to 0.26.0rc1)
-_GENERATIONS = (Generation.SHM, Generation.DEVICE_CACHE, Generation.RUNNER_OUTPUT)
+_VLLM = "0.20.2-0.26.0"
 # vllm-ascend's routing seam: one of these exists in every supported release (this module's or ascend_router's).
 ROUTING_SEAM = "vllm-ascend's routing seam"
 SELECTOR = Patch(
@@ -53,8 +52,8 @@ SELECTOR = Patch(
     "0.23.x renames): records the logical ids it returns (every quant method and the multistream gate path "
     "call it; none goes through BaseRouter)",
     "vllm-ascend routes every method through BaseRouter (its routers, 0.27.1rc1+): backend 'ascend_router'",
-    _GENERATIONS,
-    ("hidden_states", "router_logits", "top_k"),
+    params=("hidden_states", "router_logits", "top_k"),
+    vllm=_VLLM,
     platform="npu",
     required=False,
     one_of=ROUTING_SEAM,
@@ -65,8 +64,8 @@ LAYER_FORWARD = Patch(
     "vllm_ascend.ops.fused_moe.fused_moe:AscendFusedMoE.forward_impl",
     "per bound layer (instance attribute): marks the layer active so select_experts knows its layer id",
     "as select_experts",
-    _GENERATIONS,
-    ("self", "hidden_states", "router_logits"),
+    params=("self", "hidden_states", "router_logits"),
+    vllm="0.20.2-0.23.0",
     platform="npu",
     required=False,
     releases="vllm-ascend 0.20.2rc1-0.23.0.post1",
@@ -77,8 +76,8 @@ RUNNER_FORWARD = Patch(
     "per bound layer (instance attribute; the runner is the layer from 0.24.0rc1): marks the layer active so "
     "select_experts knows its layer id",
     "as select_experts",
-    (Generation.RUNNER_OUTPUT,),
-    ("self", "hidden_states", "router_logits"),
+    params=("self", "hidden_states", "router_logits"),
+    vllm="0.24.0-0.26.0",
     platform="npu",
     required=False,
     releases="vllm-ascend 0.24.0rc1-0.26.0rc1",

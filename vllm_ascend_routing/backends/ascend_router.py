@@ -29,21 +29,20 @@ from vllm_ascend_routing.backends._recorded import LayerRecord, RoutingNotRecord
 from vllm_ascend_routing.backends.ascend import ROUTING_SEAM, function_of, global_names
 from vllm_ascend_routing.capture import LayerCapture
 from vllm_ascend_routing.patching import RELY, Patch
-from vllm_ascend_routing.releases import Generation
 
 __all__ = ["PATCHES", "bind", "handles"]
 
 _RELEASES = "vllm-ascend 0.27.1rc1-0.30.0rc2"
 # vllm-ascend's router design on vLLM's runner-output generation, and on the aux-output one (vLLM 0.31+, no
 # vllm-ascend release yet): there the seam is verified too, and refused by name if it moved.
-_GENERATIONS = (Generation.RUNNER_OUTPUT, Generation.AUX_OUTPUT)
+_VLLM = "0.27.1-"
 ROUTED_SELECT = Patch(
     "vllm_ascend.ops.fused_moe.routed_experts:AscendRoutedExperts._select_experts",
     "relied on: calls router._select_experts (vLLM's BaseRouter template, which calls the router's capture_fn "
     "with logical ids) before log2phy, mix_placement and forced balancing",
     "never (the router seam is vLLM's own)",
-    _GENERATIONS,
-    ("self", "hidden_states", "router_logits"),
+    params=("self", "hidden_states", "router_logits"),
+    vllm=_VLLM,
     platform="npu",
     required=False,
     one_of=ROUTING_SEAM,
@@ -54,8 +53,8 @@ ROUTED_FORWARD = Patch(
     "vllm_ascend.ops.fused_moe.routed_experts:AscendRoutedExperts.forward_impl",
     "per bound layer (instance attribute): raises if a forward finished without reaching the capture hook",
     "never",
-    _GENERATIONS,
-    ("self",),
+    params=("self",),
+    vllm=_VLLM,
     platform="npu",
     required=False,
     releases=_RELEASES,

@@ -19,13 +19,12 @@ from vllm_ascend_routing import patching
 from vllm_ascend_routing.backends._layer import quant_method
 from vllm_ascend_routing.capture import LayerCapture
 from vllm_ascend_routing.patching import RELY, Patch
-from vllm_ascend_routing.releases import Generation
 
 FORWARD_METHOD = Patch(
     "vllm.model_executor.layers.fused_moe.cpu_fused_moe:CPUFusedMOE",
     "per bound layer, the instance's forward_method is wrapped to record the ids the CPU MoE computed itself",
     "the lowest supported vLLM is 0.28.0 or newer (CPU MoE routes through BaseRouter)",
-    (Generation.SHM, Generation.DEVICE_CACHE, Generation.RUNNER_OUTPUT),
+    vllm="0.20.0-0.27.1",
     platform="cpu",
     required=False,
     releases="vLLM 0.20.0-0.27.1",

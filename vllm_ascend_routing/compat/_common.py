@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Steps every generation adapter shares: ``prepare`` (``GenerationAdapter``), config refusals, load-time binding,
-the shape-checked attach."""
+"""Steps every generation adapter shares (``interface.Adapter.prepare`` and the generations' own): config refusals,
+load-time binding, the shape-checked attach."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from vllm_ascend_routing.capture import (
     new_error_counter,
 )
 from vllm_ascend_routing.compat._runners import GROUP_0_SNAPSHOT_MODULES
-from vllm_ascend_routing.compat.base import Generation, RequestSelection, UnsupportedVllmError
+from vllm_ascend_routing.errors import UnsupportedVllmError
 from vllm_ascend_routing.parallel import RankLayout
 
 logger = get_logger(__name__)
@@ -30,50 +30,24 @@ _PARALLELISM_REFUSED = {
 }
 
 
-class GenerationAdapter:
-    """What every generation's adapter does at model load (``CaptureAPI.prepare``): nothing where the engine did not
-    ask for routed experts, else its own refusals (``refuse_before_binding``), then ``prepare_capture`` on the
-    buffer shape its capturer sizes (``routing_shape``). Each adapter defines only what differs."""
-
-    generation: Generation
-    narrowed_by_expert_count: bool
-    kv_rows: kv.KvRows | None = None  # rows of tokens a KV connector loaded (``None``: KV connectors are refused)
-
-    def routed_experts_requested(self, vllm_config: Any) -> bool:
-        """``--enable-return-routed-experts``, on the model config (where every generation but aux-output keeps it)."""
-        return bool(vllm_config.model_config.enable_return_routed_experts)
-
-    def routing_shape(self, vllm_config: Any) -> tuple[int, int, int]:
-        """``(num_hidden_layers, top_k, num_experts)`` exactly as this generation's capturer sizes them."""
-        raise NotImplementedError
-
-    def refuse_before_binding(self, vllm_config: Any) -> None:
-        """This generation's own refusals, before the shared ones (``refuse_unsupported_config``): none here."""
-
-    def install_request_options(self, selection: RequestSelection) -> None:
-        """None: this generation's transport reads the request's parameters as the output feature leaves them."""
-
-    def prepare(self, model: torch.nn.Module, vllm_config: Any, device: torch.device) -> PreparedCapture | None:
-        if not self.routed_experts_requested(vllm_config):
-            return None
-        self.refuse_before_binding(vllm_config)
-        return prepare_capture(self, model, vllm_config, device, self.routing_shape(vllm_config))
-
-
 def prepare_capture(
-    api: GenerationAdapter,
     model: torch.nn.Module,
     vllm_config: Any,
     device: torch.device,
     shape: tuple[int, int, int],
+    *,
+    generation: str,
+    narrowed_by_expert_count: bool,
+    kv_rows: kv.KvRows | None,
 ) -> PreparedCapture:
-    """At model load, for an engine of ``api``'s generation that returns routed experts: refuse what cannot be
-    served exactly (its name in the messages; ``api.narrowed_by_expert_count``: ``refuse_unrepresentable_ids``),
-    then bind the target model's MoE layers to a ``[max_num_batched_tokens, *shape[:2]]`` buffer."""
-    refuse_unsupported_config(vllm_config, api.generation.value, getattr(api, "kv_rows", None))
+    """At model load, for an engine of ``generation`` that returns routed experts (``Adapter.prepare``): refuse what
+    cannot be served exactly (its name in the messages; ``narrowed_by_expert_count``: ``refuse_unrepresentable_ids``;
+    ``kv_rows``: the generation's store of loaded rows, ``None``: KV connectors refused), then bind the target model's
+    MoE layers to a ``[max_num_batched_tokens, *shape[:2]]`` buffer."""
+    refuse_unsupported_config(vllm_config, generation, kv_rows)
     num_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
     prepared = bind_target_model(model, num_tokens, shape, device, rank_layout(vllm_config))
-    refuse_unrepresentable_ids(prepared, api.narrowed_by_expert_count)
+    refuse_unrepresentable_ids(prepared, narrowed_by_expert_count)
     sleep_mode.keep_through_sleep(model, prepared)  # restored by vLLM's wake-up after a level-2 sleep
     return prepared
 

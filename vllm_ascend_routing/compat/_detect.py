@@ -8,7 +8,10 @@ import importlib
 from types import ModuleType
 
 from vllm_ascend_routing import envs, releases
-from vllm_ascend_routing.compat.base import SUPPORTED_RELEASES, Generation, UnsupportedVllmError
+from vllm_ascend_routing.errors import UnsupportedVllmError
+from vllm_ascend_routing.releases import Generation
+
+SUPPORTED_RELEASES = releases.supported_releases_text()
 
 
 def _module(name: str) -> ModuleType | None:

@@ -9,24 +9,25 @@
     worker) its rows were written under;
   * over HTTP (``serving``): the record in each choice, and the rows in the final chunk of streamed choices.
 
-``install`` applies what the detected generation supports; nothing here asks which vLLM release is installed.
+Three features of the registry (``features.FEATURES``): this package (per-request options and the provenance record:
+``frontend`` and ``engine``), ``weights`` and ``serving``. Each installs what the adapter's capabilities allow
+(``per_request_output``); nothing here asks which vLLM release is installed.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from vllm_ascend_routing.context import InstallContext
+from vllm_ascend_routing.output import engine, frontend
 
-from vllm_ascend_routing.output import engine, frontend, serving, weights
-
-if TYPE_CHECKING:
-    from vllm_ascend_routing.compat.base import CaptureAPI
+PATCHES = (*frontend.PATCHES, *engine.PATCHES)  # the record rows need per_request_output (Patch.needs)
+NEEDS: tuple[str, ...] = ()  # the options check runs on every generation (refusing options where unserved)
 
 
-def install(api: CaptureAPI, vllm: str) -> None:
-    """Patch this process for ``api``'s generation (idempotent; each process patches what it may run)."""
-    frontend.install(api.generation, vllm)
-    if api.generation in engine.UPDATE_FROM_OUTPUT.generations:
-        weights.install()
-        engine.install()
-        api.install_request_options(engine.SELECTION)
-        serving.install()
+def install(ctx: InstallContext) -> None:
+    """Patch this process (idempotent; each process patches what it may run): the options check in the front end on
+    every generation; where the transport sends rows per request, the engine core's side and the records."""
+    adapter = ctx.adapter
+    frontend.install(adapter, ctx.vllm)
+    if adapter.per_request_output:
+        engine.install(adapter.routed_experts_requested)
+        adapter.install_request_options(engine.SELECTION)

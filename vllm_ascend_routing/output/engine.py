@@ -33,35 +33,44 @@ from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.compat._requests import local_cached_tokens
 from vllm_ascend_routing.output import options, weights
 from vllm_ascend_routing.patching import Patch
-from vllm_ascend_routing.releases import Generation
 
 logger = get_logger(__name__)
 
 RECORD_KEY = "vllm_ascend_routing.routed_experts_info"  # in an output's kv_transfer_params, engine -> front end
-_GENERATIONS = (Generation.RUNNER_OUTPUT, Generation.AUX_OUTPUT)
+_NEEDS = "per_request_output"  # the adapter capability every row here needs
 _KEEP = "never while per-request routed-experts options exist"
 _SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
 ADD_REQUEST = Patch(
     f"{_SCHEDULER}.add_request",
     "read a request's routed-experts options once",
     _KEEP,
-    _GENERATIONS,
-    ("self", "request"),
+    params=("self", "request"),
+    needs=_NEEDS,
 )
 UPDATE_FROM_OUTPUT = Patch(
     f"{_SCHEDULER}.update_from_output",
     "the step's weight version; a new request's first row; opted-out rows dropped; records to the front end",
     _KEEP,
-    _GENERATIONS,
-    ("self", "scheduler_output", "model_runner_output"),
+    params=("self", "scheduler_output", "model_runner_output"),
+    needs=_NEEDS,
 )
 FREE_REQUEST = Patch(
-    f"{_SCHEDULER}._free_request", "a finished request's provenance record", _KEEP, _GENERATIONS, ("self", "request")
+    f"{_SCHEDULER}._free_request",
+    "a finished request's provenance record",
+    _KEEP,
+    params=("self", "request"),
+    needs=_NEEDS,
 )
 RESET_PREFIX_CACHE = Patch(
-    f"{_SCHEDULER}.reset_prefix_cache", "rows cached from now on are of a newer version", _KEEP, _GENERATIONS, ("self",)
+    f"{_SCHEDULER}.reset_prefix_cache",
+    "rows cached from now on are of a newer version",
+    _KEEP,
+    params=("self",),
+    needs=_NEEDS,
 )
 PATCHES = (ADD_REQUEST, UPDATE_FROM_OUTPUT, FREE_REQUEST, RESET_PREFIX_CACHE)
+
+Requested = Callable[[Any], bool]  # whether an engine (its vllm_config) returns routed experts
 
 _REQUEST = "_vllm_ascend_routing_output"  # engine-core Request attribute: its RequestState
 _SCHEDULER_STATE = "_vllm_ascend_routing_output"  # Scheduler attribute: its EngineState
@@ -102,11 +111,13 @@ class EngineState:
             self.cached_from, self.cached_from_pending = version, False
 
 
-def install() -> None:
-    patching.replace(ADD_REQUEST, _adding)
-    patching.replace(UPDATE_FROM_OUTPUT, _updating)
-    patching.replace(FREE_REQUEST, _freeing)
-    patching.replace(RESET_PREFIX_CACHE, _resetting)
+def install(requested: Requested) -> None:
+    """Patch the scheduler (idempotent). ``requested(vllm_config)``: whether an engine returns routed experts (the
+    adapter's ``routed_experts_requested``)."""
+    patching.replace(ADD_REQUEST, lambda method: _adding(method, requested))
+    patching.replace(UPDATE_FROM_OUTPUT, lambda method: _updating(method, requested))
+    patching.replace(FREE_REQUEST, lambda method: _freeing(method, requested))
+    patching.replace(RESET_PREFIX_CACHE, lambda method: _resetting(method, requested))
 
 
 def state_of(request: Any) -> RequestState:
@@ -167,20 +178,18 @@ class _Selection:
 SELECTION = _Selection()
 
 
-def _engine_state(scheduler: Any) -> EngineState:
+def _engine_state(scheduler: Any, requested: Requested) -> EngineState:
     state: EngineState | None = getattr(scheduler, _SCHEDULER_STATE, None)
     if state is None:
-        from vllm_ascend_routing.compat import get_api
-
-        state = EngineState(get_api().routed_experts_requested(scheduler.vllm_config))
+        state = EngineState(requested(scheduler.vllm_config))
         setattr(scheduler, _SCHEDULER_STATE, state)
     return state
 
 
-def _adding(add_request: Callable[..., Any]) -> Callable[..., Any]:
+def _adding(add_request: Callable[..., Any], requested: Requested) -> Callable[..., Any]:
     @functools.wraps(add_request)
     def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        if _engine_state(self).enabled and getattr(request, "sampling_params", None) is not None:
+        if _engine_state(self, requested).enabled and getattr(request, "sampling_params", None) is not None:
             try:
                 found = options.of(request.sampling_params)
             except options.RequestOptionError as error:  # the front end refuses these; a front end without it
@@ -197,10 +206,10 @@ def _adding(add_request: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _updating(update_from_output: Callable[..., Any]) -> Callable[..., Any]:
+def _updating(update_from_output: Callable[..., Any], requested: Requested) -> Callable[..., Any]:
     @functools.wraps(update_from_output)
     def wrapper(self: Any, scheduler_output: Any, model_runner_output: Any, *args: Any, **kwargs: Any) -> Any:
-        state = _engine_state(self)
+        state = _engine_state(self, requested)
         if not state.enabled:
             return update_from_output(self, scheduler_output, model_runner_output, *args, **kwargs)
         version = getattr(model_runner_output, weights.VERSION, None)
@@ -238,10 +247,10 @@ def _finish(outputs: dict[int, Any], state: EngineState) -> None:
     state.dropped.clear()
 
 
-def _freeing(free_request: Callable[..., Any]) -> Callable[..., Any]:
+def _freeing(free_request: Callable[..., Any], requested: Requested) -> Callable[..., Any]:
     @functools.wraps(free_request)
     def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        state = _engine_state(self)
+        state = _engine_state(self, requested)
         if state.enabled:
             request_id = request.request_id
             selecting.discard(request_id)
@@ -285,12 +294,12 @@ def loaded_from(request: Any, first: int) -> int:
     return max(0, start + count - max(start, first))
 
 
-def _resetting(reset_prefix_cache: Callable[..., Any]) -> Callable[..., Any]:
+def _resetting(reset_prefix_cache: Callable[..., Any], requested: Requested) -> Callable[..., Any]:
     @functools.wraps(reset_prefix_cache)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         reset = reset_prefix_cache(self, *args, **kwargs)
         if reset:
-            _engine_state(self).cached_from_pending = True
+            _engine_state(self, requested).cached_from_pending = True
         return reset
 
     return wrapper

@@ -22,11 +22,11 @@ from typing import Any
 from vllm_ascend_routing import patching, validate
 from vllm_ascend_routing.output import engine, options, provenance
 from vllm_ascend_routing.patching import Patch
-from vllm_ascend_routing.releases import Generation
 
 INFO = "routed_experts_info"  # CompletionOutput attribute, and the HTTP choice field
 _RECORD = "_vllm_ascend_routing_record"  # front-end RequestState attribute: the engine core's part of the record
 _KEEP = "never while per-request routed-experts options exist"
+_NEEDS = "per_request_output"  # the adapter capability the record rows need (the options check runs everywhere)
 PROCESS_INPUTS = Patch(
     "vllm.v1.engine.input_processor:InputProcessor.process_inputs",
     "check a request's routed-experts options against this engine; routed_experts_omit=N as the prompt start",
@@ -38,40 +38,41 @@ PROCESS_OUTPUTS = Patch(
     f"{_OUTPUT}:OutputProcessor.process_outputs",
     "take the engine core's provenance records out of kv_transfer_params",
     _KEEP,
-    engine.PATCHES[0].generations,
-    ("self", "engine_core_outputs"),
+    params=("self", "engine_core_outputs"),
+    needs=_NEEDS,
 )
 NEW_REQUEST_OUTPUT = Patch(
     f"{_OUTPUT}:RequestState._new_request_output",
     "routed_experts_info on a finished request's CompletionOutput",
     _KEEP,
-    engine.PATCHES[0].generations,
-    ("self", "external_req_id", "outputs", "finished"),
+    params=("self", "external_req_id", "outputs", "finished"),
+    needs=_NEEDS,
 )
 GET_OUTPUTS = Patch(
     "vllm.v1.engine.parallel_sampling:ParentRequest.get_outputs",
     "routed_experts_info on each finished sample of an n > 1 request",
     _KEEP,
-    engine.PATCHES[0].generations,
-    ("self", "child_request_id", "completion_output"),
+    params=("self", "child_request_id", "completion_output"),
+    needs=_NEEDS,
 )
 PATCHES = (PROCESS_INPUTS, PROCESS_OUTPUTS, NEW_REQUEST_OUTPUT, GET_OUTPUTS)
 
 _records: dict[str, dict[str, Any]] = {}  # finished samples of n > 1 requests, by internal request id
 
 
-def install(generation: Generation, vllm: str) -> None:
-    """Patch this front end (idempotent): the check on every generation, the records where the engine sends them."""
-    serves = generation in engine.PATCHES[0].generations
-    patching.replace(PROCESS_INPUTS, lambda method: _checking(method, generation, serves))
+def install(adapter: Any, vllm: str) -> None:
+    """Patch this front end (idempotent): the check on every generation, the records where the engine sends them
+    (``adapter.per_request_output``)."""
+    serves = bool(adapter.per_request_output)
+    patching.replace(PROCESS_INPUTS, lambda method: _checking(method, adapter, serves))
     if serves:
-        attach = functools.partial(_attach, generation=generation.value, vllm=vllm)
+        attach = functools.partial(_attach, generation=adapter.generation.value, vllm=vllm)
         patching.replace(PROCESS_OUTPUTS, _taking_records)
         patching.replace(NEW_REQUEST_OUTPUT, lambda method: _recording(method, attach))
         patching.replace(GET_OUTPUTS, lambda method: _recording_samples(method, attach))
 
 
-def check(found: options.RequestOptions, generation: Generation, serves: bool, engine_returns: bool) -> None:
+def check(found: options.RequestOptions, transport: str, serves: bool, engine_returns: bool) -> None:
     """Refuse ``found`` where this engine cannot honour it (``RequestOptionError``, a ``ValueError``: vLLM's front
     end turns it into the request's error, HTTP 400)."""
     if found is options.NONE:
@@ -79,7 +80,7 @@ def check(found: options.RequestOptions, generation: Generation, serves: bool, e
     if not serves:
         raise options.RequestOptionError(
             f"per-request routed-experts options ({', '.join(options.KEYS)}) need vLLM 0.22 or later: this vLLM's "
-            f"routed-experts transport ({generation.value}) returns every request's rows; remove them from the request"
+            f"routed-experts transport ({transport}) returns every request's rows; remove them from the request"
         )
     if found.returns and not engine_returns:
         raise options.RequestOptionError(
@@ -89,14 +90,13 @@ def check(found: options.RequestOptions, generation: Generation, serves: bool, e
         )
 
 
-def _checking(process_inputs: Callable[..., Any], generation: Generation, serves: bool) -> Callable[..., Any]:
+def _checking(process_inputs: Callable[..., Any], adapter: Any, serves: bool) -> Callable[..., Any]:
     @functools.wraps(process_inputs)
     def wrapper(self: Any, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
         found = options.of(params)
         if found is not options.NONE:
-            from vllm_ascend_routing.compat import get_api
-
-            check(found, generation, serves, get_api().routed_experts_requested(self.vllm_config))
+            engine_returns = adapter.routed_experts_requested(self.vllm_config)
+            check(found, adapter.generation.value, serves, engine_returns)
         request = process_inputs(self, request_id, prompt, params, *args, **kwargs)
         if found.omit_before:
             prompt_len = len(request.prompt_token_ids) if request.prompt_token_ids is not None else None

@@ -27,13 +27,13 @@ import numpy as np
 
 from vllm_ascend_routing import patching
 from vllm_ascend_routing._post_import import when_imported
-from vllm_ascend_routing.compat.base import UnsupportedVllmError
+from vllm_ascend_routing.context import InstallContext
+from vllm_ascend_routing.errors import UnsupportedVllmError
 from vllm_ascend_routing.output.frontend import INFO
 from vllm_ascend_routing.patching import Patch
-from vllm_ascend_routing.releases import Generation
 
 SERVING = "serving"  # Patch.feature: verified when the server imports the module (never in engines or workers)
-_GENERATIONS = (Generation.RUNNER_OUTPUT, Generation.AUX_OUTPUT)
+_NEEDS = "per_request_output"  # the records these fields show come per request through the engine core
 _KEEP = "vLLM's server streams routed experts and provenance on completions and chat itself"
 _COMPLETION = "vllm.entrypoints.openai.completion.serving:OpenAIServingCompletion"
 _CHAT = "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat"
@@ -44,7 +44,7 @@ _ARGS = ("self", "request", "result_generator")
 
 
 def _row(target: str, why: str, params: tuple[str, ...] = _ARGS, required: bool = True) -> Patch:
-    return Patch(target, why, _KEEP, _GENERATIONS, params, required=required, feature=SERVING)
+    return Patch(target, why, _KEEP, params=params, required=required, feature=SERVING, needs=_NEEDS)
 
 
 COMPLETION_STREAM = _row(f"{_COMPLETION}.completion_stream_generator", "rows and record in the final chunk")
@@ -63,6 +63,7 @@ DISAGG_STREAM = _row(f"{_TOKENS_DISAGG}.serve_tokens_stream_generator", _GENERAT
 DISAGG_FULL = _row(f"{_TOKENS_DISAGG}.serve_tokens_full_generator", _GENERATE_FULL, required=False)
 STREAMS = (COMPLETION_STREAM, CHAT_STREAM, TOKENS_STREAM, DISAGG_STREAM)
 PATCHES = (*STREAMS, COMPLETION_FULL, CHAT_FULL, TOKENS_FULL, DISAGG_FULL)
+NEEDS = (_NEEDS,)
 
 
 def encode(routed: np.ndarray) -> str:
@@ -72,7 +73,7 @@ def encode(routed: np.ndarray) -> str:
         return base64.b64encode(buffer.getbuffer()).decode("ascii")
 
 
-def install() -> None:
+def install(ctx: InstallContext | None = None) -> None:
     """Patch each serving module once vLLM's server imports it (now, if it already has)."""
     for module in dict.fromkeys(patch.target.partition(":")[0] for patch in PATCHES):
         when_imported(module, functools.partial(_patched_on_import, name=module))

@@ -17,22 +17,23 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_ascend_routing import patching
+from vllm_ascend_routing.context import InstallContext
 from vllm_ascend_routing.patching import Patch
-from vllm_ascend_routing.releases import Generation
 
 VERSION = "_vllm_ascend_routing_weight_version"  # on the runner (its model's count) and on each step's output
 _STEP = "_vllm_ascend_routing_step_weight_version"  # on the worker: the version of the step being executed
-_GENERATIONS = (Generation.RUNNER_OUTPUT, Generation.AUX_OUTPUT)
+_NEEDS = "per_request_output"  # the scheduler reads the version where it sends records per request
 _WHY = "stamp each step's ModelRunnerOutput with the weight version its forward ran with"
 _KEEP = "never while routed_experts_info reports weight versions"
 EXECUTE_MODEL = Patch(
-    "vllm.v1.worker.gpu_worker:Worker.execute_model", _WHY, _KEEP, _GENERATIONS, ("self", "scheduler_output")
+    "vllm.v1.worker.gpu_worker:Worker.execute_model", _WHY, _KEEP, params=("self", "scheduler_output"), needs=_NEEDS
 )
-SAMPLE_TOKENS = Patch("vllm.v1.worker.gpu_worker:Worker.sample_tokens", _WHY, _KEEP, _GENERATIONS, ("self",))
+SAMPLE_TOKENS = Patch("vllm.v1.worker.gpu_worker:Worker.sample_tokens", _WHY, _KEEP, params=("self",), needs=_NEEDS)
 PATCHES = (EXECUTE_MODEL, SAMPLE_TOKENS)
+NEEDS = (_NEEDS,)
 
 
-def install() -> None:
+def install(ctx: InstallContext | None = None) -> None:
     """Stamp every step's output (idempotent). The CPU worker inherits both methods."""
     patching.replace(EXECUTE_MODEL, _executing)
     patching.replace(SAMPLE_TOKENS, _sampling)

@@ -21,13 +21,14 @@ DEFAULT, ENVIRONMENT, DOCTOR = "default", "environment", "doctor"  # where a set
 def environment(report: dict[str, Any], forced: dict[str, str] | None = None) -> str | None:
     """Fill ``report``'s release, generation, platform, kernel backend and settings; the reason the plugin
     cannot run here (``None`` when it can). ``forced``: the settings doctor set for its engine, with why."""
-    from vllm_ascend_routing.compat import UnsupportedVllmError, get_api, vllm_version
+    from vllm_ascend_routing.compat import UnsupportedVllmError, vllm_version
+    from vllm_ascend_routing.compat import adapter as get_adapter
 
     forced = forced or {}
     problem: str | None = None
     try:
         report["vllm"] = vllm_version()
-        report["generation"] = get_api().generation.value
+        report["generation"] = get_adapter().generation.value
     except UnsupportedVllmError as exc:
         problem = report["refused"] = str(exc)
     report["platform"] = platform()
@@ -94,9 +95,9 @@ def targets(platform: str) -> dict[str, Any]:
     import importlib.util
 
     from vllm_ascend_routing import manifest
-    from vllm_ascend_routing.compat import get_api
+    from vllm_ascend_routing.compat import adapter as get_adapter
 
-    generation = get_api().generation
+    generation = get_adapter().generation
     packages = ["vllm"] + (["vllm_ascend"] if importlib.util.find_spec("vllm_ascend") is not None else [])
     found = [finding for package in packages for finding in manifest.check(generation, platform, package)]
     rows = [

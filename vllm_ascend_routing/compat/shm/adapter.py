@@ -8,7 +8,7 @@ stops. This adapter substitutes both classes, by name, in the two modules that u
 implementations of the same interface that:
   * record through the load-time binding (``_common.bind_target_model``): target-model layers only,
     every backend (the CPU MoE included), exact under ``torch.compile``;
-  * keep rows in a narrow shared-memory store (``_shm_store``) and widen to int32 only when returned, so
+  * keep rows in a narrow shared-memory store (``shm.store``) and widen to int32 only when returned, so
     the user-visible contract of 0.20.x is unchanged: int32 ``[num_tokens - 1, num_hidden_layers, top_k]``;
   * move rows off an accelerator with a non-blocking copy started right after the forward, finished by
     the step's own sampled-token synchronisation (CPU: no copy at all).
@@ -28,16 +28,16 @@ import torch
 from vllm_ascend_routing import contract, patching
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import PreparedCapture
-from vllm_ascend_routing.compat._common import GenerationAdapter, misplaced_slot_group
+from vllm_ascend_routing.compat._common import misplaced_slot_group
 from vllm_ascend_routing.compat._runners import CAPTURER_HOOKS, RUNNER_CLASSES
-from vllm_ascend_routing.compat._shm_store import SegmentReader, SegmentSpec, SegmentWriter
-from vllm_ascend_routing.compat.base import (
+from vllm_ascend_routing.compat.interface import (
+    Adapter,
     Generation,
     RunnerClass,
     RunnerHook,
-    StepHooksNotUsed,
     UnsupportedVllmError,
 )
+from vllm_ascend_routing.compat.shm.store import SegmentReader, SegmentSpec, SegmentWriter
 from vllm_ascend_routing.patching import Patch
 
 logger = get_logger(__name__)
@@ -232,7 +232,8 @@ def refuse_misplaced_slots(runner: Any) -> None:
         )
 
 
-class ShmAPI(GenerationAdapter, StepHooksNotUsed):
+class ShmAdapter(Adapter):
+    patches = PATCHES
     generation = Generation.SHM
     runner_hooks: tuple[RunnerHook, ...] = CAPTURER_HOOKS
     runner_classes: Mapping[str, tuple[RunnerClass, ...]] = RUNNER_CLASSES
@@ -258,6 +259,3 @@ class ShmAPI(GenerationAdapter, StepHooksNotUsed):
         capturer = ShmRoutedExpertsCapturer.get_instance()
         if capturer is not None:
             capturer.stage(num_tokens)
-
-
-ADAPTER = ShmAPI

@@ -30,7 +30,7 @@ import numpy as np
 
 from vllm_ascend_routing import kv, patching
 from vllm_ascend_routing._logging import get_logger
-from vllm_ascend_routing.compat.base import Generation, UnsupportedVllmError
+from vllm_ascend_routing.compat.interface import Generation, UnsupportedVllmError
 from vllm_ascend_routing.kv import RowLayout
 from vllm_ascend_routing.patching import RELY, Patch
 

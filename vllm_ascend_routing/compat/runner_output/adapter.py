@@ -24,16 +24,16 @@ import torch
 
 from vllm_ascend_routing import patching
 from vllm_ascend_routing.capture import PreparedCapture
-from vllm_ascend_routing.compat._common import GenerationAdapter, attach_buffer, misplaced_slot_group
-from vllm_ascend_routing.compat._kv_slots import SlotRows
+from vllm_ascend_routing.compat._common import attach_buffer, misplaced_slot_group
 from vllm_ascend_routing.compat._runners import CAPTURER_BINDER, CAPTURER_HOOKS, RUNNER_CLASSES
-from vllm_ascend_routing.compat.base import (
+from vllm_ascend_routing.compat.interface import (
+    Adapter,
     Generation,
     RunnerClass,
     RunnerHook,
-    StepHooksNotUsed,
     UnsupportedVllmError,
 )
+from vllm_ascend_routing.compat.runner_output.kv_rows import SlotRows
 from vllm_ascend_routing.patching import Patch
 from vllm_ascend_routing.releases import BINDER_FUNCTION, BINDER_METHOD
 from vllm_ascend_routing.runner_state import binding_runner
@@ -73,7 +73,9 @@ def _v2_runner_captures() -> bool:
     return True
 
 
-class RunnerOutputAPI(GenerationAdapter, StepHooksNotUsed):
+class RunnerOutputAdapter(Adapter):
+    patches = (*PATCHES, *SlotRows.patches)
+    per_request_output = True  # rows start at routed_experts_prompt_start, sent per request through the engine core
     generation = Generation.RUNNER_OUTPUT
     runner_hooks: tuple[RunnerHook, ...] = CAPTURER_HOOKS
     runner_classes: Mapping[str, tuple[RunnerClass, ...]] = RUNNER_CLASSES
@@ -122,6 +124,3 @@ class RunnerOutputAPI(GenerationAdapter, StepHooksNotUsed):
     def attach(self, runner: Any, prepared: PreparedCapture, capturer: Any) -> None:
         attach_buffer(prepared, capturer)  # before the runner allocates its pinned host mirror of it
         setattr(runner, _SLOT_GROUP, misplaced_slot_group(runner))
-
-
-ADAPTER = RunnerOutputAPI

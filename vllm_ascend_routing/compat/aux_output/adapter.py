@@ -31,11 +31,12 @@ import torch
 from vllm_ascend_routing import kv, patching
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import PreparedCapture
-from vllm_ascend_routing.compat import _aux_requests
-from vllm_ascend_routing.compat._common import GenerationAdapter, attach_buffer
-from vllm_ascend_routing.compat._kv_aux import AuxRows
+from vllm_ascend_routing.compat._common import attach_buffer
 from vllm_ascend_routing.compat._runners import LOAD_MODEL, RUNNER_CLASSES
-from vllm_ascend_routing.compat.base import (
+from vllm_ascend_routing.compat.aux_output import kv_rows as block_rows
+from vllm_ascend_routing.compat.aux_output import requests
+from vllm_ascend_routing.compat.interface import (
+    Adapter,
     Generation,
     RequestSelection,
     RunnerClass,
@@ -168,13 +169,16 @@ def connector_class() -> Any:
     return patching.resolve(CONNECTOR.target)
 
 
-class AuxOutputAPI(GenerationAdapter):
+class AuxOutputAdapter(Adapter):
     generation = Generation.AUX_OUTPUT
+    # Its own rows, the per-request options' (required on every engine), the KV store's (optional until a connector)
+    patches = (*PATCHES, *requests.PATCHES, *block_rows.PATCHES)
+    per_request_output = True  # rows start at routed_experts_prompt_start, sent per request through the engine core
     runner_hooks: tuple[RunnerHook, ...] = CONNECTOR_HOOKS
     runner_classes: Mapping[str, tuple[RunnerClass, ...]] = RUNNER_CLASSES
     rows_read_in_front_end = False  # rows travel through vLLM's AuxOutput connector
     narrowed_by_expert_count = True  # vLLM returns the array as uint8 where the routed experts fit it
-    kv_rows = AuxRows()  # rows of tokens a KV connector loaded: in the connector's block store (``kv``)
+    kv_rows = block_rows.AuxRows()  # rows of tokens a KV connector loaded: in the connector's block store (``kv``)
 
     def routed_experts_requested(self, vllm_config: Any) -> bool:
         return bool(vllm_config.aux_output_config.enable_return_routed_experts)
@@ -184,7 +188,7 @@ class AuxOutputAPI(GenerationAdapter):
         patching.replace(CONFIG_CHECK, _as_served)
 
     def install_request_options(self, selection: RequestSelection) -> None:
-        _aux_requests.install(selection)  # per-request options on the connector's scheduler side
+        requests.install(selection)  # per-request options on the connector's scheduler side
 
     def install_ascend(self) -> None:
         """Nothing beyond the runner hooks: Ascend is out-of-tree, so vLLM's check already lets its runner
@@ -276,6 +280,3 @@ def _step_batch(runner: Any, scheduler_output: Any) -> SimpleNamespace:
     np.cumsum(scheduled, out=query_start_loc[1:])
     computed = np.array(runner.input_batch.num_computed_tokens_cpu[: len(request_ids)], dtype=np.int32)
     return SimpleNamespace(req_ids=request_ids, query_start_loc_np=query_start_loc, num_computed_tokens_np=computed)
-
-
-ADAPTER = AuxOutputAPI

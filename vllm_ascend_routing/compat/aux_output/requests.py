@@ -9,7 +9,7 @@ to the adapter at install), and an opted-out request's emit start is put
 out of reach: its worker state still captures and publishes its blocks (other requests' prefix hits read them),
 but never emits, materialises or ships a row of it; ``take_output`` then has nothing to take for it.
 
-Except where the scheduler's rows follow a KV connector (``keep_prompt_rows``: ``compat/_kv_aux.py``): there every
+Except where the scheduler's rows follow a KV connector (``keep_prompt_rows``: ``aux_output/kv_rows.py``): there every
 request's prompt rows travel with the KV its connector stores or lends (a P/D prefill's parameters, a stored prefix,
 an offload tier), whichever rows its caller asked for. So the worker emits every request's rows from its first prompt
 token (as with prompt start 0; later steps keep vLLM's start, the new token's), and the scheduler takes them: the rows
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_ascend_routing import patching
-from vllm_ascend_routing.compat.base import RequestSelection
+from vllm_ascend_routing.compat.interface import RequestSelection
 from vllm_ascend_routing.patching import Patch
 from vllm_ascend_routing.releases import Generation
 

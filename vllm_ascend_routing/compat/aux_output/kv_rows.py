@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from vllm_ascend_routing import patching
-from vllm_ascend_routing.compat import _aux_requests
-from vllm_ascend_routing.compat.base import Generation
+from vllm_ascend_routing.compat.aux_output import requests
+from vllm_ascend_routing.compat.interface import Generation
 from vllm_ascend_routing.kv import RowLayout
 from vllm_ascend_routing.patching import RELY, Patch
 
@@ -55,8 +55,8 @@ _RELIED = (
 )  # fmt: skip
 CARRYING = (BEGIN_STEP, *_RELIED)
 # The manifest's rows: one per target. The per-request options replace take_output and build_connector_meta on
-# every engine (compat/_aux_requests.py, required): their rows are those targets' rows.
-_OPTIONS = {patch.target for patch in _aux_requests.PATCHES}
+# every engine (compat/requests.py, required): their rows are those targets' rows.
+_OPTIONS = {patch.target for patch in requests.PATCHES}
 PATCHES = tuple(patch for patch in CARRYING if patch.target not in _OPTIONS)
 _CARRIED = "_vllm_ascend_routing_carried"  # metadata attribute: {request id: (first token, rows)}
 
@@ -107,7 +107,7 @@ class _BlockStore:
         # request id -> (request, first token, rows) for the metadata of the step that schedules it
         self.carried: dict[str, tuple[Any, int, np.ndarray]] = {}
         # Every request's prompt rows (opted out, or asking for rows from a later token): they travel with its KV.
-        _aux_requests.keep_prompt_rows(aux)
+        requests.keep_prompt_rows(aux)
         patching.wrap(aux, "take_output", self._keeping_prompt, around=True)
         patching.wrap(aux, "build_connector_meta", self._with_carried, around=True)
 
@@ -118,7 +118,7 @@ class _BlockStore:
             num_prompt = int(request.num_prompt_tokens)
             if rows is not None and entry is not None and int(entry.token_start) == 0 and len(rows) >= num_prompt:
                 self.prompts.setdefault(request.request_id, np.array(rows[:num_prompt]))
-            return rows if entry is None else _aux_requests.from_first_token(request, int(entry.token_start), rows)
+            return rows if entry is None else requests.from_first_token(request, int(entry.token_start), rows)
 
         return keeping_prompt
 

@@ -46,9 +46,8 @@ import torch
 from vllm_ascend_routing import patching, validate
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import PreparedCapture
-from vllm_ascend_routing.compat._common import GenerationAdapter
 from vllm_ascend_routing.compat._runners import LOAD_MODEL, RUNNER_CLASSES
-from vllm_ascend_routing.compat.base import Generation, RunnerClass, RunnerHook
+from vllm_ascend_routing.compat.interface import Adapter, Generation, RunnerClass, RunnerHook
 from vllm_ascend_routing.patching import Patch
 from vllm_ascend_routing.releases import CAPTURER_MODULE
 from vllm_ascend_routing.runner_state import prepared_capture
@@ -192,7 +191,8 @@ def _block_size(kv_cache_config: Any, group: int) -> int:
     return int(kv_cache_config.kv_cache_groups[group].kv_cache_spec.block_size)
 
 
-class DeviceCacheAPI(GenerationAdapter):
+class DeviceCacheAdapter(Adapter):
+    patches = PATCHES
     generation = Generation.DEVICE_CACHE
     narrowed_by_expert_count = False  # vLLM 0.21.0's arrays are int16 whatever the expert count
     runner_hooks: tuple[RunnerHook, ...] = HOOKS
@@ -317,6 +317,3 @@ def _step_requests(runner: Any, transport: _Transport) -> list[_Request]:
         requests.append(_Request(request_id, start, computed, scheduled, len(drafts.get(request_id, ())), block_ids))
         start += scheduled
     return requests
-
-
-ADAPTER = DeviceCacheAPI
