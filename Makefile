@@ -2,8 +2,8 @@
 # (~/.cache/vllm_ascend_routing, override with VLLM_ASCEND_ROUTING_CACHE).
 PYTHON       ?= python3
 # The role each vLLM / vllm-ascend release plays here (DEMO_RELEASE, E2E_RELEASES, E2E_SPEC_RELEASES,
-# SEAMS_RELEASES, STATIC_RELEASES, ASCEND_RELEASES as "vllm-ascend:vLLM" pairs) comes from the release table,
-# vllm_ascend_routing/releases.py, where each is explained; any of them given to make wins, e.g.
+# SEAMS_RELEASES, STATIC_RELEASES, ASCEND_RELEASES as "vllm-ascend:vLLM" pairs) comes from the CI plan,
+# tests/release_roles.py (over the release table), where each is explained; any of them given to make wins, e.g.
 # `make test-ascend ASCEND_RELEASES=0.28.0rc1:0.28.0`.
 RELEASES_MK := build/releases.mk
 include $(RELEASES_MK)
@@ -362,6 +362,6 @@ matrix-ascend:
 clean-venvs:
 	rm -rf "$${VLLM_ASCEND_ROUTING_CACHE:-$$HOME/.cache/vllm_ascend_routing}/venvs"
 
-# The release roles as make variables (included at the top; make remakes it when the table changes).
-$(RELEASES_MK): vllm_ascend_routing/releases.py
-	@mkdir -p $(@D) && $(PYTHON) vllm_ascend_routing/releases.py make > $@.tmp && mv $@.tmp $@
+# The release roles as make variables (included at the top; make remakes it when the plan or the table changes).
+$(RELEASES_MK): tests/release_roles.py vllm_ascend_routing/releases.py
+	@mkdir -p $(@D) && $(PYTHON) tests/release_roles.py make > $@.tmp && mv $@.tmp $@

@@ -147,8 +147,9 @@ def releases_make_test_uses() -> set[str]:
     """vLLM releases whose environments ``make test`` (and the demo) reuse, from the release table's roles:
     E2E_RELEASES, SPEC_RELEASES, the vLLM release of each ASCEND_TEST_RELEASES entry, DEMO_RELEASE. The
     matrix never removes these."""
-    ascend = (pair.rsplit(":", 1)[-1] for pair in RELEASE_TABLE.ascend_test_pairs())
-    return {*RELEASE_TABLE.E2E_RELEASES, *RELEASE_TABLE.SPEC_RELEASES, *ascend, RELEASE_TABLE.DEMO_RELEASE}
+    roles = load_by_path("_vllm_ascend_routing_release_roles", ROOT / "tests" / "release_roles.py")
+    ascend = (pair.rsplit(":", 1)[-1] for pair in roles.ascend_test_pairs())
+    return {*roles.E2E_RELEASES, *roles.SPEC_RELEASES, *ascend, roles.DEMO_RELEASE}
 
 
 def now() -> str:

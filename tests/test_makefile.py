@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import release_roles
+
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = re.findall(r"^([a-z][a-z0-9-]*):", (ROOT / "Makefile").read_text(), flags=re.MULTILINE)
 
@@ -28,7 +30,7 @@ def marking_python(tmp_path: Path) -> tuple[Path, Path]:
     mark = tmp_path / "python-ran"
     python = tmp_path / "python"
     python.write_text(
-        '#!/bin/sh\ncase "$1" in */releases.py|vllm_ascend_routing/releases.py) exec python3 "$@";; esac\n'
+        '#!/bin/sh\ncase "$1" in */release_roles.py|tests/release_roles.py) exec python3 "$@";; esac\n'
         f'echo "$@" >> {mark}\nexit 1\n'
     )
     python.chmod(0o755)
@@ -73,7 +75,6 @@ def test_make_test_queues_every_stage_the_ci_workflow_runs() -> None:
     """``make test``'s one queue (scripts/lanes.py) holds every make target a job of the fork CI workflow runs, the
     Ascend and e2e releases of the release table included, and lint: none is left out of the test command."""
     from tests import scripts
-    from vllm_ascend_routing import releases
 
     workflow = scripts.load("scripts/workflow.py", "_workflow_for_make_test")
     done = subprocess.run(
@@ -89,8 +90,8 @@ def test_make_test_queues_every_stage_the_ci_workflow_runs() -> None:
     stages = {word for word in queued if not word.startswith("-") and not {"/", ",", '"'} & set(word)}
     stages -= {word for word in stages if word.isdigit()}
     wanted = {
-        target for entry in workflow.jobs(releases, workflow.trainer_pythons()) for target in entry["make"].split()
+        target for entry in workflow.jobs(release_roles, workflow.trainer_pythons()) for target in entry["make"].split()
     }
     assert wanted <= stages, wanted - stages
-    assert {f"e2e-{release}" for release in releases.E2E_RELEASES} <= stages
-    assert {f"ascend-{release}" for release in releases.ASCEND_TEST_RELEASES} <= stages
+    assert {f"e2e-{release}" for release in release_roles.E2E_RELEASES} <= stages
+    assert {f"ascend-{release}" for release in release_roles.ASCEND_TEST_RELEASES} <= stages

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests import scripts
+from tests import release_roles, scripts
 from vllm_ascend_routing import releases
 from vllm_ascend_routing.preflight import doctor
 
@@ -100,8 +100,8 @@ def test_subset_arguments_split_validate_and_deduplicate() -> None:
 
 
 def test_releases_make_test_uses_come_from_the_release_table() -> None:
-    ascend_vllm = {releases.ascend_release(name).vllm for name in releases.ASCEND_TEST_RELEASES}  # type: ignore[union-attr]
-    roles = {releases.DEMO_RELEASE, *releases.E2E_RELEASES, *releases.SPEC_RELEASES, *ascend_vllm}
+    ascend_vllm = {releases.ascend_release(name).vllm for name in release_roles.ASCEND_TEST_RELEASES}  # type: ignore[union-attr]
+    roles = {release_roles.DEMO_RELEASE, *release_roles.E2E_RELEASES, *release_roles.SPEC_RELEASES, *ascend_vllm}
     assert rows.releases_make_test_uses() == roles
     assert {"0.20.2", "0.23.0", "0.30.0", "0.27.1"} <= rows.releases_make_test_uses()
 

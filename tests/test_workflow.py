@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import scripts
-from vllm_ascend_routing import releases
+from tests import release_roles, scripts
 
 workflow = scripts.load("scripts/workflow.py", "_workflow_script")
 
@@ -30,12 +29,12 @@ def test_check_fails_on_a_stale_workflow(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def test_one_job_per_release_role() -> None:
-    entries = workflow.jobs(releases, workflow.trainer_pythons())
+    entries = workflow.jobs(release_roles, workflow.trainer_pythons())
     names = [entry["name"] for entry in entries]
     assert names == [
         "lint-unit-native",
-        *(f"e2e-{release}" for release in releases.E2E_RELEASES),
-        *(f"ascend-{release}" for release in releases.ASCEND_TEST_RELEASES),
+        *(f"e2e-{release}" for release in release_roles.E2E_RELEASES),
+        *(f"ascend-{release}" for release in release_roles.ASCEND_TEST_RELEASES),
         "test-spec",
         "test-static",
         "test-contract",
@@ -51,7 +50,7 @@ def test_one_job_per_release_role() -> None:
 def test_each_job_runs_a_make_target_the_makefile_has() -> None:
     makefile = (scripts.ROOT / "Makefile").read_text()
     targets = set(re.findall(r"^([\w.%-]+):", makefile, re.MULTILINE))
-    for entry in workflow.jobs(releases, workflow.trainer_pythons()):
+    for entry in workflow.jobs(release_roles, workflow.trainer_pythons()):
         for target in entry["make"].split():
             pattern = re.sub(r"-[\d.]+(rc\d+|\.post\d+)?$", "-%", target)
             assert target in targets or pattern in targets, target
@@ -60,7 +59,7 @@ def test_each_job_runs_a_make_target_the_makefile_has() -> None:
 def test_trainer_jobs_get_the_pythons_trainer_environments_need() -> None:
     venv = scripts.load("scripts/venv.py", "_venv_script_for_workflow")
     needed = {version for version, _ in venv.TRAINER_ENVS.values()}
-    for entry in workflow.jobs(releases, workflow.trainer_pythons()):
+    for entry in workflow.jobs(release_roles, workflow.trainer_pythons()):
         pythons = entry["python"].split("\n")
         assert pythons[-1] == workflow.PYTHON  # the last one is the default python3 make runs
         if entry["make"].startswith(("e2e-", "test-trainer")):

@@ -23,12 +23,6 @@ if TYPE_CHECKING:
     VLLM_ASCEND_ROUTING_TARGET_DEVICE: str = ""
     VLLM_ASCEND_ROUTING_CACHE: str = "~/.cache/vllm_ascend_routing"
     VLLM_ASCEND_ROUTING_MODELS: str = "<tmp>/vllm_ascend_routing_models"
-    VLLM_ASCEND_ROUTING_TEST_REQUIRE: str = ""
-    VLLM_ASCEND_ROUTING_TEST_SEED: str = ""
-    VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC: str = ""
-    VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS: str = ""
-    VLLM_ASCEND_ROUTING_TEST_TRAINER_RELEASES: str = ""
-    VLLM_ASCEND_ROUTING_TEST_EVERY_RELEASE: bool = False
 
 
 def _bool(name: str) -> Callable[[], bool]:
@@ -99,7 +93,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_ASCEND_ROUTING_TARGET_DEVICE": _choice(
         "VLLM_ASCEND_ROUTING_TARGET_DEVICE", "", ("", "empty", "cpu", "cuda", "npu")
     ),
-    # ---- tooling (scripts/venv.py, tests, demo) ----
+    # ---- tooling (scripts/venv.py, doctor's models; the tests' own settings: tests/settings.py) ----
     # Where per-release virtual environments and downloaded wheels are cached.
     "VLLM_ASCEND_ROUTING_CACHE": lambda: os.path.expanduser(
         os.getenv("VLLM_ASCEND_ROUTING_CACHE") or "~/.cache/vllm_ascend_routing"
@@ -108,20 +102,6 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_ASCEND_ROUTING_MODELS": lambda: (
         os.getenv("VLLM_ASCEND_ROUTING_MODELS") or os.path.join(tempfile.gettempdir(), "vllm_ascend_routing_models")
     ),
-    # Comma-separated test resources (e.g. "vllm") whose absence fails the run instead of skipping.
-    "VLLM_ASCEND_ROUTING_TEST_REQUIRE": lambda: os.getenv("VLLM_ASCEND_ROUTING_TEST_REQUIRE", ""),
-    # Seed of the random kernel test vectors (default: a fresh one per run, printed).
-    "VLLM_ASCEND_ROUTING_TEST_SEED": lambda: os.getenv("VLLM_ASCEND_ROUTING_TEST_SEED", ""),
-    # "SRC:OVERLAY" from scripts/ascend_src.py: the real vllm-ascend source the tests/ascend suite runs on.
-    "VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC": lambda: os.getenv("VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC", ""),
-    # Space-separated Python interpreters of trainer environments (scripts/venv.py trainer-MCORE: verl and a
-    # Megatron-Core release) that the trainer hand-off test feeds vLLM's arrays to.
-    "VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS": lambda: os.getenv("VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS", ""),
-    # vLLM releases besides 0.30.0 the trainer hand-off test runs on (space-separated, or "all").
-    "VLLM_ASCEND_ROUTING_TEST_TRAINER_RELEASES": lambda: os.getenv("VLLM_ASCEND_ROUTING_TEST_TRAINER_RELEASES", ""),
-    # 1: the e2e cases make test runs once per API generation (tests/harness/generation_cases.py) run on every
-    # release, e.g. `VLLM_ASCEND_ROUTING_TEST_EVERY_RELEASE=1 make e2e-0.23.0`.
-    "VLLM_ASCEND_ROUTING_TEST_EVERY_RELEASE": _bool("VLLM_ASCEND_ROUTING_TEST_EVERY_RELEASE"),
 }
 # The ones that change what the plugin does at run time (the others build it or drive the tooling and tests).
 runtime_variables: tuple[str, ...] = (

@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 import torch
 
+from tests import settings
 from tests.ascend import npu_stub
-from vllm_ascend_routing import envs, releases
+from vllm_ascend_routing import releases
 
-ASCEND_SRC = envs.VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC
+ASCEND_SRC = settings.VLLM_ASCEND_ROUTING_TEST_ASCEND_SRC
 # scripts/ascend_src.py caches each release's source under .../vllm-ascend/<release>/src.
 ASCEND_RELEASE = Path(ASCEND_SRC.split(":")[0]).parent.name if ASCEND_SRC else ""
 # vllm-ascend's MoE design and routed-experts runners per release (the release table): a release that moved

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import release_roles
 from vllm_ascend_routing import manifest, releases
 from vllm_ascend_routing.compat import _detect
 from vllm_ascend_routing.compat.interface import SUPPORTED_RELEASES
@@ -94,9 +95,9 @@ def test_release_text_of_manifest_rows_comes_from_the_table() -> None:
 
 
 def test_release_roles_name_listed_releases() -> None:
-    assert releases.FULL_E2E_RELEASE in releases.E2E_RELEASES
-    assert set(releases.CPU_SPEC_BROKEN) <= set(releases.CPU_RELEASES)
-    assert not set(releases.CPU_SPEC_BROKEN) & set(releases.SPEC_RELEASES)  # the spec release must run them
+    assert release_roles.FULL_E2E_RELEASE in release_roles.E2E_RELEASES
+    assert set(release_roles.CPU_SPEC_BROKEN) <= set(releases.CPU_RELEASES)
+    assert not set(release_roles.CPU_SPEC_BROKEN) & set(release_roles.SPEC_RELEASES)  # the spec release must run them
 
 
 def test_each_generation_declares_the_array_it_returns() -> None:

@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 
+from tests import release_roles
 from tests.harness import distributed, scenarios
-from vllm_ascend_routing import releases
 from vllm_ascend_routing.preflight import models
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 # Every case of distributed.CASES, on any release: `make test-distributed RELEASE=...` (docs/evidence.md has
 # the table: both executors and every way of passing the variable on 0.30.0, the two-node pair on 0.20.2,
 # 0.23.0 and 0.32.0).
-FULL_RELEASE = releases.FULL_E2E_RELEASE
+FULL_RELEASE = release_roles.FULL_E2E_RELEASE
 FULL_SET = ("ray-v2:runtime-env-over-node-0", "ray-v2:node-env-0", "external-launcher")
 # Where the two executors and torchrun take a whole engine start each (about 1-2 minutes per case here).
 RUN_TIMEOUT_S = 3600

@@ -8,7 +8,7 @@ The requests are built for it: repetitive prompts (the n-gram proposer finds mat
 draft model is the target itself: its MoE layers carry the target's layer ids, so a draft layer writing
 the step's rows would corrupt them. Runs on ``make test``'s releases and on the speculative-only ones
 (``E2E_SPEC_RELEASES``). Releases whose own CPU speculative path crashes before its first step (a known
-upstream bug, with or without the plugin) are listed in ``releases.CPU_SPEC_BROKEN``: there the tests skip by
+upstream bug, with or without the plugin) are listed in ``release_roles.CPU_SPEC_BROKEN``: there the tests skip by
 release, without starting an engine; on every other release a crash is a failure.
 """
 
@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
+from tests import release_roles
 from tests.harness import distributed, scenarios
-from vllm_ascend_routing import releases
 from vllm_ascend_routing.releases import version_key
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.spec]
@@ -29,13 +29,14 @@ def run(scenario: Any, *args: str, in_process: bool = True) -> dict[str, Any]:
     """The scenario's verdict; skipped (before any engine) on a release listed as broken upstream."""
     release = distributed.vllm_release()
     broken = next(
-        (why for listed, why in releases.CPU_SPEC_BROKEN.items() if version_key(listed) == version_key(release)), None
+        (why for listed, why in release_roles.CPU_SPEC_BROKEN.items() if version_key(listed) == version_key(release)),
+        None,
     )
     if broken is not None:
-        pytest.skip(f"vLLM {release}'s own CPU speculative decoding crashes (releases.CPU_SPEC_BROKEN): {broken}")
+        pytest.skip(f"vLLM {release}'s own CPU speculative decoding crashes (release_roles.CPU_SPEC_BROKEN): {broken}")
     result = scenario(*args, in_process=in_process)
     assert not result.get("upstream_crash"), (
-        f"speculative decoding crashed on vLLM {release}, which releases.CPU_SPEC_BROKEN does not list: "
+        f"speculative decoding crashed on vLLM {release}, which release_roles.CPU_SPEC_BROKEN does not list: "
         f"{result['upstream_crash']}"
     )
     return dict(result)

@@ -32,12 +32,12 @@ from typing import Any
 
 import pytest
 
+from tests import release_roles, settings
 from tests.harness import distributed, pythonpath, verl_handoff
-from vllm_ascend_routing import envs, releases
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.trainer]
 
-FULL_RELEASE = releases.FULL_E2E_RELEASE
+FULL_RELEASE = release_roles.FULL_E2E_RELEASE
 RELEASES_VARIABLE = "VLLM_ASCEND_ROUTING_TEST_TRAINER_RELEASES"  # more releases to run it on ("all": any)
 TRAINER_TIMEOUT_S = 900
 TENSOR_PARALLEL = (1, 2)
@@ -46,11 +46,11 @@ DTYPES = {"qwen3_moe_dense": "uint8", "qwen3_moe_wide": "uint16"}
 
 
 def selected(release: str) -> bool:
-    extra = envs.VLLM_ASCEND_ROUTING_TEST_TRAINER_RELEASES.split()
+    extra = settings.VLLM_ASCEND_ROUTING_TEST_TRAINER_RELEASES.split()
     return release == FULL_RELEASE or release in extra or "all" in extra
 
 
-TRAINERS = envs.VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS.split()
+TRAINERS = settings.VLLM_ASCEND_ROUTING_TEST_TRAINER_PYTHONS.split()
 
 
 @pytest.fixture(scope="module")

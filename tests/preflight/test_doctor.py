@@ -35,7 +35,7 @@ def test_report_lists_every_setting_with_its_effective_value(
     assert values["VLLM_ASCEND_ROUTING"] == "False (default)"
     assert {"platform", "kernel backend", "API generation"} <= set(values)
     # The tooling settings nobody set are one line, not one each.
-    assert "VLLM_ASCEND_ROUTING_TEST_SEED" not in values and "TEST_SEED" in values["build and tooling settings"]
+    assert "VLLM_ASCEND_ROUTING_MODELS" not in values and "_MODELS" in values["build and tooling settings"]
 
 
 def test_the_settings_doctor_forces_are_labelled_as_such(monkeypatch: pytest.MonkeyPatch) -> None:
