@@ -281,7 +281,8 @@ bench:
 		$(PROFILE),--profile) $(if $(CONTROL),--control) $(if $(SENTINEL),--sentinel)) $(if $(PAIRS),--pairs $(PAIRS))
 
 ## make house: per layer of tests/test_import_graph.py's LAYERS its modules and their lines, the largest module, the
-## imports running up the layers and the import cycles (scripts/house.py; SUMMARY=1: one line per layer)
+## imports running up the layers and the import cycles; then the rooms (top-level modules and folders, every import
+## counted) and the imports closing a circle of rooms (scripts/house.py; SUMMARY=1: one line per layer)
 house:
 	@$(PYTHON) scripts/house.py $(if $(SUMMARY),--summary)
 

@@ -12,6 +12,8 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from vllm_ascend_routing.envs import flag_reader
+
 if TYPE_CHECKING:
     VLLM_ASCEND_ROUTING_TEST_REQUIRE: str = ""
     VLLM_ASCEND_ROUTING_TEST_SEED: str = ""
@@ -23,18 +25,6 @@ if TYPE_CHECKING:
 
 def _text(name: str) -> Callable[[], str]:
     return lambda: os.getenv(name, "")
-
-
-def _flag(name: str) -> Callable[[], bool]:
-    def read() -> bool:
-        value = os.getenv(name, "0").strip().lower()
-        if value in ("1", "true", "yes", "on"):
-            return True
-        if value in ("", "0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{name}={value!r}: expected 0 or 1")
-
-    return read
 
 
 settings: dict[str, Callable[[], Any]] = {
@@ -51,7 +41,7 @@ settings: dict[str, Callable[[], Any]] = {
     "VLLM_ASCEND_ROUTING_TEST_TRAINER_RELEASES": _text("VLLM_ASCEND_ROUTING_TEST_TRAINER_RELEASES"),
     # 1: the e2e cases make test runs once per API generation (tests/harness/generation_cases.py) run on every
     # release, e.g. `VLLM_ASCEND_ROUTING_TEST_EVERY_RELEASE=1 make e2e-0.23.0`.
-    "VLLM_ASCEND_ROUTING_TEST_EVERY_RELEASE": _flag("VLLM_ASCEND_ROUTING_TEST_EVERY_RELEASE"),
+    "VLLM_ASCEND_ROUTING_TEST_EVERY_RELEASE": flag_reader("VLLM_ASCEND_ROUTING_TEST_EVERY_RELEASE"),
 }
 
 

@@ -16,6 +16,7 @@ from tests import test_import_graph
 from vllm_ascend_routing import _cpu_compat, manifest, validate
 from vllm_ascend_routing.backends import ascend, cpu_moe
 from vllm_ascend_routing.compat.aux_output import adapter as aux_output
+from vllm_ascend_routing.compat.aux_output import config_check
 from vllm_ascend_routing.compat.interface import UnsupportedVllmError
 from vllm_ascend_routing.compat.runner_output import adapter as runner_output
 from vllm_ascend_routing.compat.shm import adapter as shm
@@ -74,7 +75,7 @@ def test_validation_rows_cover_every_generation_that_installs_them() -> None:
 def test_aux_output_rows_include_its_runner_hooks_and_binder() -> None:
     targets = {patch.target for patch in manifest.patches_for(aux_output.AuxOutputAdapter.generation, "cpu")}
     assert "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens" in targets
-    assert aux_output.BINDER.target in targets and aux_output.CONFIG_CHECK.target in targets
+    assert aux_output.BINDER.target in targets and config_check.CONFIG_CHECK.target in targets
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="checks the refusal where vLLM is absent")

@@ -3,7 +3,7 @@
 
 ``clear`` zeroes the step's rows on the current stream when the runner hook's ``execute_model`` starts. Under async
 scheduling vLLM copies the previous step's rows to the host on a copy stream of its own that may still be running
-then. What makes that safe, in every release the plugin serves (docs/architecture.md, "Stream order of the step's
+then. What makes that safe, in every release the plugin serves (docs/design.md, "Stream order of the step's
 clear"): vLLM's copy never reads the capture buffer itself, but a snapshot of it taken on the runner's stream right
 after the step's forward (0.22-0.30: ``buf[:total].clone()``; Model Runner V2: ``capturer.get_routed_experts``;
 0.31+: the connector's ``snapshot_routing_data``), and the runner alternates ``execute_model`` and ``sample_tokens``

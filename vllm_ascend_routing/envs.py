@@ -25,7 +25,9 @@ if TYPE_CHECKING:
     VLLM_ASCEND_ROUTING_MODELS: str = "<tmp>/vllm_ascend_routing_models"
 
 
-def _bool(name: str) -> Callable[[], bool]:
+def flag_reader(name: str) -> Callable[[], bool]:
+    """A reader of the 0/1 variable ``name`` (also ``true``/``false``, ``yes``/``no``, ``on``/``off``; unset: 0)."""
+
     def read() -> bool:
         value = os.getenv(name, "0").strip().lower()
         if value in ("1", "true", "yes", "on"):
@@ -77,13 +79,13 @@ def _validate_mode() -> str:
 environment_variables: dict[str, Callable[[], Any]] = {
     # ---- runtime ----
     # Master switch: the plugin does nothing at all unless this is 1.
-    "VLLM_ASCEND_ROUTING": _bool("VLLM_ASCEND_ROUTING"),
+    "VLLM_ASCEND_ROUTING": flag_reader("VLLM_ASCEND_ROUTING"),
     # Force the vLLM API generation instead of detecting it (tests, source builds with odd versions).
     "VLLM_ASCEND_ROUTING_VLLM_API": lambda: _choice("VLLM_ASCEND_ROUTING_VLLM_API", "auto", _generations())(),
     # Check every returned routed-experts array: "1" logs violations, "strict" raises ("0": off).
     "VLLM_ASCEND_ROUTING_VALIDATE": _validate_mode,
     # Use the PyTorch reference of record_topk_ids even where a native kernel is built.
-    "VLLM_ASCEND_ROUTING_FORCE_REFERENCE": _bool("VLLM_ASCEND_ROUTING_FORCE_REFERENCE"),
+    "VLLM_ASCEND_ROUTING_FORCE_REFERENCE": flag_reader("VLLM_ASCEND_ROUTING_FORCE_REFERENCE"),
     # With a KV connector the plugin has no carrier for (an offload tier, a cache service): how much memory each
     # scheduler may hold the rows of requests computed on its instance in, so that loads of their KV are served
     # (kv_carrier.HeldRowsCarrier; least recently used dropped first; 0: every such load is computed instead).

@@ -130,7 +130,7 @@ class Sentinel:
         On a device the zeroing is enqueued on the current stream (the runner's) and waits for nothing. Under async
         scheduling vLLM may still be copying the previous step's rows to the host on its own copy stream, but that
         copy reads a snapshot vLLM took on the runner's stream right after that step's forward, never this buffer,
-        so this zeroing, later on the same stream, cannot reach it (docs/architecture.md, "Stream order of the
+        so this zeroing, later on the same stream, cannot reach it (docs/design.md, "Stream order of the
         step's clear"; tests/test_sentinel_streams.py)."""
         if num_tokens:
             if self._rows is not None:

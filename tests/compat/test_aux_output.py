@@ -5,6 +5,7 @@ The real connector (vLLM 0.31/0.32) is exercised end to end by the e2e suite."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -14,7 +15,10 @@ import torch
 
 from vllm_ascend_routing import runner_mixin, runner_state
 from vllm_ascend_routing.capture import PreparedCapture
+from vllm_ascend_routing.compat import _lift
+from vllm_ascend_routing.compat._lift import Site
 from vllm_ascend_routing.compat.aux_output import adapter as aux_output
+from vllm_ascend_routing.compat.aux_output import config_check
 from vllm_ascend_routing.compat.aux_output.adapter import AuxOutputAdapter
 from vllm_ascend_routing.compat.interface import UnsupportedVllmError
 
@@ -178,7 +182,20 @@ def test_more_samples_than_drafts_is_an_error_not_a_guess(runner: V1Runner) -> N
         runner.sample_tokens(None)
 
 
-def test_config_check_exempts_only_the_v1_runner_on_cpu() -> None:
+@pytest.fixture
+def platforms(monkeypatch: pytest.MonkeyPatch) -> Callable[[Any], None]:
+    """Make ``platform`` vLLM's ``current_platform`` (a stand-in ``vllm.platforms`` module) for the test."""
+    import sys
+
+    def use(platform: Any) -> None:
+        monkeypatch.setitem(sys.modules, "vllm.platforms", SimpleNamespace(current_platform=platform))
+
+    return use
+
+
+def test_config_check_exempts_only_the_v1_runner_on_cpu(
+    monkeypatch: pytest.MonkeyPatch, platforms: Callable[[Any], None]
+) -> None:
     class CpuPlatform:  # like vLLM's: the answers are the class's own
         def is_cpu(self) -> bool:
             return True
@@ -187,44 +204,39 @@ def test_config_check_exempts_only_the_v1_runner_on_cpu() -> None:
             return False
 
     platform = CpuPlatform()
+    platforms(platform)
     seen: list[bool] = []
 
-    def upstream(config: Any) -> None:  # vLLM's first rule: Model Runner V2, TPU or an out-of-tree platform
-        seen.append(config.use_v2_model_runner or platform.is_out_of_tree())
-        assert config.model_config.runner_type == "generate"  # every other attribute is the config's own
-        config.checked = True  # and so is what the check writes
+    def upstream(self: Any) -> None:  # vLLM's first rule: Model Runner V2, TPU or an out-of-tree platform
+        seen.append(self.use_v2_model_runner or platform.is_out_of_tree())
+        assert self.model_config.runner_type == "generate"  # every other attribute is the config's own
+        self.checked = True  # and so is what the check writes
 
-    check = aux_output._as_served(upstream)
-    import sys
+    site = Site(upstream.__code__)
+    lifted = _lift.lifted(CpuPlatform.is_out_of_tree, lambda: site, config_check._driven_here)
+    monkeypatch.setattr(CpuPlatform, "is_out_of_tree", lifted)
+    check = config_check._skipping_the_drafter(upstream)
 
-    fake_platforms = SimpleNamespace(current_platform=platform)
-    saved = sys.modules.get("vllm.platforms")
-    sys.modules["vllm.platforms"] = fake_platforms  # type: ignore[assignment]
-    try:
+    def config(enabled: bool, v2: bool, runner_type: str = "generate") -> SimpleNamespace:
+        return SimpleNamespace(
+            aux_output_config=SimpleNamespace(enabled=enabled),
+            use_v2_model_runner=v2,
+            model_config=SimpleNamespace(runner_type=runner_type),
+        )
 
-        def config(enabled: bool, v2: bool, runner_type: str = "generate") -> SimpleNamespace:
-            return SimpleNamespace(
-                aux_output_config=SimpleNamespace(enabled=enabled),
-                use_v2_model_runner=v2,
-                model_config=SimpleNamespace(runner_type=runner_type),
-            )
-
-        v1 = config(enabled=True, v2=False)
-        check(v1)
-        check(config(enabled=True, v2=True))
-        check(config(enabled=False, v2=False))
-        check(config(enabled=True, v2=False, runner_type="draft"))  # the drafter's copy: not checked at all
-    finally:
-        if saved is None:
-            del sys.modules["vllm.platforms"]
-        else:
-            sys.modules["vllm.platforms"] = saved
+    v1 = config(enabled=True, v2=False)
+    check(v1)
+    check(config(enabled=True, v2=True))
+    check(config(enabled=False, v2=False))
+    check(config(enabled=True, v2=False, runner_type="draft"))  # the drafter's copy: not checked at all
     assert seen == [True, True, False]  # exempt: the V1 runner the plugin drives, and Model Runner V2; not off
     assert v1.use_v2_model_runner is False and v1.checked is True  # the config itself is left as it was
-    assert platform.is_out_of_tree() is False and "is_out_of_tree" not in vars(platform)  # never rewritten
+    assert platform.is_out_of_tree() is False  # any other reader: vLLM's answer
 
 
-def test_config_check_lifts_vllm_s_refusal_only_for_connectors_the_plugin_carries() -> None:
+def test_config_check_lifts_vllm_s_refusal_only_for_connectors_the_plugin_carries(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """vLLM 0.31+ refuses routed experts with NIXL, MoRIIO and Mooncake (``has_connector`` in its AuxOutput check):
     the check sees no NixlConnector (its rows ride in its kv_transfer_params), still sees the others, and every other
     reader of the config sees vLLM's own answer."""
@@ -238,31 +250,18 @@ def test_config_check_lifts_vllm_s_refusal_only_for_connectors_the_plugin_carrie
 
     refused: list[str] = []
 
-    def upstream(config: Any) -> None:  # vLLM's connector rule, on whatever config it is given
-        refused.extend(n for n in ("NixlConnector", "MooncakeConnector") if config.kv_transfer_config.has_connector(n))
-        assert config.kv_transfer_config.kv_role == "kv_consumer"  # every other attribute is the config's own
-
-    class GpuPlatform:
-        def is_cpu(self) -> bool:
-            return False
-
-    import sys
-
-    saved = sys.modules.get("vllm.platforms")
-    sys.modules["vllm.platforms"] = SimpleNamespace(current_platform=GpuPlatform())  # type: ignore[assignment]
-    try:
+    def upstream(self: Any) -> None:  # vLLM's connector rule, a loop in the check itself
         for name in ("NixlConnector", "MooncakeConnector"):
-            config = SimpleNamespace(
-                aux_output_config=SimpleNamespace(enabled=True),
-                use_v2_model_runner=True,
-                model_config=SimpleNamespace(runner_type="generate"),
-                kv_transfer_config=KvConfig(name),
-            )
-            aux_output._as_served(upstream)(config)
-            assert config.kv_transfer_config.has_connector(name)  # the config itself: vLLM's answer
-    finally:
-        if saved is None:
-            del sys.modules["vllm.platforms"]
-        else:
-            sys.modules["vllm.platforms"] = saved
+            if self.kv_transfer_config.has_connector(name):
+                refused.append(name)
+        assert self.kv_transfer_config.kv_role == "kv_consumer"  # every other attribute is the config's own
+
+    site = Site(upstream.__code__)
+    monkeypatch.setattr(
+        KvConfig, "has_connector", _lift.lifted(KvConfig.has_connector, lambda: site, config_check._carried)
+    )
+    for name in ("NixlConnector", "MooncakeConnector"):
+        config = SimpleNamespace(kv_transfer_config=KvConfig(name))
+        upstream(config)
+        assert config.kv_transfer_config.has_connector(name)  # any other reader: vLLM's answer
     assert refused == ["MooncakeConnector"]

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from vllm_ascend_routing import patching
+from vllm_ascend_routing.compat._lift import Site
 from vllm_ascend_routing.compat.aux_output import kv_rows as _kv_aux
 from vllm_ascend_routing.compat.aux_output import requests as _aux_requests
 from vllm_ascend_routing.compat.interface import UnsupportedVllmError
@@ -122,7 +123,7 @@ def lifted(monkeypatch: pytest.MonkeyPatch) -> None:
     code = Config.__init__.__code__
     line = _kv_slots.guarding_line(code)
     assert line is not None
-    monkeypatch.setattr(_kv_slots, "refusal_site", lambda: (code, line))
+    monkeypatch.setattr(_kv_slots, "refusal_site", lambda: Site(code, line))
     original = KvConfig.__dict__["is_kv_transfer_instance"]
     patching.wrap(KvConfig, "is_kv_transfer_instance", _kv_slots._lifting)
     yield

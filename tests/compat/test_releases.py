@@ -36,7 +36,7 @@ def test_spans_are_ordered_and_cover_every_listed_release() -> None:
     assert releases.generation_of("0.19.1") is None
 
 
-# Which generation each release is, written out from vLLM's history (docs/architecture.md), not from the table.
+# Which generation each release is, written out from vLLM's history (docs/design.md), not from the table.
 _SHM, _DEVICE_CACHE, _RUNNER, _AUX = "shm", "device-cache", "runner-output", "aux-output"
 KNOWN_GENERATIONS = {
     "0.19.1": None,

@@ -60,7 +60,7 @@ def deferral_binder() -> Callable[[Any, Any], None] | None:
     """What binds the layers left to vLLM: its module-level binder (0.28+), or on 0.27, whose runner method
     already binds monolithic kernels, that method as vLLM wrote it (unwrapped from the plugin's hook) on a
     ``_ModelOnlyRunner`` whose model is the deferred layers; ``None`` before (nothing is left to vLLM there).
-    Why this is kept as it is: docs/architecture.md, "Seams kept as they are"."""
+    Why this is kept as it is: docs/design.md, "Seams kept as they are"."""
     found = binder()
     if found is not None:
         return found

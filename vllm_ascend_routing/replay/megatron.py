@@ -117,7 +117,7 @@ def keep_native(router_replay: Any, indices: torch.Tensor, mask: torch.Tensor) -
     ids. ``indices`` must be the tensor just given to ``set_target_indices``: the mask follows it into the
     backward list (the one the class's method took off that list, compared before and after the call, so
     no pop order is assumed). Costs one native top-k per routed forward, on the scores the router computed
-    anyway. Why an instance is wrapped here, outside ``patching``: docs/architecture.md.
+    anyway. Why an instance is wrapped here, outside ``patching``: docs/design.md.
     """
     state = router_replay.__dict__.get("_vllm_ascend_routing_native")
     if state is None:

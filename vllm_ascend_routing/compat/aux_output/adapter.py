@@ -15,7 +15,7 @@ it into Model Runner V2 only. This adapter:
     ``prepare_output`` after the forward, ``enqueue_cpu_copy`` / ``process_output`` once the step's
     sampled counts are known, then sets ``aux_output_connector_output``;
   * on the CPU lets vLLM's config check accept that V1 runner (it accepts any runner on out-of-tree
-    platforms such as Ascend, which "validate AuxOutput support themselves").
+    platforms such as Ascend, which "validate AuxOutput support themselves"): ``config_check``.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_ascend_routing import kv, patching
+from vllm_ascend_routing import patching
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.capture import PreparedCapture
 from vllm_ascend_routing.compat._common import attach_buffer
 from vllm_ascend_routing.compat._runners import LOAD_MODEL, RUNNER_CLASSES
+from vllm_ascend_routing.compat.aux_output import config_check, requests
 from vllm_ascend_routing.compat.aux_output import kv_rows as block_rows
-from vllm_ascend_routing.compat.aux_output import requests
 from vllm_ascend_routing.compat.interface import (
     Adapter,
     Generation,
@@ -77,15 +77,7 @@ CONNECTOR = Patch(
     ("vllm_config", "model", "kv_cache_config"),
     action=RELY,
 )
-CONFIG_CHECK = Patch(
-    "vllm.config.vllm:VllmConfig._verify_aux_output_compatibility",
-    "accept the V1 runner the plugin drives on the CPU (vLLM exempts out-of-tree platforms the same way) and the KV "
-    "connectors whose loaded rows the plugin carries (NIXL)",
-    "vLLM's CPU build runs Model Runner V2",
-    _AUX,
-    ("self",),
-)
-PATCHES = (BINDER, CONNECTOR, CONFIG_CHECK)
+PATCHES = (BINDER, CONNECTOR, *config_check.PATCHES)
 _DRIVER = "_vllm_ascend_routing_aux_driver"  # runner attribute: the connector this plugin drives
 
 
@@ -99,61 +91,6 @@ def _attach_prepared_buffer(model: torch.nn.Module, capturer: Any) -> None:
             "initialize_kv_cache(); this runner class is not supported."
         )
     attach_buffer(prepared, capturer)  # snapshot_routing_data narrows it to uint8/uint16
-
-
-class _ConfigAsServed:
-    """A ``VllmConfig`` as vLLM's AuxOutput check reads it where the plugin serves what that check refuses:
-    ``use_v2_model_runner`` True where the plugin drives the connector the way Model Runner V2 does, and a KV
-    connector whose loaded rows the plugin carries (``kv.lifts``) not seen by the check's connector test.
-    Every other attribute (read or written) is the config's own; only this call sees it."""
-
-    def __init__(self, config: Any, drives_connector: bool) -> None:
-        object.__setattr__(self, "_config", config)
-        if drives_connector:
-            object.__setattr__(self, "use_v2_model_runner", True)
-        kv_config = getattr(config, "kv_transfer_config", None)
-        if kv_config is not None and kv.serves(kv_config):
-            object.__setattr__(self, "kv_transfer_config", _KvConfigAsServed(kv_config))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._config, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._config, name, value)
-
-
-class _KvConfigAsServed:
-    """A ``KVTransferConfig`` whose ``has_connector`` does not name the connectors the plugin carries rows for."""
-
-    def __init__(self, config: Any) -> None:
-        object.__setattr__(self, "_config", config)
-
-    def has_connector(self, name: str) -> bool:
-        return not kv.lifts(self._config, name) and bool(self._config.has_connector(name))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._config, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._config, name, value)
-
-
-def _as_served(verify: Callable[[Any], None]) -> Callable[[Any], None]:
-    """vLLM's check refuses the connector on in-tree platforms unless Model Runner V2 runs (which needs
-    Triton: never on the CPU build). With the plugin driving it from the V1 runner as Model Runner V2 would
-    (vLLM exempts out-of-tree platforms, which drive it themselves, the same way), the check is run on the
-    config as that runner would present it. It also refuses routed experts with NIXL, whose loaded rows the plugin
-    carries (``kv.lifts``): that refusal is lifted. Every other condition is still checked."""
-
-    def verify_aux_output_compatibility(self: Any) -> None:
-        from vllm.platforms import current_platform
-
-        drives = current_platform.is_cpu() and self.aux_output_config.enabled and not self.use_v2_model_runner
-        if drives and getattr(self.model_config, "runner_type", None) == "draft":
-            return  # the draft model's copy of the target's config: the target's runner drives the connector
-        return verify(_ConfigAsServed(self, drives))
-
-    return verify_aux_output_compatibility
 
 
 @dataclass
@@ -185,7 +122,7 @@ class AuxOutputAdapter(Adapter):
 
     def install(self) -> None:
         patching.replace(BINDER, lambda _: _attach_prepared_buffer)
-        patching.replace(CONFIG_CHECK, _as_served)
+        config_check.install()
 
     def install_request_options(self, selection: RequestSelection) -> None:
         requests.install(selection)  # per-request options on the connector's scheduler side

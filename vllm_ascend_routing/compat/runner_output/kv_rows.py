@@ -10,19 +10,17 @@ those slots before cannot overwrite them), unless it was preempted meanwhile (it
 A finished request's prompt rows are read from the same slots.
 
 vLLM 0.22-0.30 refuse routed experts with any KV connector in ``VllmConfig.__post_init__``. That check alone is
-lifted, for connectors the plugin carries rows for: the one read of ``KVTransferConfig.is_kv_transfer_instance``
-at that check (found in the method's bytecode, next to vLLM's refusal message) answers False; for any other
-connector the plugin's own refusal, naming the connector, is raised there instead. Every other reader of the
-property sees vLLM's answer.
+lifted (``compat/_lift.py``), for connectors the plugin carries rows for: the one read of
+``KVTransferConfig.is_kv_transfer_instance`` at that check (found in the method's bytecode, next to vLLM's refusal
+message) answers False; for any other connector the plugin's own refusal, naming the connector, is raised there
+instead. Every other reader of the property sees vLLM's answer.
 
 SCAFFOLDING: remove with ``runner_output`` (the lowest supported vLLM is 0.31 or newer).
 """
 
 from __future__ import annotations
 
-import dis
 import functools
-import sys
 from types import CodeType
 from typing import Any
 
@@ -30,6 +28,8 @@ import numpy as np
 
 from vllm_ascend_routing import kv, patching
 from vllm_ascend_routing._logging import get_logger
+from vllm_ascend_routing.compat import _lift
+from vllm_ascend_routing.compat._lift import Site
 from vllm_ascend_routing.compat.interface import Generation, UnsupportedVllmError
 from vllm_ascend_routing.kv import RowLayout
 from vllm_ascend_routing.patching import RELY, Patch
@@ -72,57 +72,41 @@ _PROPERTY = "is_kv_transfer_instance"
 
 
 @functools.cache
-def refusal_site() -> tuple[CodeType, int] | None:
-    """``(code, line)`` of the read of ``is_kv_transfer_instance`` that guards vLLM's refusal of routed experts
-    with KV connectors in ``VllmConfig.__post_init__``; ``None`` where the method has no such refusal."""
+def refusal_site() -> Site | None:
+    """The read of ``is_kv_transfer_instance`` that guards vLLM's refusal of routed experts with KV connectors in
+    ``VllmConfig.__post_init__``; ``None`` where the method has no such refusal."""
     from vllm.config.vllm import VllmConfig
 
     code = VllmConfig.__post_init__.__code__
     line = guarding_line(code)
-    return None if line is None else (code, line)
+    return None if line is None else Site(code, line)
 
 
 def guarding_line(code: CodeType) -> int | None:
-    """The line of the last read of ``is_kv_transfer_instance`` before the refusal message's constant in
-    ``code``, or ``None`` where there is no such message."""
-    line = None
-    for instruction in dis.get_instructions(code):
-        if instruction.argval == _PROPERTY and instruction.opname.startswith("LOAD_"):
-            positions = getattr(instruction, "positions", None)  # Python 3.11+
-            line = positions.lineno if positions is not None else instruction.starts_line
-        elif isinstance(instruction.argval, str) and all(part in instruction.argval for part in _REFUSAL_TEXT):
-            return line
-    return None
+    """The line of the last read of ``is_kv_transfer_instance`` before the refusal message's constant in ``code``."""
+    return _lift.guarding_line(code, _PROPERTY, _REFUSAL_TEXT)
 
 
-class _Property(property):
-    """A property that can carry ``patching``'s marker."""
+def _served(checked: Any, kv_config: Any, value: bool) -> Any:
+    """At vLLM's refusal, for a KV connector (``value`` True): False for a connector the plugin serves, the
+    plugin's own refusal (naming the connector) for any other."""
+    if not value:
+        return _lift.NOT_LIFTED
+    if not kv.serves(kv_config):
+        raise UnsupportedVllmError(kv.refusal(kv_config, Generation.RUNNER_OUTPUT.value))
+    logger.info(
+        "vLLM's refusal of routed experts with KV connectors lifted for %s: the rows of loaded tokens are carried "
+        "with their KV or held here",
+        kv.connector_name(kv_config),
+    )
+    return False
 
 
 def _lifting(current: property) -> property:
     """``is_kv_transfer_instance`` as vLLM computes it, except at vLLM's refusal of routed experts with KV
-    connectors: False there for a connector the plugin serves, the plugin's own refusal (naming the
-    connector) for any other."""
-    fget = current.fget
-    assert fget is not None
-
-    def is_kv_transfer_instance(self: Any) -> bool:
-        value = bool(fget(self))
-        site = refusal_site() if value else None
-        if site is not None:
-            caller = sys._getframe(1)
-            if caller.f_code is site[0] and caller.f_lineno == site[1]:
-                if not kv.serves(self):
-                    raise UnsupportedVllmError(kv.refusal(self, Generation.RUNNER_OUTPUT.value))
-                logger.info(
-                    "vLLM's refusal of routed experts with KV connectors lifted for %s: the rows of loaded tokens "
-                    "are carried with their KV or held here",
-                    kv.connector_name(self),
-                )
-                return False
-        return value
-
-    return _Property(is_kv_transfer_instance, doc=current.__doc__)
+    connectors (``_served``)."""
+    lifted: property = _lift.lifted(current, refusal_site, _served)
+    return lifted
 
 
 class SlotRows:
