@@ -39,3 +39,17 @@ def test_the_engine_env_is_set_only_where_unset_and_said(monkeypatch: pytest.Mon
     assert line.startswith("set by doctor for this engine: VLLM_CPU_OMP_THREADS_BIND=0|1 (one core list per CPU rank")
     assert offline.engine_env_line({}).startswith("doctor set no vLLM variable")
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+
+
+def test_every_model_recipe_is_listed_once_and_builds_its_config() -> None:
+    """The tiny models are one table of recipes (``models.RECIPES``), each a transformers config class and what
+    differs from the common fields: every listed architecture has one, and each yields a config of its layer count."""
+    from vllm_ascend_routing.preflight import models
+
+    assert sorted(models.ALL_ARCHITECTURES) == sorted(models.RECIPES)
+    assert len(set(models.ALL_ARCHITECTURES)) == len(models.ALL_ARCHITECTURES)
+    for architecture, (_, fields) in models.RECIPES.items():
+        config = models.model_config(architecture)
+        assert config.num_hidden_layers == fields["num_hidden_layers"] and config.vocab_size == models.VOCAB_SIZE
+    with pytest.raises(ValueError, match="unknown architecture"):
+        models.model_config("qwen3_moe_nonexistent")
