@@ -262,6 +262,9 @@ test-native:
 ## median ratio; PROFILE=1 also samples one plugin batch with py-spy (installed into the venv) for plugin
 ## code's share; CONTROL=1 adds a second off engine (A/A ratio: the run's noise floor); SENTINEL=1 adds the plugin
 ## without its always-on check ('unchecked': plugin/unchecked is the check's cost)
+## make bench BASELINE=DIR [RELEASE=0.30.0] [CONTROL=1]: adds a 'before' engine running the plugin of the checkout in DIR
+## (e.g. a git worktree of the last commit, first on its PYTHONPATH): plugin/before is this checkout against that one,
+## per round and median, with each run's in-engine decode-step split
 ## make bench VERSUS=1 RELEASE=0.30.0 [PAIRS=6] [FRESH=1]: plugin vs vLLM's own capture (0.30 only: 0.28-0.29
 ## refuse vLLM's own with their monolithic CPU experts), eager and compiled, every order of the engines in turn,
 ## with the A/A control (a second vLLM engine): per-round ratios and medians;
@@ -272,13 +275,15 @@ PROFILE ?=
 CONTROL ?=
 VERSUS ?=
 SENTINEL ?=
+BASELINE ?=
 PAIRS ?=
 FRESH ?=
 bench:
 	@py=$(call VENV,$(RELEASE)) && \
 	if [ -n "$(PROFILE)" ]; then $$py -m pip install -q py-spy; fi && \
 	$$py benchmarks/overhead.py $(if $(VERSUS),--versus-vllm --control $(if $(FRESH),--fresh-engines),$(if \
-		$(PROFILE),--profile) $(if $(CONTROL),--control) $(if $(SENTINEL),--sentinel)) $(if $(PAIRS),--pairs $(PAIRS))
+		$(PROFILE),--profile) $(if $(CONTROL),--control) $(if $(SENTINEL),--sentinel) $(if \
+		$(BASELINE),--baseline-checkout $(BASELINE))) $(if $(PAIRS),--pairs $(PAIRS))
 
 ## make house: per layer of tests/test_import_graph.py's LAYERS its modules and their lines, the largest module, the
 ## imports running up the layers and the import cycles; then the rooms (top-level modules and folders, every import

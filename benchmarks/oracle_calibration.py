@@ -76,6 +76,7 @@ def calibrate(
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
+    import tests.harness.model_recipes  # noqa: F401 (the benchmark models' recipes)
     from vllm_ascend_routing import contract
     from vllm_ascend_routing.preflight import consistency, models, offline, reprefill, scenarios
 

@@ -214,6 +214,7 @@ def main() -> None:
     parser.add_argument("--child", choices=["http", "asyncllm"], help=argparse.SUPPRESS)
     parser.add_argument("--flag", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    import tests.harness.model_recipes  # noqa: F401 (the benchmark models' recipes)
     from vllm_ascend_routing.preflight import models
     from vllm_ascend_routing.preflight.scenarios import model_dir
 

@@ -127,9 +127,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="add an 'unchecked' engine (the plugin without its always-on check): plugin/unchecked is its cost",
     )
+    parser.add_argument(
+        "--baseline-checkout",
+        type=Path,
+        default=None,
+        help="add a 'before' engine: the plugin of another checkout (its folder first on PYTHONPATH), e.g. a "
+        "worktree of the last commit; plugin/before is this checkout's cost against that one's",
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
-        "--worker", choices=["off", "control", "plugin", "unchecked", "vllm", "vllm-control"], help=argparse.SUPPRESS
+        "--worker",
+        choices=["off", "control", "plugin", "before", "unchecked", "vllm", "vllm-control"],
+        help=argparse.SUPPRESS,
     )
     args = parser.parse_args(argv)
     if args.pairs is None:
@@ -143,7 +152,7 @@ def modes_for(args: argparse.Namespace) -> list[str]:
     """``off`` and ``plugin``; vLLM's own path where it starts on this CPU; the A/A control and ``unchecked``
     when asked for."""
     return (
-        ["off", "plugin"]
+        ["off", *(["before"] if args.baseline_checkout else []), "plugin"]
         + (["vllm"] if engines.vllm_path_starts_on_cpu() and engines.vllm_alone_runs() else [])
         + (["control"] if args.control else [])
         + (["unchecked"] if args.sentinel else [])

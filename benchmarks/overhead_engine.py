@@ -99,6 +99,7 @@ def worker(mode: str, requests: int, tokens: int, eager: bool = False) -> None:
     """One engine, one mode: warm up, print READY, then time one batch per ``run`` line read from stdin."""
     from vllm import LLM, SamplingParams
 
+    import tests.harness.model_recipes  # noqa: F401 (the benchmark models' recipes)
     from vllm_ascend_routing.preflight import models, scenarios
 
     if mode == "unchecked":  # the plugin with its always-on check's per-step work removed (in-process engine)
@@ -113,7 +114,7 @@ def worker(mode: str, requests: int, tokens: int, eager: bool = False) -> None:
     llm = LLM(
         model=str(model.path),
         dtype="float32",
-        enable_return_routed_experts=(mode in ("plugin", "unchecked", "vllm", "vllm-control")),
+        enable_return_routed_experts=(mode in ("plugin", "before", "unchecked", "vllm", "vllm-control")),
         kv_cache_memory_bytes=KV_CACHE_BYTES,
         max_model_len=1024,
         seed=0,
@@ -162,8 +163,11 @@ class Engine:
         if not args.multiprocess:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         env.pop("VLLM_ASCEND_ROUTING", None)
-        if mode in ("plugin", "unchecked") or (mode in ("off", "control") and not vllm_alone_runs()):
+        if mode in ("plugin", "before", "unchecked") or (mode in ("off", "control") and not vllm_alone_runs()):
             env["VLLM_ASCEND_ROUTING"] = "1"
+        if mode == "before":  # another checkout's plugin: its folder ahead of the installed package
+            baseline = str(Path(args.baseline_checkout).resolve())
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, (baseline, env.get("PYTHONPATH"))))
         self.mode = mode
         # stderr (vLLM's logging) goes to a file, shown if the worker fails; closed in close().
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115

@@ -106,6 +106,7 @@ def summarize(
     """The JSON summary of the timed rounds: median ratios to ``off`` (throughput and tokens per CPU-second),
     the plugin against vLLM's own path and against itself unchecked where those ran, the routing bytes per
     token, the capture's host memory and the long request's assembly time."""
+    import tests.harness.model_recipes  # noqa: F401 (the benchmark models' recipes)
     from vllm_ascend_routing.preflight import models, scenarios
 
     by_mode = {m: [r["tokens_per_s"] for r in runs if r["mode"] == m] for m in modes}
@@ -139,10 +140,18 @@ def summarize(
         "assemble_16k_request": assemble_16k(),
         "profile": profile,
     }
-    for baseline, key in (("vllm", "median_ratio_plugin_vs_vllm"), ("unchecked", "median_ratio_plugin_vs_unchecked")):
+    for baseline, key in COMPARED:
         if baseline in by_mode:
             summary[key] = statistics.median(_paired(by_mode[baseline], by_mode["plugin"]))
     return summary
+
+
+# The engines the plugin is compared with, besides ``off``, and the summary's key for each median ratio.
+COMPARED = (
+    ("vllm", "median_ratio_plugin_vs_vllm"),
+    ("unchecked", "median_ratio_plugin_vs_unchecked"),
+    ("before", "median_ratio_plugin_vs_before"),
+)
 
 
 def print_report(summary: dict[str, Any], routing_dtype: str | None) -> None:
@@ -154,10 +163,9 @@ def print_report(summary: dict[str, Any], routing_dtype: str | None) -> None:
     for mode, ratio in summary["median_ratio_vs_off"].items():
         per_round = ", ".join(f"{r:.3f}" for r in _paired(by_mode["off"], by_mode[mode]))
         print(f"median throughput ratio {mode}/off: {ratio:.4f} (rounds: {per_round})")
-    for baseline, key, what in (
-        ("vllm", "median_ratio_plugin_vs_vllm", ""),
-        ("unchecked", "median_ratio_plugin_vs_unchecked", " (the always-on check's cost)"),
-    ):
+    what_of = {"unchecked": " (the always-on check's cost)", "before": " (this checkout against the baseline's)"}
+    for baseline, key in COMPARED:
+        what = what_of.get(baseline, "")
         if key in summary:
             paired = _paired(by_mode[baseline], by_mode["plugin"])
             print(

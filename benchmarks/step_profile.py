@@ -107,6 +107,7 @@ def main() -> None:
     import vllm
     from vllm import LLM, SamplingParams
 
+    import tests.harness.model_recipes  # noqa: F401 (the benchmark models' recipes)
     from vllm_ascend_routing.preflight import models, scenarios
 
     model = models.build_tiny_moe(ARCH, scenarios.model_dir() / ARCH)

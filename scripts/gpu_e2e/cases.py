@@ -349,6 +349,7 @@ def bench_worker(mode: str, cpu: bool) -> None:
     """One engine: warm up, print READY, then one timed batch per ``run`` line on stdin."""
     from vllm import LLM, SamplingParams
 
+    import tests.harness.model_recipes  # noqa: F401 (the benchmark model's recipe)
     from vllm_ascend_routing.preflight import models, scenarios
 
     arch, requests, tokens = bench_workload(cpu)

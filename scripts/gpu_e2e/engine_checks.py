@@ -87,7 +87,7 @@ def build_models(names: list[str], python: str, env: dict[str, str]) -> str:
         archs += [cases.bench_workload(True)[0], cases.bench_workload(False)[0]]
     archs = sorted(set(archs))
     code = (
-        "import sys; from vllm_ascend_routing.preflight import models, scenarios\n"
+        "import sys; import tests.harness.model_recipes; from vllm_ascend_routing.preflight import models, scenarios\n"
         "for arch in sys.argv[1:]: models.build_tiny_moe(arch, scenarios.model_dir() / arch)"
     )
     done = subprocess.run([python, "-c", code, *archs], env=env, capture_output=True, text=True, check=False)

@@ -175,6 +175,7 @@ def reference_digests(root: Path, architectures: Iterable[str]) -> dict[str, Any
     import transformers
     from vllm.config import ModelConfig
 
+    import tests.harness.model_recipes  # noqa: F401 (the benchmark model's recipe)
     from vllm_ascend_routing.preflight import models
     from vllm_ascend_routing.preflight.reference import RouterReference
 

@@ -25,3 +25,8 @@ def pythonpath(env: dict[str, str], *first: Path) -> dict[str, str]:
     kept = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry and entry not in entries]
     env["PYTHONPATH"] = os.pathsep.join(entries + kept)
     return env
+
+
+# Every process of the harness builds the suite's models by name: their recipes are registered with the runtime's
+# builder (which holds only the doctor's) as the harness is imported.
+from tests.harness import model_recipes  # noqa: E402,F401

@@ -28,7 +28,15 @@ from typing import Any
 
 import numpy as np
 
-from tests.harness import distributed, oracle, output_features, sleep_stand_in, verl_handoff, weight_reload_suite
+from tests.harness import (
+    distributed,
+    model_recipes,
+    oracle,
+    output_features,
+    sleep_stand_in,
+    verl_handoff,
+    weight_reload_suite,
+)
 from tests.harness.bypass import run_bypass
 from tests.harness.data_parallel import run_data_parallel
 from tests.harness.disaggregation import run_disaggregation
@@ -232,7 +240,7 @@ def main() -> None:
         help="data-parallel: one server with both engines, or a second headless process",
     )
     parser.add_argument("--ep", action="store_true", help="data-parallel: with --enable-expert-parallel")
-    parser.add_argument("--arch", default="qwen3_moe", choices=models.ALL_ARCHITECTURES)
+    parser.add_argument("--arch", default="qwen3_moe", choices=model_recipes.ALL_ARCHITECTURES)
     parser.add_argument("--out", default="", help="verl-handoff: where to write the arrays (a folder per model)")
     parser.add_argument("--mode", default="eager", choices=["eager", "compiled"])
     parser.add_argument("--prompts", type=int, default=10)

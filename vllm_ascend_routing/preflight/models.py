@@ -49,70 +49,47 @@ def _common() -> dict[str, Any]:
     }
 
 
-# Every recipe: a transformers config class and what differs from ``_common()`` (MoE-layer fields included). The
-# doctor's own models come first; the others are the test suite's and the benchmarks' (named for them), kept in this
-# one table so that every process building a model by name (engine children, the GPU run) finds the same recipe.
-_QWEN3 = {"intermediate_size": 256, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
-RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
-    "qwen3_moe": ("Qwen3MoeConfig", {**_QWEN3, "num_hidden_layers": 3, "num_experts": 16, "num_experts_per_tok": 4,
+# A recipe: a transformers config class and what differs from ``_common()`` (MoE-layer fields included).
+Recipe = tuple[str, dict[str, Any]]
+QWEN3 = {"intermediate_size": 256, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+# The doctor's own models (its self-check, demo, replay-check). The test suite and the benchmarks add theirs at run
+# time (``register``: tests/harness/model_recipes.py), outside the runtime.
+RECIPES: dict[str, Recipe] = {
+    "qwen3_moe": ("Qwen3MoeConfig", {**QWEN3, "num_hidden_layers": 3, "num_experts": 16, "num_experts_per_tok": 4,
                                      "moe_intermediate_size": 64}),
     # 2 x 40 = 80 gate/up rows (not a multiple of 32): vLLM's CPU MoE takes its pure-PyTorch path here, the one the
     # CPU compat fix repairs; the Qwen3 models take the grouped GEMM.
     "mixtral": ("MixtralConfig", {"num_hidden_layers": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
                                   "intermediate_size": 40}),
     # Layer 1 is a dense MLP: its rows in the output must stay zero.
-    "qwen3_moe_dense": ("Qwen3MoeConfig", {**_QWEN3, "num_hidden_layers": 3, "num_experts": 8,
+    "qwen3_moe_dense": ("Qwen3MoeConfig", {**QWEN3, "num_hidden_layers": 3, "num_experts": 8,
                                            "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                                            "norm_topk_prob": False, "mlp_only_layers": [1]}),
     # doctor's model below float32: qwen3_moe whose attention and expert outputs are scaled down (BRANCH_SCALE), so
     # each layer's input stays close to its token's embedding and the routing margins survive bfloat16/float16
     # engines (their flips stay within the dtype's rounding, compare.tie_tolerance).
-    "qwen3_moe_robust": ("Qwen3MoeConfig", {**_QWEN3, "num_hidden_layers": 3, "num_experts": 16,
+    "qwen3_moe_robust": ("Qwen3MoeConfig", {**QWEN3, "num_hidden_layers": 3, "num_experts": 16,
                                             "num_experts_per_tok": 4, "moe_intermediate_size": 64}),
-    # ---- the test suite's and the benchmarks' ----
-    # Big enough that a forward step is not trivial on a CPU: the overhead benchmark's model.
-    "qwen3_moe_bench": ("Qwen3MoeConfig", {**_QWEN3, "hidden_size": 512, "num_attention_heads": 8,
-                                           "num_key_value_heads": 4, "head_dim": 64, "num_hidden_layers": 8,
-                                           "num_experts": 64, "num_experts_per_tok": 8, "moe_intermediate_size": 128,
-                                           "intermediate_size": 1024}),
-    # The oracle's calibration model (benchmarks/oracle_calibration.py): as deep and wide as a production MoE's
-    # routing (24 MoE layers, top-8 of 64 experts), tiny otherwise (experts of 2 x 32 gate/up rows: vLLM's CPU grouped
-    # GEMM), random weights (near-ties then come as rounding makes them, not tuned away).
-    "qwen3_moe_deep": ("Qwen3MoeConfig", {**_QWEN3, "num_hidden_layers": 24, "num_experts": 64,
-                                          "num_experts_per_tok": 8, "moe_intermediate_size": 32}),
-    # DeepSeek-V3's routed-experts rows on a tiny body: 61 decoder layers, the first 3 dense, top-8 of 256 experts
-    # (vLLM's uint8 array: 61 x 8 = 488 bytes a token). The output benchmark's model (benchmarks/output.py).
-    "qwen3_moe_dsv3_rows": ("Qwen3MoeConfig", {**_QWEN3, "hidden_size": 32, "num_attention_heads": 1,
-                                               "num_key_value_heads": 1, "num_hidden_layers": 61, "num_experts": 256,
-                                               "num_experts_per_tok": 8, "moe_intermediate_size": 32,
-                                               "intermediate_size": 64, "mlp_only_layers": [0, 1, 2]}),
-    # More than 256 experts: vLLM returns uint16 (uint8 would wrap). Layer 0 is dense (DeepSeek-style first dense
-    # layer). Tiny experts (2 x 32 gate/up rows: vLLM's CPU grouped GEMM) keep it cheap.
-    "qwen3_moe_wide": ("Qwen3MoeConfig", {**_QWEN3, "num_hidden_layers": 3, "num_experts": 288,
-                                          "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                                          "norm_topk_prob": False, "mlp_only_layers": [0]}),
 }  # fmt: skip
 
 
+def register(recipes: dict[str, Recipe]) -> None:
+    """Add recipes (the test suite's and the benchmarks' models); a name the doctor uses is never replaced."""
+    for name, recipe in recipes.items():
+        RECIPES.setdefault(name, recipe)
+
+
 def model_config(architecture: str) -> Any:
-    """The transformers config of a test model (its recipe; nothing is built)."""
+    """The transformers config of a tiny model (its recipe; nothing is built)."""
     import transformers
 
     if architecture not in RECIPES:
-        raise ValueError(f"unknown architecture {architecture!r}; choose from {', '.join(ALL_ARCHITECTURES)}")
+        raise ValueError(f"unknown architecture {architecture!r}; choose from {', '.join(RECIPES)}")
     config_class, fields = RECIPES[architecture]
     return getattr(transformers, config_class)(**{**_common(), **fields})
 
 
-ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen3_moe_dense")  # the e2e suite's models
-ALL_ARCHITECTURES = (
-    *ARCHITECTURES,
-    "qwen3_moe_bench",
-    "qwen3_moe_wide",
-    "qwen3_moe_robust",
-    "qwen3_moe_deep",
-    "qwen3_moe_dsv3_rows",
-)
+ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen3_moe_dense")  # the e2e suite's models, and the demo's choices
 # qwen3_moe_robust's attention and expert output projections, scaled by this at build time: unscaled, bfloat16's
 # rounding flips rows beyond the near-tie rule; scaled, only within it (the measurements: docs/evidence.md).
 BRANCH_SCALE = {"qwen3_moe_robust": 0.02}
