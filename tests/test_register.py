@@ -5,6 +5,7 @@ import sys
 import pytest
 
 import vllm_ascend_routing
+from tests import settings
 from vllm_ascend_routing import integration
 
 
@@ -83,6 +84,8 @@ def test_vllm_environment_validation_accepts_the_plugins_variables(monkeypatch: 
     if not callable(validate_environ):
         pytest.skip("this vLLM release does not validate environment variables (0.31+ does)")
     monkeypatch.setattr(vllm_ascend_routing, "_registered", True)  # the plugin itself is not under test here
+    for name in settings.settings:  # the test suite's own (tests/settings.py): not the plugin's, not declared by it
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("VLLM_ASCEND_ROUTING_VALIDATE", "strict")
     vllm_ascend_routing.register()
     validate_environ(True)  # --fail-on-environ-validation: raises on an unknown VLLM_*
