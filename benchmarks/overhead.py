@@ -106,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --versus-vllm: new engine processes every round (a process's own speed, which "
         "the A/A control shows can differ by several percent, then varies between rounds)",
     )
-    parser.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--eager", action="store_true", help="every engine with enforce_eager=True (no torch.compile)")
     parser.add_argument(
         "--multiprocess",
         action="store_true",
@@ -164,8 +164,9 @@ def timed_rounds(args: argparse.Namespace, modes: list[str]) -> tuple[list[dict[
     (``--profile``)."""
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="overhead_cache_") as cache_root:
-        engines.prime_compile_cache(modes, args, cache_root)
-        started = {mode: engines.Engine(mode, args, cache_root) for mode in modes}  # one after another
+        if not args.eager:  # eager engines compile nothing
+            engines.prime_compile_cache(modes, args, cache_root)
+        started = {mode: engines.Engine(mode, args, cache_root, eager=args.eager) for mode in modes}
         try:
             for round_index in range(args.pairs):
                 # Order reversed every other round (off, plugin, plugin, off, ...): neither mode always runs

@@ -226,7 +226,8 @@ def engine_method(args: argparse.Namespace) -> str:
     """How the engines ran, as the history records it: runs timed another way are not compared with these."""
     layout = "multi-process" if args.multiprocess else "in-process"
     started = "new engine processes every round" if args.fresh_engines else "one warmed engine per mode"
-    return f"{started}, {layout}, compiled graphs loaded from a primed cache, batches alternated"
+    graphs = "eager (enforce_eager)" if getattr(args, "eager", False) else "compiled graphs loaded from a primed cache"
+    return f"{started}, {layout}, {graphs}, batches alternated"
 
 
 def prime_compile_cache(modes: list[str], args: argparse.Namespace, cache_root: str) -> None:
