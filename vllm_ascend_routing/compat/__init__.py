@@ -10,6 +10,7 @@ adapter for a capability. Deleting a generation is deleting its folder and its r
 from __future__ import annotations
 
 import functools
+import importlib
 
 from vllm_ascend_routing import releases
 from vllm_ascend_routing.compat._detect import SUPPORTED_RELEASES, detect_generation, vllm_version
@@ -34,8 +35,6 @@ def adapter_class(generation: Generation) -> type[Adapter] | None:
     if not span.adapter:
         return None
     module_name, _, name = span.adapter.partition(":")
-    import importlib
-
     found: type[Adapter] = getattr(importlib.import_module(module_name), name)
     return found
 
