@@ -45,13 +45,13 @@ def output_part(llm: Any) -> dict[str, Any]:
 
 def _output_part(llm: Any) -> dict[str, Any]:
     from vllm_ascend_routing.compat import adapter as get_adapter
-    from vllm_ascend_routing.output import engine
 
     arch = Path(llm.llm_engine.model_config.model).name
     model = models.build_tiny_moe(arch, model_dir() / arch)
     reference = offline.reference_for(model)
-    result: dict[str, Any] = {"generation": get_adapter().generation.value}
-    if get_adapter().generation not in engine.UPDATE_FROM_OUTPUT.generations:
+    adapter = get_adapter()
+    result: dict[str, Any] = {"generation": adapter.generation.value}
+    if not adapter.per_request_output:  # 0.20.x, 0.21.0: every option refused, per request
         result["refused"] = {"any_option": _refusal(llm, [5, 6, 7], {"return_routed_experts": False})}
         return {"output": result}
     part = _Part(llm, model, reference)
