@@ -171,7 +171,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("releases", "runner_state", "_logging", "contract", "parallel", "_post_import", "compat.shm.store",
      "ops._id_rule", "ops._reference", "backends._layer", "errors", "reporting", "context"),
     ("envs", "patching"),  # settings; Patch and the one way to patch
-    ("ops", "capture", "sentinel", "sleep_mode", "validate", "_cpu_compat", "replay", "kv",  # capture, checks, KV rows
+    ("ops", "capture", "sentinel", "sleep_mode", "validate", "_cpu_compat", "store", "replay", "kv",  # + row store
      "output.options", "output.weights", "output.provenance"),  # per-request options, weight version, record
     ("backends",),  # where routing is intercepted
     ("compat",),  # the adapter: its interface, detection, and one folder per generation

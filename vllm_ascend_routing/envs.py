@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     VLLM_ASCEND_ROUTING_VLLM_API: str = "auto"
     VLLM_ASCEND_ROUTING_FORCE_REFERENCE: bool = False
     VLLM_ASCEND_ROUTING_KV_HELD_ROWS_MIB: int = 256
+    VLLM_ASCEND_ROUTING_STORE: str = ""
+    VLLM_ASCEND_ROUTING_STORE_MIB: int = 2048
+    VLLM_ASCEND_ROUTING_STORE_TTL_S: int = 3600
     VLLM_ASCEND_ROUTING_VALIDATE: str = "off"
     VLLM_ASCEND_ROUTING_TARGET_DEVICE: str = ""
     VLLM_ASCEND_ROUTING_CACHE: str = "~/.cache/vllm_ascend_routing"
@@ -49,13 +52,13 @@ def _choice(name: str, default: str, choices: tuple[str, ...]) -> Callable[[], s
     return read
 
 
-def _mebibytes(name: str, default: int) -> Callable[[], int]:
+def _whole_number(name: str, default: int, unit: str = "MiB") -> Callable[[], int]:
     def read() -> int:
         value = os.getenv(name, "").strip()
         if not value:
             return default
         if not value.isdigit():
-            raise ValueError(f"{name}={value!r}: expected a whole number of MiB (0 or more)")
+            raise ValueError(f"{name}={value!r}: expected a whole number of {unit} (0 or more)")
         return int(value)
 
     return read
@@ -89,7 +92,15 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # With a KV connector the plugin has no carrier for (an offload tier, a cache service): how much memory each
     # scheduler may hold the rows of requests computed on its instance in, so that loads of their KV are served
     # (kv_carrier.HeldRowsCarrier; least recently used dropped first; 0: every such load is computed instead).
-    "VLLM_ASCEND_ROUTING_KV_HELD_ROWS_MIB": _mebibytes("VLLM_ASCEND_ROUTING_KV_HELD_ROWS_MIB", 256),
+    "VLLM_ASCEND_ROUTING_KV_HELD_ROWS_MIB": _whole_number("VLLM_ASCEND_ROUTING_KV_HELD_ROWS_MIB", 256),
+    # Where finished requests' rows go instead of the output (docs/output.md, "The row store"): unset, rows inline;
+    # "shm", node-local shared memory; "mooncake://MASTER_HOST:PORT?metadata=http://HOST:PORT/metadata", Mooncake.
+    # The output then carries routed_experts_info["store_key"]; the trainer fetches with replay.fetch.
+    "VLLM_ASCEND_ROUTING_STORE": lambda: os.getenv("VLLM_ASCEND_ROUTING_STORE", "").strip(),
+    # The most each engine core keeps in the store at once (MiB, its live objects); past it a request's rows go inline.
+    "VLLM_ASCEND_ROUTING_STORE_MIB": _whole_number("VLLM_ASCEND_ROUTING_STORE_MIB", 2048),
+    # Seconds an object lives unless released first (0: until released or the engine's shutdown).
+    "VLLM_ASCEND_ROUTING_STORE_TTL_S": _whole_number("VLLM_ASCEND_ROUTING_STORE_TTL_S", 3600, "seconds"),
     # ---- build (read by setup.py) ----
     # Native kernel backend to build: "cpu", "cuda", "npu" (each with the CPU kernel), or "" (none: pure Python).
     "VLLM_ASCEND_ROUTING_TARGET_DEVICE": _choice(
@@ -112,6 +123,9 @@ runtime_variables: tuple[str, ...] = (
     "VLLM_ASCEND_ROUTING_VALIDATE",
     "VLLM_ASCEND_ROUTING_FORCE_REFERENCE",
     "VLLM_ASCEND_ROUTING_KV_HELD_ROWS_MIB",
+    "VLLM_ASCEND_ROUTING_STORE",
+    "VLLM_ASCEND_ROUTING_STORE_MIB",
+    "VLLM_ASCEND_ROUTING_STORE_TTL_S",
 )
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from vllm_ascend_routing import _cpu_compat, backends, kv, output, peers, runner_mixin, validate
+from vllm_ascend_routing import _cpu_compat, backends, kv, output, peers, runner_mixin, store, validate
 from vllm_ascend_routing.context import InstallContext, satisfied
 from vllm_ascend_routing.output import serving, weights
 from vllm_ascend_routing.patching import Patch
@@ -56,6 +56,7 @@ FEATURES: tuple[Feature, ...] = (
     # and the generation's own patches
     Feature("capture", runner_mixin),
     Feature("backends", backends),  # where each MoE layer's routing is intercepted (bound at model load)
+    Feature("row store", store),  # VLLM_ASCEND_ROUTING_STORE: refused at start-up where unserved or unreachable
     Feature("KV rows", kv),  # rows travel with the KV a connector moves
     Feature("validation", validate),  # VLLM_ASCEND_ROUTING_VALIDATE: every returned array checked
     Feature("request options and provenance", output),  # return_routed_experts, routed_experts_omit, the record

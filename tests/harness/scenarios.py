@@ -15,6 +15,7 @@ transformers reference; the e2e suite's compiled run adds the re-prefill consist
 ``verl-handoff`` saves vLLM's arrays for verl's R3 code in a trainer environment (``verl_handoff.py``).
 ``disaggregation`` runs prefill/decode through vLLM's ExampleConnector, producer to consumer (``disaggregation.py``).
 ``nixl`` runs prefill/decode through vLLM's NixlConnector, both engines alive at once (``nixl_pd.py``).
+``store`` serves with a row store, this process fetching every request's rows by key (``row_store.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from tests.harness.bypass import run_bypass
 from tests.harness.data_parallel import run_data_parallel
 from tests.harness.disaggregation import run_disaggregation
 from tests.harness.nixl_pd import run_nixl
+from tests.harness.row_store import run_store
 from tests.harness.server import Server, post
 from tests.harness.vllm_0_21_cases import run_device_cache
 from vllm_ascend_routing import envs, validate
@@ -230,6 +232,7 @@ def main() -> None:
             "device-cache",
             "disaggregation",
             "nixl",
+            "store",
         ],
     )
     parser.add_argument("--bypass", default="removed-hook", choices=["removed-hook", "xlite"], help="bypass: which")
@@ -240,6 +243,7 @@ def main() -> None:
         help="data-parallel: one server with both engines, or a second headless process",
     )
     parser.add_argument("--ep", action="store_true", help="data-parallel: with --enable-expert-parallel")
+    parser.add_argument("--store", default="shm", help="store: the VLLM_ASCEND_ROUTING_STORE the engine gets")
     parser.add_argument("--arch", default="qwen3_moe", choices=model_recipes.ALL_ARCHITECTURES)
     parser.add_argument("--out", default="", help="verl-handoff: where to write the arrays (a folder per model)")
     parser.add_argument("--mode", default="eager", choices=["eager", "compiled"])
@@ -282,6 +286,8 @@ def main() -> None:
         result = run_disaggregation(args.arch)
     elif args.scenario == "nixl":
         result = run_nixl(args.arch)
+    elif args.scenario == "store":
+        result = run_store(args.arch, args.store)
     elif args.scenario == "speculative":
         result = run_speculative(args.arch, args.spec, args.k)
     else:

@@ -33,6 +33,7 @@ from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.compat._requests import local_cached_tokens
 from vllm_ascend_routing.output import options, weights
 from vllm_ascend_routing.patching import Patch
+from vllm_ascend_routing.store import publisher as store_publisher
 
 logger = get_logger(__name__)
 
@@ -80,6 +81,7 @@ _UNSET = object()
 # modules' scheduler-side hooks act on these only (``SELECTION``, handed to the adapter at install).
 selecting: set[str] = set()
 opted_out: set[str] = set()
+inline: set[str] = set()  # on a store engine: requests that asked for their rows inline (routed_experts_transport)
 
 
 @dataclass
@@ -104,6 +106,7 @@ class EngineState:
     updating: bool = False
     records: dict[str, dict[str, Any]] = field(default_factory=dict)
     dropped: set[str] = field(default_factory=set)  # opted-out requests that finished in this update
+    publisher: store_publisher.Publisher | None = None  # VLLM_ASCEND_ROUTING_STORE set: rows published, keys sent
 
     def step(self, version: int | None) -> None:
         self.version = version
@@ -182,6 +185,9 @@ def _engine_state(scheduler: Any, requested: Requested) -> EngineState:
     state: EngineState | None = getattr(scheduler, _SCHEDULER_STATE, None)
     if state is None:
         state = EngineState(requested(scheduler.vllm_config))
+        if state.enabled:
+            dp_rank = int(getattr(scheduler.vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+            state.publisher = store_publisher.for_engine(dp_rank)
         setattr(scheduler, _SCHEDULER_STATE, state)
     return state
 
@@ -201,6 +207,8 @@ def _adding(add_request: Callable[..., Any], requested: Requested) -> Callable[.
                     selecting.add(request.request_id)
                 if found.opted_out:
                     opted_out.add(request.request_id)
+                if found.inline:
+                    inline.add(request.request_id)
         return add_request(self, request, *args, **kwargs)
 
     return wrapper
@@ -226,7 +234,7 @@ def _updating(update_from_output: Callable[..., Any], requested: Requested) -> C
             outputs = update_from_output(self, scheduler_output, model_runner_output, *args, **kwargs)
         finally:
             state.updating = False
-        if state.records or state.dropped or opted_out:
+        if state.records or state.dropped or opted_out or state.publisher is not None:
             _finish(outputs, state)
         return outputs
 
@@ -234,14 +242,25 @@ def _updating(update_from_output: Callable[..., Any], requested: Requested) -> C
 
 
 def _finish(outputs: dict[int, Any], state: EngineState) -> None:
-    """Drop opted-out requests' rows from this step's outputs; send finished requests' records with them."""
+    """Drop opted-out requests' rows from this step's outputs; on a store engine hold the others' (``store.publisher``)
+    and publish them at their last output; send finished requests' records with them."""
+    publisher = state.publisher
     for engine_outputs in outputs.values():
         for output in engine_outputs.outputs:
             request_id = output.request_id
             if request_id in opted_out or request_id in state.dropped:
                 output.routed_experts = None
+            elif publisher is not None and request_id not in inline and output.routed_experts is not None:
+                publisher.hold(request_id, output.routed_experts)  # only the key leaves this process
+                output.routed_experts = None
             record = state.records.pop(request_id, None)
             if record is not None:
+                if publisher is not None and request_id not in inline:
+                    fields, rows = publisher.publish(request_id, int(record["first_token"]))
+                    record.update(fields)
+                    if rows is not None:  # the store refused them: inline, and the record says why
+                        output.routed_experts = rows
+                inline.discard(request_id)
                 output.kv_transfer_params = {**(output.kv_transfer_params or {}), RECORD_KEY: record}
     state.records.clear()
     state.dropped.clear()
@@ -254,6 +273,10 @@ def _freeing(free_request: Callable[..., Any], requested: Requested) -> Callable
         if state.enabled:
             request_id = request.request_id
             selecting.discard(request_id)
+            if not state.updating:  # ended without a last output (aborted): nothing to publish or send
+                inline.discard(request_id)
+                if state.publisher is not None:
+                    state.publisher.drop(request_id)
             if request_id in opted_out:
                 opted_out.discard(request_id)
                 state.dropped.add(request_id)

@@ -22,6 +22,8 @@ from typing import Any
 from vllm_ascend_routing import patching, validate
 from vllm_ascend_routing.output import engine, options, provenance
 from vllm_ascend_routing.patching import Patch
+from vllm_ascend_routing.store import keys as store_keys
+from vllm_ascend_routing.store import setting as store_setting
 
 INFO = "routed_experts_info"  # CompletionOutput attribute, and the HTTP choice field
 _RECORD = "_vllm_ascend_routing_record"  # front-end RequestState attribute: the engine core's part of the record
@@ -72,7 +74,9 @@ def install(adapter: Any, vllm: str) -> None:
         patching.replace(GET_OUTPUTS, lambda method: _recording_samples(method, attach))
 
 
-def check(found: options.RequestOptions, transport: str, serves: bool, engine_returns: bool) -> None:
+def check(
+    found: options.RequestOptions, transport: str, serves: bool, engine_returns: bool, *, stores: bool = False
+) -> None:
     """Refuse ``found`` where this engine cannot honour it (``RequestOptionError``, a ``ValueError``: vLLM's front
     end turns it into the request's error, HTTP 400)."""
     if found is options.NONE:
@@ -88,6 +92,11 @@ def check(found: options.RequestOptions, transport: str, serves: bool, engine_re
             "(LLM(enable_return_routed_experts=True)): it records no routing for any request; restart it with the "
             "flag (requests can then opt out with false)"
         )
+    if found.transport == "store" and not stores:
+        raise options.RequestOptionError(
+            f"{options.TRANSPORT}='store', but this engine has no row store (VLLM_ASCEND_ROUTING_STORE unset): its "
+            "rows are returned inline; drop the option or start the engine with a store"
+        )
 
 
 def _checking(process_inputs: Callable[..., Any], adapter: Any, serves: bool) -> Callable[..., Any]:
@@ -96,7 +105,8 @@ def _checking(process_inputs: Callable[..., Any], adapter: Any, serves: bool) ->
         found = options.of(params)
         if found is not options.NONE:
             engine_returns = adapter.routed_experts_requested(self.vllm_config)
-            check(found, adapter.generation.value, serves, engine_returns)
+            stores = store_setting.current() is not None
+            check(found, adapter.generation.value, serves, engine_returns, stores=stores)
         request = process_inputs(self, request_id, prompt, params, *args, **kwargs)
         if found.omit_before:
             prompt_len = len(request.prompt_token_ids) if request.prompt_token_ids is not None else None
@@ -136,16 +146,39 @@ def _taking_records(process_outputs: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _attach(output: Any, record: dict[str, Any] | None, *, generation: str, vllm: str) -> None:
-    """``routed_experts_info`` on a finished ``CompletionOutput``: the record of its array, or ``None``."""
+    """``routed_experts_info`` on a finished ``CompletionOutput``: the record of its array (inline or stored), or
+    ``None``."""
     routed = getattr(output, "routed_experts", None)
-    info = None if record is None or routed is None else provenance.complete(record, routed, generation, vllm)
+    stored = record is not None and routed is None and provenance.STORE_KEY in record
+    info = (
+        None
+        if record is None or (routed is None and not stored)
+        else provenance.complete(record, routed, generation, vllm)
+    )
     setattr(output, INFO, info)
+
+
+def _kept_rows(state: Any, record: dict[str, Any]) -> None:
+    """A stored request's rows cut to the tokens the front end kept (vLLM 0.31+ drops tokens accepted past a stop
+    string here, and their rows from an inline array): the record's shape and its key (``@rows``) say how many."""
+    detokenizer = getattr(state, "detokenizer", None)
+    counted = getattr(detokenizer, "num_output_tokens", None)
+    if provenance.STORE_KEY not in record or counted is None:
+        return
+    kept = int(state.prompt_len) + int(counted()) - 1 - int(record["first_token"])
+    if 0 <= kept < int(record["shape"][0]):
+        record["shape"] = [kept, *record["shape"][1:]]
+        record[provenance.STORE_KEY] = store_keys.parse(record[provenance.STORE_KEY]).with_rows(kept)
 
 
 def _recording(new_request_output: Callable[..., Any], attach: Callable[..., None]) -> Callable[..., Any]:
     @functools.wraps(new_request_output)
     def wrapper(self: Any, external_req_id: str, outputs: Any, finished: bool, *args: Any, **kwargs: Any) -> Any:
         record = self.__dict__.pop(_RECORD, None)
+        if finished:
+            sample = record if self.parent_req is None else _records.get(self.request_id)
+            if sample is not None:
+                _kept_rows(self, sample)
         if self.parent_req is None:
             for output in outputs:
                 if _is_finished_completion(output):

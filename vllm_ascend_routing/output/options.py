@@ -6,6 +6,8 @@
     SamplingParams(extra_args={"routed_experts_omit": "cached"})     # rows from the first token not served
                                                                       # from the prefix cache
     SamplingParams(extra_args={"routed_experts_omit": 1200})         # rows from prompt token 1200 on
+    SamplingParams(extra_args={"routed_experts_transport": "inline"}) # on a store engine: this request's rows in
+                                                                      # the output, not behind a key
 
 Plain Python: the front end checks them when a request arrives, the engine core acts on them.
 """
@@ -19,7 +21,9 @@ from typing import Any
 RETURN = "return_routed_experts"
 OMIT = "routed_experts_omit"
 OMIT_CACHED = "cached"
-KEYS = (RETURN, OMIT)
+TRANSPORT = "routed_experts_transport"
+TRANSPORTS = ("inline", "store")
+KEYS = (RETURN, OMIT, TRANSPORT)
 
 _TRUE = (True, 1, "1", "true", "True", "yes")
 _FALSE = (False, 0, "0", "false", "False", "no")
@@ -36,6 +40,11 @@ class RequestOptions:
     returns: bool | None = None
     omit_cached: bool = False  # rows of prompt tokens served from the local prefix cache are not sent
     omit_before: int = 0  # rows of tokens before this one are not sent (like routed_experts_prompt_start)
+    transport: str | None = None  # "inline" or "store"; None: the engine's (VLLM_ASCEND_ROUTING_STORE)
+
+    @property
+    def inline(self) -> bool:
+        return self.transport == "inline"
 
     @property
     def opted_out(self) -> bool:
@@ -59,17 +68,23 @@ def parse(extra_args: Mapping[str, Any] | None) -> RequestOptions:
     if not extra_args or not any(key in extra_args for key in KEYS):
         return NONE
     returns = _flag(extra_args.get(RETURN))
+    transport = extra_args.get(TRANSPORT)
+    if transport is not None and transport not in TRANSPORTS:
+        raise RequestOptionError(
+            f"{TRANSPORT}={transport!r}: expected 'inline' (this request's rows in the output) or 'store' (behind "
+            "routed_experts_info['store_key'], on an engine with VLLM_ASCEND_ROUTING_STORE set)"
+        )
     omit = extra_args.get(OMIT)
     if omit is None:
-        return RequestOptions(returns)
+        return RequestOptions(returns, transport=transport)
     if omit == OMIT_CACHED:
-        return RequestOptions(returns, omit_cached=True)
+        return RequestOptions(returns, omit_cached=True, transport=transport)
     if isinstance(omit, bool) or not isinstance(omit, int | str) or not str(omit).isdigit():
         raise RequestOptionError(
             f"{OMIT}={omit!r}: expected {OMIT_CACHED!r} (omit the rows of prompt tokens served from the prefix "
             "cache) or a token index N >= 0 (omit the rows of tokens before N)"
         )
-    return RequestOptions(returns, omit_before=int(omit))
+    return RequestOptions(returns, omit_before=int(omit), transport=transport)
 
 
 def of(params: Any) -> RequestOptions:

@@ -13,6 +13,9 @@ through a KV connector (P/D hand-over: ``kv.loaded_span``). ``weight_version``: 
 weights had been loaded or updated (``output.weights``) when the request's first forward and the forward of its
 last row ran; rows served from the prefix cache were computed at ``cached_from`` or later (``null`` without
 cached rows). ``straddles``: the rows may come from more than one weight version (``null``: a version is unknown).
+On a store engine (``VLLM_ASCEND_ROUTING_STORE``) the array stays in the store: ``routed_experts`` is ``None`` and
+``store_key`` names it (``replay.fetch(key)`` returns exactly this array); where the store refused it (full,
+unreachable), the array is inline and ``store_fallback`` says why.
 """
 
 from __future__ import annotations
@@ -21,24 +24,33 @@ from typing import Any
 
 import numpy as np
 
+STORE_KEY = "store_key"  # where the rows are, on a store engine (VLLM_ASCEND_ROUTING_STORE)
+FALLBACK = "store_fallback"  # why a store engine returned a request's rows inline
 LAYER_AXIS = "hidden_layers"  # 0.22+: one column per decoder layer, dense layers all zero
 
 
-def complete(engine_part: dict[str, Any], routed: np.ndarray, generation: str, vllm: str) -> dict[str, Any]:
-    """The record of one returned array, from the engine core's part (``output.engine.engine_record``)."""
-    rows = int(routed.shape[0])
+def complete(engine_part: dict[str, Any], routed: np.ndarray | None, generation: str, vllm: str) -> dict[str, Any]:
+    """The record of one returned array, from the engine core's part (``output.engine.engine_record``); on a store
+    engine (``routed`` ``None``) of the stored array, with its key (``store_key``: ``replay.fetch`` returns the
+    array), or why the rows came inline instead (``store_fallback``)."""
+    key = engine_part.get(STORE_KEY)
+    if routed is None:
+        shape, dtype = tuple(engine_part["shape"]), str(engine_part["dtype"])
+    else:
+        shape, dtype = tuple(routed.shape), str(routed.dtype)
+    rows = int(shape[0])
     cached = min(int(engine_part.get("cached", 0)), rows)
     loaded = min(int(engine_part.get("loaded", 0)), rows - cached)
     versions = dict(engine_part.get("weight_version") or {})
-    return {
+    record = {
         "first_token": int(engine_part["first_token"]),
         "rows": rows,
         "computed": rows - cached - loaded,
         "cached": cached,
         "loaded": loaded,
-        "dtype": str(routed.dtype),
-        "num_layers": int(routed.shape[1]) if routed.ndim == 3 else None,
-        "top_k": int(routed.shape[2]) if routed.ndim == 3 else None,
+        "dtype": dtype,
+        "num_layers": int(shape[1]) if len(shape) == 3 else None,
+        "top_k": int(shape[2]) if len(shape) == 3 else None,
         "layer_axis": LAYER_AXIS,
         "ids": "logical",
         "generation": generation,
@@ -46,6 +58,11 @@ def complete(engine_part: dict[str, Any], routed: np.ndarray, generation: str, v
         "weight_version": versions,
         "straddles": straddles(versions),
     }
+    if key is not None:
+        record[STORE_KEY] = key
+    if FALLBACK in engine_part:
+        record[FALLBACK] = engine_part[FALLBACK]
+    return record
 
 
 def straddles(versions: dict[str, Any]) -> bool | None:

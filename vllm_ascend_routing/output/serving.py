@@ -104,12 +104,14 @@ def _maker(patch: Patch) -> Callable[[Any], Any]:
 
 
 def _finished_arrays(item: Any, completions: bool, n: int) -> dict[int, Any]:
-    """The choice index of each finished output of ``item`` that has an array (completions: ``(prompt_idx, res)``)."""
+    """The choice index of each finished output of ``item`` that has an array, or a record (a store engine's: its
+    key), (completions: ``(prompt_idx, res)``)."""
     prompt_idx, result = item if completions else (0, item)
     return {
         output.index + prompt_idx * n: output
         for output in getattr(result, "outputs", ())
-        if output.finish_reason is not None and getattr(output, "routed_experts", None) is not None
+        if output.finish_reason is not None
+        and (getattr(output, "routed_experts", None) is not None or getattr(output, INFO, None) is not None)
     }
 
 
@@ -143,7 +145,7 @@ def _streaming(method: Callable[..., Any], *, completions: bool) -> Callable[...
 
 def _add_fields(choice: dict[str, Any], output: Any) -> None:
     """The rows (unless vLLM's own stream sent them: its generate endpoint from 0.26) and the record."""
-    if choice.get("routed_experts") is None:
+    if choice.get("routed_experts") is None and output.routed_experts is not None:  # None: behind a store key
         choice["routed_experts"] = encode(output.routed_experts)
     choice[INFO] = getattr(output, INFO, None)
 

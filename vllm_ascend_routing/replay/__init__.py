@@ -14,7 +14,9 @@ without copying it; :func:`to_megatron` copies the rank's rows of its MoE layers
 ``layer_number`` and widened to int64 on the router's device, with the rows outside the mask left to the
 router's own top-k. :class:`Shard` names one trainer rank's part (DP samples, pipeline layers, CP and SP rows);
 :class:`Conversation` and :func:`share_prompt` keep each row once across a multi-turn conversation and across
-a GRPO group. :func:`check_alignment` compares the rows with the trainer's own routing of the same tokens and
+a GRPO group. On an engine with a row store, :func:`fetch` returns a key's array, :func:`open_rows` its lazy
+form (what :func:`align` makes of a key: :func:`to_megatron` then reads the rank's slice only) and :func:`release`
+frees keys. :func:`check_alignment` compares the rows with the trainer's own routing of the same tokens and
 refuses a shifted token axis before training. :func:`moe_layers` and :func:`check` are validation mode's own
 (``vllm_ascend_routing.contract``).
 """
@@ -42,15 +44,20 @@ from vllm_ascend_routing.replay.megatron import (
 )
 from vllm_ascend_routing.replay.nemo_rl import for_nemo_rl
 from vllm_ascend_routing.replay.pack import MegatronReplay, Shard, to_megatron
+from vllm_ascend_routing.replay.stored import fetch, open_rows, release
+from vllm_ascend_routing.store import MalformedKeyError, StoreError, UnknownKeyError
 
 __all__ = [
     "ROW_CONTRACTS",
     "AlignmentError",
     "Aligned",
     "Conversation",
+    "MalformedKeyError",
     "MegatronReplay",
     "RowContract",
     "Shard",
+    "StoreError",
+    "UnknownKeyError",
     "SharedPrompt",
     "UnknownMoELayersError",
     "Violation",
@@ -58,6 +65,9 @@ __all__ = [
     "check",
     "from_device_cache",
     "check_alignment",
+    "fetch",
+    "open_rows",
+    "release",
     "for_nemo_rl",
     "keep_native",
     "model_routers",

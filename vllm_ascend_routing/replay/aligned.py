@@ -16,6 +16,8 @@ import numpy as np
 from vllm_ascend_routing import releases
 from vllm_ascend_routing.contract import Violation
 from vllm_ascend_routing.contract import check as _check
+from vllm_ascend_routing.replay.stored import open_rows
+from vllm_ascend_routing.store.layout import StoredRows
 
 INVALID = -1  # the id Aligned.routes leaves in rows with no recorded routing: not an expert, any gather at it fails
 
@@ -53,7 +55,7 @@ class Aligned(NamedTuple):
     ``first + num_rows - 1``; the other tokens of the ``num_tokens`` have no recorded routing.
     """
 
-    parts: tuple[np.ndarray, ...]  # each [rows_i, num_layers, top_k], vLLM's dtype
+    parts: tuple[Any, ...]  # each [rows_i, num_layers, top_k], vLLM's dtype: np.ndarray, or StoredRows (a key)
     first: int  # the token of the first row
     num_tokens: int  # T = prompt + output
 
@@ -97,7 +99,9 @@ class AlignmentError(ValueError):
     """The rows do not line up with the trainer's tokens (a shifted token axis, another sample's rows)."""
 
 
-def align(routed: np.ndarray, prompt_len: int, output_len: int, prompt_start: int = 0) -> Aligned:
+def align(
+    routed: np.ndarray | str | StoredRows, prompt_len: int, output_len: int, prompt_start: int | None = None
+) -> Aligned:
     """Put one request's ``routed_experts`` on the token axis of ``prompt + output`` (``T`` tokens), uncopied.
 
     The array's generation is part of its documented contract (:data:`ROW_CONTRACTS`): int32 (vLLM
@@ -105,10 +109,13 @@ def align(routed: np.ndarray, prompt_len: int, output_len: int, prompt_start: in
     from token ``prompt_start``. The last token never went through the model and has no row.
 
     Args:
-        routed: `[rows, num_layers, top_k]` ``CompletionOutput.routed_experts``, unconverted.
+        routed: `[rows, num_layers, top_k]` ``CompletionOutput.routed_experts``, unconverted; or, from an engine with
+            a row store, ``routed_experts_info["store_key"]`` (or ``open_rows(key)``): nothing is read here, and
+            :func:`to_megatron` reads only the rank's slice.
         prompt_len: ``len(prompt_token_ids)``.
         output_len: ``len(output.token_ids)``.
-        prompt_start: ``SamplingParams.routed_experts_prompt_start`` (0.22+ only).
+        prompt_start: ``SamplingParams.routed_experts_prompt_start`` (0.22+ only: the record's ``first_token``);
+            for a key, its stored first token unless given (and refused if another is given).
 
     Returns:
         :class:`Aligned` holding ``routed`` itself (its ``valid`` is false before ``prompt_start`` and on the
@@ -118,7 +125,18 @@ def align(routed: np.ndarray, prompt_len: int, output_len: int, prompt_start: in
         ValueError: the array matches no generation's contract for these lengths; the message names
             the row count expected.
     """
-    routed = np.asarray(routed)
+    if isinstance(routed, str):
+        routed = open_rows(routed)
+    if isinstance(routed, StoredRows):
+        if prompt_start is not None and prompt_start != routed.first_token:
+            raise ValueError(
+                f"prompt_start={prompt_start}, but the stored rows {routed.header.key!r} start at token "
+                f"{routed.first_token}: pass the record's first_token, or none"
+            )
+        prompt_start = routed.first_token
+    else:
+        routed = np.asarray(routed)
+    prompt_start = 0 if prompt_start is None else int(prompt_start)
     num_tokens = int(prompt_len) + int(output_len)
     if prompt_len < 0 or output_len < 0 or num_tokens < 1:
         raise ValueError(f"prompt_len={prompt_len}, output_len={output_len}: a request has at least one token")
@@ -201,7 +219,7 @@ class SharedPrompt(NamedTuple):
 
 
 def share_prompt(
-    group: Sequence[np.ndarray], prompt_len: int, output_lens: Sequence[int], prompt_start: int = 0
+    group: Sequence[np.ndarray | str], prompt_len: int, output_lens: Sequence[int], prompt_start: int = 0
 ) -> SharedPrompt:
     """Hold a GRPO group's shared prompt rows once: the n samples of one prompt, as vLLM returned them.
 
@@ -220,7 +238,8 @@ def share_prompt(
     """
     if not group or len(group) != len(output_lens):
         raise ValueError(f"{len(group)} arrays for {len(output_lens)} output lengths: one per sample, at least one")
-    aligned = [align(routed, prompt_len, out, prompt_start) for routed, out in zip(group, output_lens, strict=True)]
+    arrays = [np.asarray(open_rows(r) if isinstance(r, str) else r) for r in group]  # keys: compared whole
+    aligned = [align(routed, prompt_len, out, prompt_start) for routed, out in zip(arrays, output_lens, strict=True)]
     shared = prompt_len - prompt_start  # rows of tokens prompt_start .. prompt_len - 1
     if shared < 1:
         raise ValueError(f"prompt_start={prompt_start} leaves no prompt row of a {prompt_len}-token prompt to share")
@@ -266,7 +285,7 @@ class Conversation:
     """
 
     def __init__(self) -> None:
-        self._parts: list[np.ndarray] = []
+        self._parts: list[Any] = []  # np.ndarray, or StoredRows windows (turns given as keys: read when packed)
         self._num_tokens = 0
 
     @property
@@ -274,7 +293,9 @@ class Conversation:
         """The next turn's ``routed_experts_prompt_start``: the rows held (tokens 0 .. this - 1)."""
         return sum(len(part) for part in self._parts)
 
-    def add_turn(self, routed: np.ndarray, prompt_len: int, output_len: int, prompt_start: int) -> int:
+    def add_turn(
+        self, routed: np.ndarray | str | StoredRows, prompt_len: int, output_len: int, prompt_start: int
+    ) -> int:
         """Add one turn's array (``prompt_len`` tokens of context, this turn's ``output_len``); returns the rows
         added.
 

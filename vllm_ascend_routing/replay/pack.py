@@ -16,6 +16,7 @@ import numpy as np
 
 from vllm_ascend_routing.contract import check as _check
 from vllm_ascend_routing.replay.aligned import INVALID, Aligned
+from vllm_ascend_routing.store.layout import StoredRows
 
 if TYPE_CHECKING:
     import torch
@@ -104,7 +105,8 @@ def to_megatron(
     row for row the slice of the whole), never a row of zeros: a repeated id breaks Megatron's token
     dispatch. ``valid`` marks the recorded rows, for trainers that route natively elsewhere.
 
-    Only the rows and layers the result holds are read and copied: vLLM's arrays stay as they are, and
+    Only the rows and layers the result holds are read and copied (from a key: those bytes only are read from the
+    store, one ranged read per layer and row run): vLLM's arrays stay as they are, and
     the result is one narrow `[num_moe_layers, N, top_k]` block (:class:`MegatronReplay`); each layer is
     widened to int64 when a router takes it.
 
@@ -155,12 +157,16 @@ def to_megatron(
     for sample, start, stop, packed_row in segments:
         mask = sample.valid_in(start, stop)
         for token, part in sample.blocks(start, stop):
+            if isinstance(part, StoredRows):  # a key: read the rank's layers of these tokens only
+                rows, checked, taken = part.read(rank_layers), list(range(len(rank_layers))), range(len(rank_layers))
+            else:
+                rows, checked, taken = part, layers, rank_layers
             _check_rows(
-                sample, part, token, mask[token - start : token - start + len(part)], layers, num_experts, zero_experts
+                sample, rows, token, mask[token - start : token - start + len(rows)], checked, num_experts, zero_experts
             )
             at = dst + token - start
-            for j, layer in enumerate(rank_layers):
-                out[j, at : at + len(part)] = part[:, layer]
+            for j, layer in enumerate(taken):
+                out[j, at : at + len(rows)] = rows[:, layer]
         valid_out[dst : dst + stop - start] = mask
         empty = np.nonzero(~mask)[0]
         n = (packed_row + empty)[:, None]
@@ -188,7 +194,7 @@ class _Sample(NamedTuple):
     """One sample as ``to_megatron`` reads it: row blocks from token ``first`` on, or one block and a mask."""
 
     number: int  # its position in the samples given
-    parts: tuple[np.ndarray, ...]
+    parts: tuple[Any, ...]  # np.ndarray, or StoredRows (a key: read a slice at a time)
     first: int
     num_tokens: int
     mask: np.ndarray | None  # [T] for (routes, valid) pairs; None: the rows of ``parts`` are the recorded ones
@@ -205,7 +211,7 @@ class _Sample(NamedTuple):
             valid[max(0, lo - start) : max(0, hi - start)] = True
         return valid
 
-    def blocks(self, start: int, stop: int) -> Iterator[tuple[int, np.ndarray]]:
+    def blocks(self, start: int, stop: int) -> Iterator[tuple[int, Any]]:
         """``(token, rows)`` of the row blocks that fall in tokens ``start..stop-1``: views, never copies."""
         token = self.first
         for part in self.parts:
@@ -217,7 +223,7 @@ class _Sample(NamedTuple):
 
 def _sample(index: int, sample: Aligned | tuple[np.ndarray, np.ndarray], shape: tuple[int, ...]) -> _Sample:
     if isinstance(sample, Aligned):
-        parts = tuple(np.asarray(part) for part in sample.parts)
+        parts = tuple(part if isinstance(part, StoredRows) else np.asarray(part) for part in sample.parts)
         if any(part.ndim != 3 or part.shape[1:] != shape for part in parts):
             got = [part.shape for part in parts]
             raise ValueError(f"sample {index}: row blocks {got}; expected [rows, *{shape}]")

@@ -1,0 +1,21 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A node-local store in a test's own folder, as an engine (a ledger) and a trainer (``replay``) both see it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vllm_ascend_routing.replay import stored
+from vllm_ascend_routing.store import shm
+from vllm_ascend_routing.store.keys import Namespace
+from vllm_ascend_routing.store.ledger import Ledger
+
+
+def shm_ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cap_bytes: int = 1 << 30) -> Ledger:
+    """An engine's ledger over ``shm`` rooted in ``tmp_path``; ``VLLM_ASCEND_ROUTING_STORE=shm`` for the readers."""
+    monkeypatch.setattr(shm.ShmBackend.__init__, "__defaults__", (str(tmp_path),))
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING_STORE", "shm")
+    monkeypatch.setattr(stored, "_clients", {})
+    return Ledger(shm.ShmBackend(), Namespace.mint(), cap_bytes, 0)
