@@ -17,7 +17,7 @@ PYTEST_FLAGS ?= -q
 # Bare `make` prints the help: the `## ` comments above the targets (it builds nothing).
 .DEFAULT_GOAL := help
 
-.PHONY: dist gpu-check gpu-e2e gpu-e2e-prep gpu-e2e-rehearse house test venvs test-unit test-mutate mutate test-native test-native-cpu test-static test-ascend test-trainer test-e2e test-spec test-contract test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-output bench-handoff bench-kernel bench-compiled bench-sentinel matrix matrix-ascend bench-oracle help
+.PHONY: dist gpu-check gpu-e2e gpu-e2e-prep gpu-e2e-rehearse house test venvs test-unit test-mutate mutate test-native test-native-cpu test-static test-ascend test-trainer test-e2e test-spec test-contract test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-output bench-store bench-handoff bench-kernel bench-compiled bench-sentinel matrix matrix-ascend bench-oracle help
 
 ## make help: this list (bare `make` prints it too); each target's `## ` comment in the Makefile
 help:
@@ -306,6 +306,12 @@ bench-sentinel:
 ## top-8), multi-turn; ratios in one run, written to benchmarks/results/output-vllm-RELEASE.json
 bench-output:
 	@py=$(call VENV,$(RELEASE)) && PYTHONPATH=$(CURDIR) $$py benchmarks/output.py
+
+## make bench-store [RELEASE=0.30.0]: the row store (VLLM_ASCEND_ROUTING_STORE=shm) against rows inline and routed
+## experts off with an A/A pair, in one run, at DeepSeek-V3-sized rows; fetch GB/s; a PP=4 x CP=2 rank's bytes read
+## and peak memory from keys; written to benchmarks/results/store-vllm-RELEASE.json
+bench-store:
+	@py=$(call VENV,$(RELEASE)) && PYTHONPATH=$(CURDIR) $$py benchmarks/store.py
 
 ## make bench-handoff [LONG=1]: host memory and time of the replay bridge (align + to_megatron) before and after
 ## the narrow bridge, as ratios to vLLM's bytes, on DeepSeek-V3, Qwen3-235B and Kimi-K2 shapes (4k, 32k; LONG: 128k),

@@ -279,3 +279,62 @@ def test_nixl_parameters_without_exact_rows_are_missing_with_the_reason() -> Non
     wider = carriers.TransferParamsCarrier(object(), RowLayout(3, 4, "uint8"))
     layout = wider.get(transfer_request(prompt, params=dict(params)), 0, 8)
     assert isinstance(layout, Missing) and "another model or configuration" in layout.reason
+
+
+def test_forged_or_foreign_rows_in_nixl_parameters_are_never_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parameters pass through the client and the proxy: rows altered on the way (the right token ids, other
+    ids), unsigned, or lent by an instance with another secret are Missing; the same secret on both sides loads."""
+    import base64
+    import io
+
+    prompt = list(range(100, 111))
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING_KV_SECRET", "deployment-a")
+    producer = carriers.TransferParamsCarrier(object(), LAYOUT)
+    finished = lent()
+    producer.put(transfer_request(prompt), rows(11), finished)
+    params = dict(finished[1])
+    consumer = carriers.TransferParamsCarrier(object(), LAYOUT)  # another instance, the same secret
+    assert np.array_equal(consumer.get(transfer_request(prompt, params=params), 0, 11), rows(11))
+    forged_rows = (rows(11) + 1) % 16  # the prompt's own token ids, other experts
+    buffer = io.BytesIO()
+    carriers._save(buffer, np.asarray(prompt, dtype=np.int64), forged_rows.astype(rows(11).dtype), LAYOUT)
+    forged = {**params, consumer.FIELD: base64.b64encode(buffer.getvalue()).decode("ascii")}
+    for planted in (forged, {k: v for k, v in forged.items() if k != consumer.MAC_FIELD}):
+        got = consumer.get(transfer_request(prompt, params=planted), 0, 11)
+        assert isinstance(got, Missing) and "not signed by this deployment" in got.reason
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING_KV_SECRET", "deployment-b")
+    foreign = carriers.TransferParamsCarrier(object(), LAYOUT).get(transfer_request(prompt, params=params), 0, 11)
+    assert isinstance(foreign, Missing) and "VLLM_ASCEND_ROUTING_KV_SECRET" in foreign.reason
+    monkeypatch.delenv("VLLM_ASCEND_ROUTING_KV_SECRET")
+    own = carriers.TransferParamsCarrier(object(), LAYOUT)  # unset: this process's secret, not deployment-a's
+    assert isinstance(own.get(transfer_request(prompt, params=params), 0, 11), Missing)
+
+
+def test_with_a_row_store_nixl_parameters_carry_a_key_and_the_rows_arrive_exact(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The key, not the rows, rides through the proxy; the rows come from the store, bound to their token ids by the
+    engine: a key of another prompt, a made-up key and a released one are Missing, never loaded."""
+    from tests.store.local import shm_ledger
+    from vllm_ascend_routing import replay
+    from vllm_ascend_routing.store import keys as store_keys
+    from vllm_ascend_routing.store import publisher as store_publisher
+
+    shm_ledger(tmp_path, monkeypatch)  # VLLM_ASCEND_ROUTING_STORE=shm in tmp_path
+    monkeypatch.setattr(store_publisher, "_publishers", {})
+    carrier = carriers.TransferParamsCarrier(object(), LAYOUT)
+    prompt, other = list(range(100, 111)), list(range(200, 211))
+    finished, finished_other = lent(), lent()
+    assert carrier.put(transfer_request(prompt, outputs=[7]), rows(11), finished) == 11
+    carrier.put(transfer_request(other), (rows(11) + 3) % 16, finished_other)
+    params = finished[1]
+    assert carrier.FIELD not in params and len(params[carrier.KEY_FIELD]) < 100  # a key, not 11 tokens' rows
+    assert np.array_equal(carrier.get(transfer_request(prompt, params=dict(params)), 0, 11), rows(11))
+    assert np.array_equal(carrier.get(transfer_request(prompt, params=dict(params)), 4, 6), rows(11)[4:10])
+    swapped = carrier.get(transfer_request(prompt, params=dict(finished_other[1])), 0, 11)
+    assert isinstance(swapped, Missing) and "other tokens than this prompt's first 11" in swapped.reason
+    made_up = {carrier.KEY_FIELD: store_keys.Namespace.mint().key()}
+    unknown = carrier.get(transfer_request(prompt, params=made_up), 0, 11)
+    assert isinstance(unknown, Missing) and "resolves to no rows" in unknown.reason
+    replay.release(params[carrier.KEY_FIELD])
+    assert isinstance(carrier.get(transfer_request(prompt, params=dict(params)), 0, 11), Missing)

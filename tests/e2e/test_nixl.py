@@ -39,7 +39,7 @@ def test_rows_read_with_nixl_are_exact(result: dict[str, Any], generation: str) 
     assert producer["opted_out_returned"] is False  # the opted-out request's caller got no rows; they went with its KV
     omitted = producer["omitted"]  # rows from prompt token OMIT_BEFORE to its caller; all of them with its KV
     assert omitted["ok"] and omitted["rows"] == omitted["matched"] > 0, omitted
-    every = (*nixl.DECODED, nixl.STRIPPED, nixl.SWAPPED)
+    every = (*nixl.DECODED, nixl.STRIPPED, nixl.SWAPPED, nixl.FORGED)
     # the producer put each prompt's rows in its parameters, the opted-out request's too
     assert result["rows_in_params"] == [True] * len(every)
     assert producer["rows_attached"] == sum(every)
@@ -61,7 +61,7 @@ def test_rows_read_with_nixl_are_exact(result: dict[str, Any], generation: str) 
 
 def test_a_decode_request_equals_one_engine_and_the_oracle(result: dict[str, Any]) -> None:
     single = result["single"]
-    assert single["same_tokens"] == single["same_rows"] == single["requests"] == len(nixl.DECODED) + 2, single
+    assert single["same_tokens"] == single["same_rows"] == single["requests"] == len(nixl.DECODED) + 4, single
     oracle = result["oracle"]
     assert oracle["verdict"] == "PASS" and oracle["wrong"] == 0 and oracle["cached_tokens"] == 0, oracle
 
@@ -75,8 +75,13 @@ def test_a_load_without_exact_rows_is_computed_here_and_the_producer_frees_its_b
     stripped, other = phases["nixl_rows_stripped"], phases["nixl_params_of_other_tokens"]
     assert stripped["rows_loaded"] == 0 and stripped["rows_declined"] == nixl.STRIPPED, stripped
     assert other["rows_loaded"] == 0 and other["rows_declined"] == nixl.SWAPPED, other
+    forged = phases["nixl_forged_rows"]
+    assert forged["rows_loaded"] == 0 and forged["rows_declined"] == nixl.FORGED, forged
+    later = phases["forged_prefix_later"]  # served from the blocks the forged load's prompt was computed into
+    assert later["ok"] and later["rows_loaded"] == 0 and result["forged_prefix_cached"] > 0, (later, result)
     reports = result["reports"]
     assert any("kv_transfer_params carry no routing rows" in text for text in reports), reports
     assert any("are of other tokens than this prompt's first" in text for text in reports), reports
+    assert any("not signed by this deployment" in text for text in reports), reports
     producer = result["producer"]
     assert producer["blocks_lent"] > 0 and producer["blocks_still_lent"] == 0, producer

@@ -47,6 +47,8 @@ OPTED_OUT = 2  # the producer's request of DECODED[2] opts out of routed experts
 OMITTED, OMIT_BEFORE = 1, 16  # that of DECODED[1] asks for rows from prompt token 16 on: all go with its KV
 STRIPPED = 129  # its parameters reach the consumer without the plugin's rows
 SWAPPED = 97  # the consumer sends another prompt of this length with this one's parameters
+FORGED = 70  # the consumer gets this prompt's parameters with other rows planted in them (its MAC kept)
+SECRET = "VLLM_ASCEND_ROUTING_KV_SECRET"
 WARM_UP = (20, 77, 45)
 LOCAL_HIT = 2 * BLOCK_SIZE  # tokens of the longest decoded prompt in the consumer's prefix cache before it loads
 PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
@@ -107,7 +109,7 @@ def producer(arch: str, exchange: Path) -> None:
     llm = _engine(model, "kv_producer", PREFILL_BUDGET)
     free_idle = _free_blocks(llm)
     sets = _sets()
-    batch = sets["decoded"] + [sets["stripped"], sets["swapped"]]
+    batch = sets["decoded"] + [sets["stripped"], sets["swapped"], sets["forged"]]
     options: dict[int, dict[str, Any]] = {
         OPTED_OUT: {"return_routed_experts": False},
         OMITTED: {"routed_experts_omit": OMIT_BEFORE},
@@ -155,6 +157,7 @@ def _sets() -> dict[str, Any]:
         "stripped": prompts((STRIPPED,), 42)[0],
         "swapped": prompts((SWAPPED,), 43)[0],
         "other": prompts((SWAPPED,), 44)[0],  # sent with the parameters of "swapped"
+        "forged": prompts((FORGED,), 46)[0],
     }
 
 
@@ -162,7 +165,8 @@ def run_nixl(arch: str) -> dict[str, Any]:
     """The consumer, with the producer in a child process (see the module's docstring)."""
     model = models.build_tiny_moe(arch, model_dir() / arch)
     exchange = Path(tempfile.mkdtemp(prefix="vllm_ascend_routing_nixl_"))
-    environment = dict(os.environ, **{PORT: str(_free_port()), HOST: "127.0.0.1"})
+    # the deployment's secret, the same on both instances (the rows in kv_transfer_params are signed with it)
+    environment = dict(os.environ, **{PORT: str(_free_port()), HOST: "127.0.0.1", SECRET: "nixl-scenario"})
     log_path = exchange / "producer.log"  # a file, not a pipe: nothing reads a pipe while the consumer runs
     with log_path.open("w") as log_file:
         child = subprocess.Popen(
@@ -175,7 +179,7 @@ def run_nixl(arch: str) -> dict[str, Any]:
     started = time.monotonic()
     out: dict[str, Any] = {"arch": arch, "phases": {}}
     try:
-        os.environ.update({PORT: str(_free_port()), HOST: "127.0.0.1"})
+        os.environ.update({PORT: str(_free_port()), HOST: "127.0.0.1", SECRET: "nixl-scenario"})
         out.update(_consume(model, exchange, child, out["phases"]))
         (exchange / "consumer.done").write_text("1")
         _wait_for(exchange / "producer.json", child, 300)
@@ -218,13 +222,21 @@ def _consume(model: models.TinyMoE, exchange: Path, child: subprocess.Popen[str]
     decoded = sets["decoded"]
     carried = params[: len(decoded)]
     stripped = {key: value for key, value in params[len(decoded)].items() if key != FIELD}
+    swapped = params[len(decoded) + 1]
     out: dict[str, Any] = {
         "rows_in_params": [FIELD in p for p in params],
-        "param_bytes_per_token": round(len(params[-1].get(FIELD, "")) / SWAPPED, 1),
+        "param_bytes_per_token": round(len(swapped.get(FIELD, "")) / SWAPPED, 1),
     }
     loaded = phase("nixl_decode", decoded, carried)
     declined = phase("nixl_rows_stripped", [sets["stripped"]], [stripped])
-    declined += phase("nixl_params_of_other_tokens", [sets["other"]], [params[-1]])
+    declined += phase("nixl_params_of_other_tokens", [sets["other"]], [swapped])
+    # Planted: the forged prompt's own token ids with other experts, its signature kept (a client cannot sign). The
+    # load is declined and computed here; a later request sharing that prefix is served from this instance's prefix
+    # cache, whose rows are the computed ones.
+    declined += phase("nixl_forged_rows", [sets["forged"]], [_forge(params[len(decoded) + 2], model)])
+    later = phase("forged_prefix_later", [sets["forged"] + [11, 12, 13]])
+    out["forged_prefix_cached"] = later[0].num_cached_tokens
+    declined += later
     out["reports"] = kv.first_reports()
     every = loaded + declined
     whole = offline.generate(llm, [c.prompt_ids for c in every], MAX_TOKENS, cache_salt="one-engine")
@@ -233,6 +245,22 @@ def _consume(model: models.TinyMoE, exchange: Path, child: subprocess.Popen[str]
     out["sentinel_consumer"] = offline.sentinel_totals(llm)
     offline.close(llm)
     return out
+
+
+def _forge(params: dict[str, Any], model: models.TinyMoE) -> dict[str, Any]:
+    """``params`` with its rows replaced by other experts of the same tokens (what a client or proxy could plant)."""
+    import base64
+    import io
+
+    import numpy as np
+
+    with np.load(io.BytesIO(base64.b64decode(params[FIELD])), allow_pickle=False) as stored:
+        fields = {name: stored[name] for name in stored.files}
+    rows = fields["rows"]
+    fields["rows"] = ((rows.astype(np.int64) + 1) % model.num_experts).astype(rows.dtype)
+    buffer = io.BytesIO()
+    np.savez(buffer, **fields)
+    return {**params, FIELD: base64.b64encode(buffer.getvalue()).decode("ascii")}
 
 
 def main() -> None:

@@ -35,7 +35,8 @@ def run_store(arch: str, store: str) -> dict[str, Any]:
     reference = offline.reference_for(model)
     args = [
         "--kv-cache-memory-bytes", str(offline.KV_CACHE_BYTES), "--max-model-len", "1024",
-        "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), "--enforce-eager", "--enable-prefix-caching", *server_args(),
+        "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), "--enforce-eager", "--enable-prefix-caching",
+        *server_args(),
     ]  # fmt: skip
     result: dict[str, Any] = {"store": store.split("?")[0]}
     from vllm_ascend_routing.compat import adapter as get_adapter

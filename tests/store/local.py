@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ascend_routing.replay import stored
+from vllm_ascend_routing.store import reader as stored
 from vllm_ascend_routing.store import shm
 from vllm_ascend_routing.store.keys import Namespace
 from vllm_ascend_routing.store.ledger import Ledger

@@ -30,8 +30,10 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import hmac
 import io
 import os
+import secrets
 import tempfile
 from collections import OrderedDict
 from collections.abc import Callable
@@ -40,9 +42,26 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from vllm_ascend_routing import envs
+from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.patching import RELY, Patch
+from vllm_ascend_routing.store import publisher as store_publisher
+from vllm_ascend_routing.store import reader as store_reader
+from vllm_ascend_routing.store.interface import StoreError
+
+logger = get_logger(__name__)
 
 ROWS_FILE = "vllm_ascend_routing_rows.npz"
+_PROCESS_SECRET = secrets.token_bytes(32)  # without VLLM_ASCEND_ROUTING_KV_SECRET: rows this process lent only
+
+
+def kv_secret() -> bytes:
+    """The key that signs rows carried in ``kv_transfer_params``: the deployment's (``VLLM_ASCEND_ROUTING_KV_SECRET``,
+    the same on every instance), else this process's own."""
+    shared = envs.VLLM_ASCEND_ROUTING_KV_SECRET
+    return shared.encode() if shared else _PROCESS_SECRET
+
+
 _FORMAT = 1
 _EXAMPLE = "vllm.distributed.kv_transfer.kv_connector.v1.example_connector"
 
@@ -164,14 +183,29 @@ class TransferParamsCarrier:
     ``request_finished``, the ``kv_transfer_params`` that describe its blocks; the client or proxy passes them with
     the next request (the decode request, or a later turn on the prefill instance), whose instance reads those
     blocks. The rows go into those parameters (``FIELD``: the token ids and their rows, base64 of one ``.npz``), so
-    they reach exactly the request that loads that KV, whatever routes it there."""
+    they reach exactly the request that loads that KV, whatever routes it there.
+
+    Those parameters pass through the client and the proxy, so what arrives may be forged, and a loaded block serves
+    later prefix hits of other requests: the rows are signed (``MAC_FIELD``: HMAC-SHA256 with this deployment's
+    ``VLLM_ASCEND_ROUTING_KV_SECRET``, the same on every instance; unset, a secret of this process's own, so only rows
+    this instance lent itself are accepted), and rows without a valid signature are never loaded.
+
+    With a row store (``VLLM_ASCEND_ROUTING_STORE``) the parameters carry a key instead (``KEY_FIELD``): the rows go
+    through the store, not through the proxy. The engine writes, beside them, the digest of the token ids they belong
+    to; a key nobody minted resolves to nothing, and a key of other tokens is refused on that digest."""
 
     connector = "NixlConnector"
     FIELD = "vllm_ascend_routing_rows"
+    MAC_FIELD = "vllm_ascend_routing_rows_mac"
+    KEY_FIELD = "vllm_ascend_routing_rows_key"  # with a row store: the rows' key instead of the rows
 
-    def __init__(self, connector: Any, layout: RowLayout) -> None:
+    def __init__(self, connector: Any, layout: RowLayout, secret: bytes | None = None) -> None:
         self._connector = connector
         self.layout = layout
+        self._secret = kv_secret() if secret is None else secret
+
+    def _mac(self, payload: bytes) -> str:
+        return hmac.new(self._secret, payload, hashlib.sha256).hexdigest()
 
     def put(self, request: Any, rows: np.ndarray, finished: Any = None) -> int:
         delay_free, params = finished if isinstance(finished, tuple) and len(finished) == 2 else (False, None)
@@ -180,13 +214,23 @@ class TransferParamsCarrier:
         sequence = getattr(request, "all_token_ids", None)
         tokens = np.asarray(list((request.prompt_token_ids if sequence is None else sequence) or []), dtype=np.int64)
         end = min(len(tokens), len(rows))
+        publisher = store_publisher.for_engine(0)
+        if publisher is not None:
+            try:
+                params[self.KEY_FIELD] = publisher.publish_rows(np.ascontiguousarray(rows[:end]), _digest(tokens[:end]))
+                return end
+            except StoreError as error:  # carried in the parameters instead
+                logger.warning("routed-experts store: a lent prompt's rows ride in kv_transfer_params: %s", error)
         buffer = io.BytesIO()
         _save(buffer, tokens[:end], rows[:end], self.layout)
         params[self.FIELD] = base64.b64encode(buffer.getvalue()).decode("ascii")
+        params[self.MAC_FIELD] = self._mac(buffer.getvalue())
         return end
 
     def get(self, request: Any, start: int, count: int) -> np.ndarray | Missing:
         params = getattr(request, "kv_transfer_params", None) or {}
+        if isinstance(params, dict) and self.KEY_FIELD in params:
+            return self._from_store(request, str(params[self.KEY_FIELD]), start, count)
         payload = params.get(self.FIELD) if isinstance(params, dict) else None
         if payload is None:
             return Missing(
@@ -194,8 +238,18 @@ class TransferParamsCarrier:
                 "ran without vllm-ascend-routing or without --enable-return-routed-experts, or the proxy dropped them)"
             )
         try:
-            tokens, rows = _read(io.BytesIO(base64.b64decode(str(payload), validate=True)), self.layout)
-        except (OSError, ValueError, KeyError, binascii.Error) as error:
+            raw = base64.b64decode(str(payload), validate=True)
+        except (ValueError, binascii.Error) as error:
+            return Missing(f"the routing rows in its kv_transfer_params cannot be read ({error})")
+        if not hmac.compare_digest(str(params.get(self.MAC_FIELD, "")), self._mac(raw)):
+            return Missing(
+                "the routing rows in its kv_transfer_params are not signed by this deployment (altered on the way, or "
+                "lent by an instance with another VLLM_ASCEND_ROUTING_KV_SECRET: set the same secret on the prefill "
+                "and decode instances)"
+            )
+        try:
+            tokens, rows = _read(io.BytesIO(raw), self.layout)
+        except (OSError, ValueError, KeyError) as error:
             return Missing(f"the routing rows in its kv_transfer_params cannot be read ({error})")
         end = start + count
         prompt = np.asarray(list(request.prompt_token_ids or [])[:end], dtype=np.int64)
@@ -205,6 +259,32 @@ class TransferParamsCarrier:
                 f"({len(tokens)} tokens carried)"
             )
         return np.ascontiguousarray(rows[start:end])
+
+    def _from_store(self, request: Any, key: str, start: int, count: int) -> np.ndarray | Missing:
+        try:
+            stored = store_reader.open_rows(key)
+        except (StoreError, ValueError) as error:
+            return Missing(f"the routing rows its kv_transfer_params name cannot be read from the store: {error}")
+        end = start + count
+        prompt = np.asarray(list(request.prompt_token_ids or [])[: len(stored)], dtype=np.int64)
+        if len(prompt) < len(stored) or _digest(prompt) != stored.header.tokens_sha256 or len(stored) < end:
+            return Missing(
+                f"the routing rows its kv_transfer_params name are of other tokens than this prompt's first {end} "
+                f"({len(stored)} tokens stored)"
+            )
+        if (stored.dtype, stored.shape[1:]) != (
+            np.dtype(self.layout.dtype),
+            (self.layout.num_layers, self.layout.top_k),
+        ):
+            return Missing(
+                f"the stored rows are {stored.shape[1:]} {stored.dtype} per token, this engine's are "
+                f"({self.layout.num_layers}, {self.layout.top_k}) {self.layout.dtype}: another model or configuration"
+            )
+        return np.ascontiguousarray(stored.window(start, end).read())
+
+
+def _digest(tokens: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(tokens, dtype=np.int64).tobytes()).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,8 @@ from vllm_ascend_routing.replay.megatron import (
 )
 from vllm_ascend_routing.replay.nemo_rl import for_nemo_rl
 from vllm_ascend_routing.replay.pack import MegatronReplay, Shard, to_megatron
-from vllm_ascend_routing.replay.stored import fetch, open_rows, release
 from vllm_ascend_routing.store import MalformedKeyError, StoreError, UnknownKeyError
+from vllm_ascend_routing.store.reader import fetch, open_rows, release
 
 __all__ = [
     "ROW_CONTRACTS",

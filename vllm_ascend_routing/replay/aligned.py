@@ -16,8 +16,8 @@ import numpy as np
 from vllm_ascend_routing import releases
 from vllm_ascend_routing.contract import Violation
 from vllm_ascend_routing.contract import check as _check
-from vllm_ascend_routing.replay.stored import open_rows
 from vllm_ascend_routing.store.layout import StoredRows
+from vllm_ascend_routing.store.reader import open_rows
 
 INVALID = -1  # the id Aligned.routes leaves in rows with no recorded routing: not an expert, any gather at it fails
 

@@ -33,6 +33,7 @@ class Header:
     dtype: str
     shape: tuple[int, int, int]  # [T, L, K] as vLLM returns the array
     first_token: int
+    tokens_sha256: str = ""  # P/D rows: the digest of the token ids they belong to (written by the engine)
 
     @property
     def payload_bytes(self) -> int:
@@ -40,15 +41,15 @@ class Header:
         return t * layers * k * np.dtype(self.dtype).itemsize
 
 
-def encode(key: str, rows: np.ndarray, first_token: int) -> tuple[list[memoryview], Header]:
+def encode(key: str, rows: np.ndarray, first_token: int, tokens_sha256: str = "") -> tuple[list[memoryview], Header]:
     """The object's bytes for ``rows`` (``[T, L, K]``), as parts for ``Backend.put`` (one copy: the layer-major
     transpose), and its header."""
     if rows.ndim != 3:
         raise ValueError(f"rows of shape {rows.shape}: expected [tokens, num_layers, top_k]")
-    header = Header(key, rows.dtype.str, (int(rows.shape[0]), int(rows.shape[1]), int(rows.shape[2])), first_token)
-    text = json.dumps(
-        {"key": key, "dtype": header.dtype, "shape": list(header.shape), "first_token": int(first_token)}
-    ).encode()
+    shape = (int(rows.shape[0]), int(rows.shape[1]), int(rows.shape[2]))
+    header = Header(key, rows.dtype.str, shape, first_token, tokens_sha256)
+    fields = {"key": key, "dtype": header.dtype, "shape": list(shape), "first_token": int(first_token)}
+    text = json.dumps({**fields, "tokens_sha256": tokens_sha256} if tokens_sha256 else fields).encode()
     head = MAGIC + _LENGTH.pack(len(text)) + text
     head += b"\0" * (-len(head) % _ALIGN)
     payload = np.ascontiguousarray(rows.transpose(1, 0, 2))
@@ -66,7 +67,8 @@ def read_header(backend: Backend, key: str) -> tuple[Header, int]:
         raise StoreError(f"the object of {key!r} is not a routed-experts object (bad magic)")
     (length,) = _LENGTH.unpack(start[len(MAGIC) :])
     fields = json.loads(backend.read(key, len(start), length))
-    header = Header(fields["key"], fields["dtype"], tuple(fields["shape"]), int(fields["first_token"]))  # type: ignore[arg-type]
+    shape = tuple(fields["shape"])
+    header = Header(fields["key"], fields["dtype"], shape, int(fields["first_token"]), fields.get("tokens_sha256", ""))  # type: ignore[arg-type]
     return header, payload_offset(len(start) + length)
 
 

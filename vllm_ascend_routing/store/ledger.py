@@ -57,7 +57,7 @@ class Ledger:
         self.live_bytes = 0
         self.stats = LedgerStats()
 
-    def publish(self, rows: np.ndarray, first_token: int) -> str:
+    def publish(self, rows: np.ndarray, first_token: int, tokens_sha256: str = "") -> str:
         """Store ``rows`` (``[T, L, K]`` as vLLM returns them) and return their key, once they are readable.
 
         Raises:
@@ -65,7 +65,7 @@ class Ledger:
         """
         self.expire()
         key = self.namespace.key()
-        parts, header = layout.encode(key, rows, first_token)
+        parts, _ = layout.encode(key, rows, first_token, tokens_sha256)
         nbytes = sum(len(part) for part in parts)
         if self.live_bytes + nbytes > self.cap_bytes:
             self.recount()

@@ -82,6 +82,12 @@ class Publisher:
             "shape": [int(n) for n in rows.shape],
         }, None
 
+    def publish_rows(self, rows: np.ndarray, tokens_sha256: str) -> str:
+        """Rows of a prompt's KV lent to another instance (P/D), with the digest of their token ids: their key.
+        Raises ``StoreError`` (the caller carries the rows inline instead)."""
+        with self._lock:
+            return self.ledger().publish(rows, 0, tokens_sha256)
+
     def close(self) -> None:
         with self._lock:
             if self._ledger is not None:

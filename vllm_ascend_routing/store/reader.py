@@ -1,5 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Rows behind keys (an engine with ``VLLM_ASCEND_ROUTING_STORE`` set: ``routed_experts_info["store_key"]``).
+"""Rows behind keys (an engine with ``VLLM_ASCEND_ROUTING_STORE`` set: ``routed_experts_info["store_key"]``), read by
+whoever holds a key: a trainer (``replay.fetch``, ``replay.open_rows``, ``replay.release``), or a decode instance
+loading a P/D prefill's rows (``kv.carriers``).
 
     rows = fetch(info["store_key"])               # exactly the array the request would have returned inline
     lazy = open_rows(info["store_key"])           # nothing read yet: align(lazy, ...) / to_megatron read a slice
