@@ -171,7 +171,7 @@ def main() -> None:
             for index, name in enumerate(order):
                 batch = prompts(args.requests, args.prompt, 1 + round_ * 10 + index)
                 done = one_round(servers[name], model, batch, args.max_tokens)
-                keys = [(c.get("routed_experts_info") or {}).get("store_key") for c in done["choices"]]
+                keys = [str((c.get("routed_experts_info") or {}).get("store_key")) for c in done["choices"]]
                 record_bytes = [len(json.dumps(c.get("routed_experts_info"))) for c in done["choices"]]
                 row = {"round": round_, "engine": name, "seconds": done["seconds"], "requests": done["requests"],
                        "bytes_per_response": statistics.median(done["bytes"]),

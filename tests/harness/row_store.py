@@ -118,8 +118,9 @@ def _requests(url: str, model: models.TinyMoE, reference: Any) -> dict[str, Any]
         "key": (inline.get("routed_experts_info") or {}).get("store_key"),
         **_verdict(offline.check(reference, model, [offline.Completion(prompt, inline["token_ids"], routed)])),
     }
-    out["lazy"] = _lazy_slice(keys[:6], completions, model)
-    released = keys[0]
+    stored = [str(key) for key in keys if key]
+    out["lazy"] = _lazy_slice(stored[:6], completions, model)
+    released = stored[0]
     out["release"] = {"freed": replay.release([released]), "refused_by_name": _refused(released)}
     made_up = released.rsplit(".", 1)[0] + "." + "0" * 32
     out["made_up"] = {"refused_by_name": _refused(made_up)}

@@ -157,16 +157,19 @@ def to_megatron(
     for sample, start, stop, packed_row in segments:
         mask = sample.valid_in(start, stop)
         for token, part in sample.blocks(start, stop):
+            block: np.ndarray
+            checked: list[int]
+            taken: Sequence[int]
             if isinstance(part, StoredRows):  # a key: read the rank's layers of these tokens only
-                rows, checked, taken = part.read(rank_layers), list(range(len(rank_layers))), range(len(rank_layers))
+                block, checked, taken = part.read(rank_layers), list(range(len(rank_layers))), range(len(rank_layers))
             else:
-                rows, checked, taken = part, layers, rank_layers
+                block, checked, taken = part, layers, rank_layers
             _check_rows(
-                sample, rows, token, mask[token - start : token - start + len(rows)], checked, num_experts, zero_experts
+                sample, block, token, mask[token - start : token - start + len(block)], checked, num_experts, zero_experts
             )
             at = dst + token - start
             for j, layer in enumerate(taken):
-                out[j, at : at + len(rows)] = rows[:, layer]
+                out[j, at : at + len(block)] = block[:, layer]
         valid_out[dst : dst + stop - start] = mask
         empty = np.nonzero(~mask)[0]
         n = (packed_row + empty)[:, None]

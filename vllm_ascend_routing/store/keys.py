@@ -74,7 +74,7 @@ def parse(key: object) -> Key:
         raise MalformedKeyError(key)
     rows = match.group("rows")
     return Key(
-        key.split("@", 1)[0],  # type: ignore[union-attr]
+        match.string.split("@", 1)[0],
         match.group("instance"),
         int(match.group("dp")),
         int(match.group("start"), 16),

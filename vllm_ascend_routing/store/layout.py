@@ -53,7 +53,7 @@ def encode(key: str, rows: np.ndarray, first_token: int, tokens_sha256: str = ""
     head = MAGIC + _LENGTH.pack(len(text)) + text
     head += b"\0" * (-len(head) % _ALIGN)
     payload = np.ascontiguousarray(rows.transpose(1, 0, 2))
-    return [memoryview(head), memoryview(payload).cast("B")], header
+    return [memoryview(head), memoryview(payload.data).cast("B")], header
 
 
 def payload_offset(header_bytes: int) -> int:

@@ -57,7 +57,7 @@ def open_rows(key: str, *, store: str | None = None) -> layout.StoredRows:
 
 
 @overload
-def fetch(key: str, *, store: str | None = None) -> np.ndarray: ...
+def fetch(key: str, *, store: str | None = None) -> np.ndarray: ...  # type: ignore[overload-overlap]
 @overload
 def fetch(key: Iterable[str], *, store: str | None = None) -> list[np.ndarray]: ...
 def fetch(key: str | Iterable[str], *, store: str | None = None) -> np.ndarray | list[np.ndarray]:
