@@ -109,3 +109,23 @@ def test_a_conversation_of_keys_is_the_conversation_of_arrays(tmp_path: Path, mo
         context = prompt + output
     a, b = by_array.aligned(), by_key.aligned()
     assert np.array_equal(a.routes, b.routes) and a.num_tokens == b.num_tokens
+
+
+def test_two_engines_keys_in_one_trainer_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DP = 2: each engine core publishes under its own namespace; one trainer batch mixes their keys, and each DP
+    rank packs exactly its samples' rows."""
+    from vllm_ascend_routing.store.ledger import Ledger
+
+    first = shm_ledger(tmp_path, monkeypatch)
+    second = Ledger(first.backend, Namespace.mint(dp_rank=1), 1 << 30, 0)
+    arrays = [request_rows(20 + i, 30 + 2 * i) for i in range(4)]
+    keys = [(first if i % 2 == 0 else second).publish(a, 0) for i, a in enumerate(arrays)]
+    assert [".dp0." in k for k in keys] == [True, False, True, False]
+    lengths = [(len(a) + 1, 0) for a in arrays]  # prompt only: T - 1 rows each, as a 1-token request's prompt
+    for dp_rank in range(2):
+        shard = replay.Shard(dp_rank=dp_rank, dp_size=2)
+        by_key = replay.to_megatron([replay.align(k, p, o) for k, (p, o) in zip(keys, lengths, strict=True)],
+                                    MOE, EXPERTS, shard=shard)  # fmt: skip
+        inline = replay.to_megatron([replay.align(a, p, o) for a, (p, o) in zip(arrays, lengths, strict=True)],
+                                    MOE, EXPERTS, shard=shard)  # fmt: skip
+        assert torch_equal(by_key.ids, inline.ids) and torch_equal(by_key.valid, inline.valid)
