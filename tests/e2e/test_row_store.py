@@ -41,13 +41,16 @@ def test_keys_only_and_every_fetched_row_exact(served: dict[str, Any], generatio
     assert part["max_response_bytes_per_choice"] <= 1024 + 512, part  # the record, not the rows
 
 
-def test_streamed_and_chat_carry_the_key(served: dict[str, Any], generation: str) -> None:
+def test_streamed_chat_and_generate_carry_the_key(served: dict[str, Any], generation: str) -> None:
     if generation not in SERVES:
         pytest.skip("refused at start-up (the test above)")
     streamed = served["streamed"]
     assert streamed["key_in_finishing_chunk"] and streamed["rows_in_any_chunk"] == 0, streamed
     exact(streamed)
     assert served["chat"]["key"] and not served["chat"]["rows_inline"] and served["chat"]["rows"] > 0
+    generated = served["generate"]
+    assert generated["key"] and not generated["rows_inline"], generated
+    exact(generated)
 
 
 def test_inline_on_request_and_slices_from_keys(served: dict[str, Any], generation: str) -> None:

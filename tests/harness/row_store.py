@@ -4,7 +4,8 @@ store given (``shm``, or a Mooncake master's URL), this process as the trainer f
 against the transformers reference.
 
   * ``completions``: 3 prompts x n = 2 non-streamed (each sample its own key, its own rows), fetched as a batch;
-  * ``streamed``: the key in the choice's finishing chunk; ``chat``: the key of a chat completion;
+  * ``streamed``: the key in the choice's finishing chunk; ``chat``: the key of a chat completion; ``generate``: vLLM's
+    ``/inference/v1/generate`` (behind ``--enable-scale-out`` where the release has it);
   * ``inline``: ``vllm_xargs {"routed_experts_transport": "inline"}``: the rows in the response, no key;
   * ``lazy``: a PP-stage x CP-rank slice packed from keys (``replay.to_megatron``) equals the one packed from the
     fetched arrays, and reads no more than the slice;
@@ -111,6 +112,16 @@ def _requests(url: str, model: models.TinyMoE, reference: Any) -> dict[str, Any]
     if chat_key is not None:
         out["chat"]["rows"] = int(replay.fetch(chat_key).shape[0])
         keys.append(chat_key)
+    generate = {"model": name, "token_ids": prompt,
+                "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    generated = post(f"{url}/inference/v1/generate", generate)["choices"][0]
+    generate_key = (generated.get("routed_experts_info") or {}).get("store_key")
+    out["generate"] = {"key": generate_key is not None, "rows_inline": generated.get("routed_experts") is not None}
+    if generate_key is not None:
+        tokens = list(generated["token_ids"])
+        checked_generate = [offline.Completion(prompt, tokens, replay.fetch(generate_key))]
+        out["generate"].update(_verdict(offline.check(reference, model, checked_generate)))
+        keys.append(generate_key)
     inline_args = {"vllm_xargs": {"routed_experts_transport": "inline"}}
     inline = post(f"{url}/v1/completions", {**body, "prompt": prompt, "temperature": 0, **inline_args})["choices"][0]
     routed = decode(inline["routed_experts"]) if inline.get("routed_experts") else None
