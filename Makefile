@@ -17,7 +17,7 @@ PYTEST_FLAGS ?= -q
 # Bare `make` prints the help: the `## ` comments above the targets (it builds nothing).
 .DEFAULT_GOAL := help
 
-.PHONY: dist gpu-check gpu-e2e gpu-e2e-prep gpu-e2e-rehearse house test venvs test-unit test-mutate mutate test-native test-native-cpu test-static test-ascend test-trainer test-e2e test-spec test-contract test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-output bench-store bench-handoff bench-kernel bench-compiled bench-sentinel matrix matrix-ascend bench-oracle help
+.PHONY: dist gpu-check gpu-e2e gpu-e2e-prep gpu-e2e-rehearse house test venvs test-unit test-mutate mutate test-native test-native-cpu test-static test-ascend test-trainer test-e2e test-spec test-contract test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-output bench-store mooncake-kit bench-handoff bench-kernel bench-compiled bench-sentinel matrix matrix-ascend bench-oracle help
 
 ## make help: this list (bare `make` prints it too); each target's `## ` comment in the Makefile
 help:
@@ -69,6 +69,12 @@ venvs:
 	for pair in $(ASCEND_RELEASES); do \
 		py=$$($(PYTHON) scripts/venv.py $${pair##*:} --print); \
 		$(PYTHON) scripts/ascend_src.py $${pair%%:*} --python $$py >/dev/null; done
+	@py=$$($(PYTHON) scripts/venv.py dev --print) && $$py scripts/mooncake_kit.py --python $$py >/dev/null
+
+## make mooncake-kit: Mooncake's client and master for the dev environment's Python (the row store's tests), cached
+## outside the clone; prints the PYTHONPATH / LD_LIBRARY_PATH / MOONCAKE_MASTER a process needs (scripts/mooncake_kit.py)
+mooncake-kit:
+	@py=$$($(PYTHON) scripts/venv.py dev --print) && $$py scripts/mooncake_kit.py --python $$py --print-env
 
 ## make lint: ruff, mypy, and the CI workflow for forks (.github/workflows/ci.yml): what scripts/workflow.py
 ## writes from the release table, and valid against GitHub's workflow schema (check-jsonschema ships it).

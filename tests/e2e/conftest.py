@@ -23,8 +23,10 @@ class Scenarios:
         # TEST-ONLY, only where this vLLM refuses the float32 test models on this CPU (0.27 on AMX).
         self.standin = cpu_moe_choice.engine_pythonpath_standin()
 
-    def start(self, *args: str, plugin: bool = True, in_process: bool = True) -> subprocess.Popen[str]:
-        env = dict(os.environ)
+    def start(
+        self, *args: str, plugin: bool = True, in_process: bool = True, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[str]:
+        env = dict(os.environ if env is None else env)
         env.pop("VLLM_ASCEND_ROUTING", None)
         if plugin:
             env["VLLM_ASCEND_ROUTING"] = "1"
@@ -63,10 +65,13 @@ class Scenarios:
         output, _ = proc.communicate(timeout=900)
         return proc.returncode, output
 
-    def __call__(self, *args: str, plugin: bool = True, in_process: bool = True) -> dict[str, Any]:
+    def __call__(
+        self, *args: str, plugin: bool = True, in_process: bool = True, env: dict[str, str] | None = None
+    ) -> dict[str, Any]:
+        """``env``: the scenario's environment instead of this process's (e.g. with a kit's libraries on it)."""
         key = (args, plugin, in_process)
         if key not in self.results:
-            self.results[key] = self.finish(self.start(*args, plugin=plugin, in_process=in_process))
+            self.results[key] = self.finish(self.start(*args, plugin=plugin, in_process=in_process, env=env))
             result = self.results[key]
             if args[0] != "bypass":
                 for name, value in result.get("sentinel", {}).items():

@@ -11,6 +11,10 @@ against the transformers reference.
     fetched arrays, and reads no more than the slice;
   * ``release`` / ``made_up``: a released and a made-up key are refused by name;
   * ``after_restart``: once the server has exited, every key it gave is refused (never another start's rows).
+
+``--store mooncake``: the same against a real ``mooncake_master`` this process starts on localhost (TCP; the scenario
+runs with ``scripts/mooncake_kit.py``'s environment), then ``master_killed``: the master SIGKILLed mid-run, the next
+request's rows come inline, exact, with the record saying why; keys of the exited server then never resolve.
 """
 
 from __future__ import annotations
@@ -31,6 +35,18 @@ MAX_TOKENS = 8
 
 
 def run_store(arch: str, store: str) -> dict[str, Any]:
+    if store != "mooncake":
+        return _run_store(arch, store, None)
+    from tests.scripts import load
+
+    kit = load("scripts/mooncake_kit.py", "mooncake_kit").kit
+    from tests.harness.mooncake_master import MooncakeMaster
+
+    with MooncakeMaster(kit().master_binary, dict(os.environ)) as master:  # this process has the kit's environment
+        return _run_store(arch, master.url, master)
+
+
+def _run_store(arch: str, store: str, master: Any) -> dict[str, Any]:
     os.environ["VLLM_ASCEND_ROUTING_STORE"] = store  # the server's engine and this trainer use the same store
     model = models.build_tiny_moe(arch, model_dir() / arch)
     reference = offline.reference_for(model)
@@ -39,7 +55,7 @@ def run_store(arch: str, store: str) -> dict[str, Any]:
         "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), "--enforce-eager", "--enable-prefix-caching",
         *server_args(),
     ]  # fmt: skip
-    result: dict[str, Any] = {"store": store.split("?")[0]}
+    result: dict[str, Any] = {"store": store.split(":")[0]}
     from vllm_ascend_routing.compat import adapter as get_adapter
 
     if not get_adapter().per_request_output:  # 0.20.x / 0.21.0: refused at start-up, by name
@@ -50,14 +66,36 @@ def run_store(arch: str, store: str) -> dict[str, Any]:
         result["startup_s"] = round(time.monotonic() - started, 1)
         result.update(_requests(server.url, model, reference))
         keys = result.pop("keys")
-    gone = []
+        if master is not None:
+            master.kill()
+            result["master_killed"] = _inline_fallback(server.url, model, reference)
+    gone, refused = [], []
     for key in keys:
         try:
             replay.fetch(key)
         except replay.UnknownKeyError as error:
             gone.append(key in str(error))
-    result["after_restart"] = {"keys": len(keys), "refused_by_name": sum(gone)}
+        except replay.StoreError as error:  # the master is gone: nothing resolves (never another start's rows)
+            refused.append(type(error).__name__)
+    result["after_restart"] = {"keys": len(keys), "refused_by_name": sum(gone), "store_gone": len(refused)}
     return result
+
+
+def _inline_fallback(url: str, model: models.TinyMoE, reference: Any) -> dict[str, Any]:
+    """A request after the store's master died: its rows inline, exact, and the record says why."""
+    (prompt,) = models.mixed_prompts(1, seed=73, min_len=30, max_len=30)
+    body = {"model": str(model.path), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    started = time.monotonic()
+    choice = post(f"{url}/v1/completions", body)["choices"][0]
+    info = choice.get("routed_experts_info") or {}
+    routed = decode(choice["routed_experts"]) if choice.get("routed_experts") else None
+    return {
+        "seconds": round(time.monotonic() - started, 1),
+        "key": info.get("store_key"),
+        "fallback": info.get("store_fallback"),
+        **_verdict(offline.check(reference, model, [offline.Completion(prompt, list(choice["token_ids"]), routed)])),
+    }
 
 
 def _requests(url: str, model: models.TinyMoE, reference: Any) -> dict[str, Any]:

@@ -243,7 +243,7 @@ def main() -> None:
         help="data-parallel: one server with both engines, or a second headless process",
     )
     parser.add_argument("--ep", action="store_true", help="data-parallel: with --enable-expert-parallel")
-    parser.add_argument("--store", default="shm", help="store: the VLLM_ASCEND_ROUTING_STORE the engine gets")
+    parser.add_argument("--store", default="shm", choices=["shm", "mooncake"], help="store: shm, or a Mooncake master")
     parser.add_argument("--arch", default="qwen3_moe", choices=model_recipes.ALL_ARCHITECTURES)
     parser.add_argument("--out", default="", help="verl-handoff: where to write the arrays (a folder per model)")
     parser.add_argument("--mode", default="eager", choices=["eager", "compiled"])

@@ -14,8 +14,8 @@ import pytest
 from tests.output import test_engine as stand_in
 from vllm_ascend_routing import replay
 from vllm_ascend_routing.output import engine, provenance
-from vllm_ascend_routing.store import reader as stored
 from vllm_ascend_routing.store import publisher as store_publisher
+from vllm_ascend_routing.store import reader as stored
 from vllm_ascend_routing.store import setting, shm
 
 

@@ -164,9 +164,8 @@ def to_megatron(
                 block, checked, taken = part.read(rank_layers), list(range(len(rank_layers))), range(len(rank_layers))
             else:
                 block, checked, taken = part, layers, rank_layers
-            _check_rows(
-                sample, block, token, mask[token - start : token - start + len(block)], checked, num_experts, zero_experts
-            )
+            valid = mask[token - start : token - start + len(block)]
+            _check_rows(sample, block, token, valid, checked, num_experts, zero_experts)
             at = dst + token - start
             for j, layer in enumerate(taken):
                 out[j, at : at + len(block)] = block[:, layer]
