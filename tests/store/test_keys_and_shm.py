@@ -125,3 +125,34 @@ def test_an_exited_engines_keys_resolve_to_nothing_and_its_objects_go(tmp_path: 
     with pytest.raises(UnknownKeyError, match="has exited"):
         layout.read_header(reader, key)
     assert os.listdir(reader.path) == []  # the reader removed the dead engine's objects and lease
+
+
+READER = """
+import hashlib, sys
+import numpy as np
+from vllm_ascend_routing.store import layout
+from vllm_ascend_routing.store.shm import ShmBackend
+backend = ShmBackend(sys.argv[1])
+for key in sys.argv[2:]:
+    header, at = layout.read_header(backend, key)
+    print(hashlib.sha256(np.asarray(layout.StoredRows(backend, header, at)).tobytes()).hexdigest(), flush=True)
+"""
+
+
+def test_two_trainers_read_the_same_keys_at_once(backend: ShmBackend) -> None:
+    import hashlib
+    import subprocess
+    import sys
+
+    namespace = keys.Namespace.mint()
+    published = {}
+    for seed in range(4):
+        key, array = namespace.key(), rows(seed, t=200 + seed)
+        backend.put(key, layout.encode(key, array, 0)[0])
+        published[key] = hashlib.sha256(array.tobytes()).hexdigest()
+    command = [sys.executable, "-c", READER, os.path.dirname(backend.path), *published]
+    trainers = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    for trainer in trainers:
+        out, _ = trainer.communicate(timeout=60)
+        assert trainer.returncode == 0 and out.split() == list(published.values())  # each its own rows, exact
+    assert all(backend.size(key) is not None for key in published)  # reading consumes nothing
