@@ -41,12 +41,12 @@ RECIPE = "1"  # bump when the recipe changes: every cached kit is rebuilt
 
 
 def cache_root() -> Path:
-    # envs.py is read by path: this script runs before the package is installed anywhere.
-    spec = importlib.util.spec_from_file_location("_envs", ROOT / "vllm_ascend_routing" / "envs.py")
+    """The environments' cache: scripts/venv.py's, loaded by path (``import venv`` here is the standard library's)."""
+    spec = importlib.util.spec_from_file_location("_vllm_ascend_routing_venv_script", ROOT / "scripts" / "venv.py")
     assert spec is not None and spec.loader is not None
-    envs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(envs)
-    return Path(envs.VLLM_ASCEND_ROUTING_CACHE)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return Path(script.cache_root())
 
 
 @dataclass(frozen=True)
