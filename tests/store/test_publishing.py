@@ -6,6 +6,7 @@ request; the store full: rows inline and the record says why; an aborted request
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 
 from tests.output import test_engine as stand_in
 from vllm_ascend_routing import replay
-from vllm_ascend_routing.output import engine, provenance
+from vllm_ascend_routing.output import engine, frontend, provenance
 from vllm_ascend_routing.store import publisher as store_publisher
 from vllm_ascend_routing.store import reader as stored
 from vllm_ascend_routing.store import setting, shm
@@ -38,8 +39,20 @@ class DistinctRows(stand_in.Scheduler):
         return outputs
 
 
+def hooked(cls: type[DistinctRows]) -> DistinctRows:
+    """``cls`` with the output feature's scheduler hooks, on a store engine (``shm``)."""
+    scheduler = type("HookedScheduler", (cls,), {})
+    scheduler.add_request = engine._adding(cls.add_request, stand_in.REQUESTED)  # type: ignore[method-assign]
+    scheduler.update_from_output = engine._updating(cls.update_from_output, stand_in.REQUESTED)  # type: ignore[method-assign]
+    scheduler._free_request = engine._freeing(cls._free_request, stand_in.REQUESTED)  # type: ignore[method-assign]
+    instance = scheduler()
+    publisher = store_publisher.Publisher(setting.Setting("shm", "shm"), dp_rank=1)
+    setattr(instance, engine._SCHEDULER_STATE, engine.EngineState(enabled=True, publisher=publisher))
+    return instance
+
+
 @pytest.fixture
-def store_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> DistinctRows:
+def shm_store(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(engine, "selecting", set())
     monkeypatch.setattr(engine, "opted_out", set())
     monkeypatch.setattr(engine, "inline", set())
@@ -47,14 +60,11 @@ def store_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> DistinctRow
     monkeypatch.setattr(shm.ShmBackend.__init__, "__defaults__", (str(tmp_path),))
     monkeypatch.setenv("VLLM_ASCEND_ROUTING_STORE", "shm")
     monkeypatch.setattr(stored, "_clients", {})
-    hooked = type("HookedScheduler", (DistinctRows,), {})
-    hooked.add_request = engine._adding(DistinctRows.add_request, stand_in.REQUESTED)  # type: ignore[method-assign]
-    hooked.update_from_output = engine._updating(DistinctRows.update_from_output, stand_in.REQUESTED)  # type: ignore[method-assign]
-    hooked._free_request = engine._freeing(DistinctRows._free_request, stand_in.REQUESTED)  # type: ignore[method-assign]
-    instance = hooked()
-    publisher = store_publisher.Publisher(setting.Setting("shm", "shm"), dp_rank=1)
-    setattr(instance, engine._SCHEDULER_STATE, engine.EngineState(enabled=True, publisher=publisher))
-    return instance
+
+
+@pytest.fixture
+def store_engine(shm_store: None) -> DistinctRows:
+    return hooked(DistinctRows)
 
 
 def run(scheduler: DistinctRows, plan: list[tuple[list[str], list[str], list[str]]]) -> dict[str, list[Any]]:
@@ -146,3 +156,52 @@ def test_publisher_for_engine_follows_the_setting(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("VLLM_ASCEND_ROUTING_STORE", "shm")
     found = store_publisher.for_engine(2)
     assert found is not None and found.dp_rank == 2 and store_publisher.for_engine(2) is found
+
+
+class ContractRows(DistinctRows):
+    """Rows of a 3-layer model whose layer 1 routes (top-2 of 64): request "broken" repeats an id in a row."""
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[int, Any]:
+        outputs = DistinctRows.update_from_output(self, scheduler_output, model_runner_output)
+        for output in outputs[0].outputs:
+            chunk = np.zeros_like(output.routed_experts)
+            chunk[:, 1, 0] = output.routed_experts[:, 1, 1] % 60
+            chunk[:, 1, 1] = chunk[:, 1, 0] + (0 if output.request_id == "broken" else 1)
+            output.routed_experts = chunk
+            self.sent[output.request_id][-1] = chunk
+        return outputs
+
+
+@pytest.mark.parametrize("mode", ["strict", "1"])
+def test_validation_mode_checks_rows_before_they_are_stored(
+    shm_store: None, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """The front end never sees stored rows, so validation mode checks them in the engine core: strict stores nothing
+    broken and fails that request in the front end; "1" stores them and lists what broke in the record."""
+    import functools
+
+    from vllm_ascend_routing import validate
+
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING_VALIDATE", mode)
+    store_engine = hooked(ContractRows)
+    model = validate.ModelRouting(num_experts=64, num_layers=3, moe_layers=frozenset({1}))
+    getattr(store_engine, engine._SCHEDULER_STATE).violations = functools.partial(engine._violations, model=model)
+    for name in ("broken", "fine"):
+        store_engine.add_request(stand_in.request(name, 30))
+    seen = run(
+        store_engine, [(["broken", "fine"], ["broken", "fine"], []), (["broken", "fine"], [], ["broken", "fine"])]
+    )
+    fine = seen["fine"][-1].kv_transfer_params[engine.RECORD_KEY]
+    assert provenance.VIOLATIONS not in fine
+    assert np.array_equal(replay.fetch(fine[provenance.STORE_KEY]), np.concatenate(store_engine.sent["fine"]))
+    broken = seen["broken"][-1].kv_transfer_params[engine.RECORD_KEY]
+    assert any("twice" in text or "repeat" in text or "duplicate" in text for text in broken[provenance.VIOLATIONS])
+    output = SimpleNamespace(routed_experts=None, finish_reason="stop")
+    if mode == "strict":
+        assert provenance.STORE_KEY not in broken and seen["broken"][-1].routed_experts is None
+        with pytest.raises(validate.RoutingValidationError):
+            frontend._attach(output, broken, generation="runner-output", vllm="0.30.0")
+    else:
+        assert np.array_equal(replay.fetch(broken[provenance.STORE_KEY]), np.concatenate(store_engine.sent["broken"]))
+        frontend._attach(output, broken, generation="runner-output", vllm="0.30.0")
+        assert output.routed_experts_info[provenance.VIOLATIONS] == broken[provenance.VIOLATIONS]

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_ascend_routing import kv, patching
+from vllm_ascend_routing import envs, kv, patching, validate
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.compat._requests import local_cached_tokens
 from vllm_ascend_routing.output import options, weights
@@ -107,6 +107,7 @@ class EngineState:
     records: dict[str, dict[str, Any]] = field(default_factory=dict)
     dropped: set[str] = field(default_factory=set)  # opted-out requests that finished in this update
     publisher: store_publisher.Publisher | None = None  # VLLM_ASCEND_ROUTING_STORE set: rows published, keys sent
+    violations: Callable[[str, Any], list[Any]] | None = None  # validation mode, on a store engine: checked here
 
     def step(self, version: int | None) -> None:
         self.version = version
@@ -188,6 +189,9 @@ def _engine_state(scheduler: Any, requested: Requested) -> EngineState:
         if state.enabled:
             dp_rank = int(getattr(scheduler.vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
             state.publisher = store_publisher.for_engine(dp_rank)
+            if state.publisher is not None and envs.VLLM_ASCEND_ROUTING_VALIDATE != "off":
+                model = validate.ModelRouting.from_vllm_config(scheduler.vllm_config)
+                state.violations = functools.partial(_violations, model=model)
         setattr(scheduler, _SCHEDULER_STATE, state)
     return state
 
@@ -256,7 +260,8 @@ def _finish(outputs: dict[int, Any], state: EngineState) -> None:
             record = state.records.pop(request_id, None)
             if record is not None:
                 if publisher is not None and request_id not in inline:
-                    fields, rows = publisher.publish(request_id, int(record["first_token"]))
+                    strict = envs.VLLM_ASCEND_ROUTING_VALIDATE == "strict"
+                    fields, rows = publisher.publish(request_id, int(record["first_token"]), state.violations, strict)
                     record.update(fields)
                     if rows is not None:  # the store refused them: inline, and the record says why
                         output.routed_experts = rows
@@ -264,6 +269,14 @@ def _finish(outputs: dict[int, Any], state: EngineState) -> None:
                 output.kv_transfer_params = {**(output.kv_transfer_params or {}), RECORD_KEY: record}
     state.records.clear()
     state.dropped.clear()
+
+
+def _violations(request_id: str, rows: Any, model: validate.ModelRouting) -> list[Any]:
+    """Validation mode's rules on a request's whole array before it is stored (its row count is the rows it has)."""
+    found = validate.check(rows, request_id=request_id, expected_rows=len(rows), model=model)
+    for violation in found:
+        logger.error("vllm-ascend-routing validation (row store): %s", violation)
+    return found
 
 
 def _freeing(free_request: Callable[..., Any], requested: Requested) -> Callable[..., Any]:

@@ -149,6 +149,9 @@ def _attach(output: Any, record: dict[str, Any] | None, *, generation: str, vllm
     """``routed_experts_info`` on a finished ``CompletionOutput``: the record of its array (inline or stored), or
     ``None``."""
     routed = getattr(output, "routed_experts", None)
+    if record is not None and record.get(provenance.VIOLATIONS) and provenance.STORE_KEY not in record:
+        # strict validation in the engine core refused to store them: the request fails, as for a returned array
+        raise validate.RoutingValidationError("; ".join(record[provenance.VIOLATIONS]))
     stored = record is not None and routed is None and provenance.STORE_KEY in record
     info = (
         None

@@ -26,6 +26,7 @@ import numpy as np
 
 STORE_KEY = "store_key"  # where the rows are, on a store engine (VLLM_ASCEND_ROUTING_STORE)
 FALLBACK = "store_fallback"  # why a store engine returned a request's rows inline
+VIOLATIONS = "store_violations"  # validation mode found the rows broken: not stored (store/publisher.py)
 LAYER_AXIS = "hidden_layers"  # 0.22+: one column per decoder layer, dense layers all zero
 
 
@@ -60,8 +61,9 @@ def complete(engine_part: dict[str, Any], routed: np.ndarray | None, generation:
     }
     if key is not None:
         record[STORE_KEY] = key
-    if FALLBACK in engine_part:
-        record[FALLBACK] = engine_part[FALLBACK]
+    for extra in (FALLBACK, VIOLATIONS):  # why the rows came inline; what validation mode found (logged there)
+        if extra in engine_part:
+            record[extra] = engine_part[extra]
     return record
 
 

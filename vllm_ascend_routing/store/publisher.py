@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,7 @@ logger = get_logger(__name__)
 
 STORE_KEY = "store_key"  # the record's key of a stored request (routed_experts_info)
 FALLBACK = "store_fallback"  # the record's reason where a request's rows went inline on a store engine
+VIOLATIONS = "store_violations"  # validation mode: what the stored-to-be rows broke (nothing stored, the request fails)
 
 
 class Publisher:
@@ -55,13 +57,28 @@ class Publisher:
         """A request that ended without a last output (aborted): its chunks are not published."""
         self.chunks.pop(request_id, None)
 
-    def publish(self, request_id: str, first_token: int) -> tuple[dict[str, Any], np.ndarray | None]:
+    def publish(
+        self,
+        request_id: str,
+        first_token: int,
+        violations: Callable[[str, np.ndarray], list[Any]] | None = None,
+        strict: bool = False,
+    ) -> tuple[dict[str, Any], np.ndarray | None]:
         """The record's store fields for a finished request, and the rows to return inline (``None``: stored, or it
-        has none)."""
+        has none). ``violations``: validation mode's check of the whole array, run here where the array exists (the
+        front end never sees stored rows); what it finds goes into the record (``VIOLATIONS``), and with ``strict``
+        the rows are not stored (the front end fails the request, as for a returned array)."""
         chunks = self.chunks.pop(request_id, None)
         if not chunks:
             return {}, None
         rows = chunks[0] if len(chunks) == 1 else np.concatenate(chunks, axis=0)
+        found = [str(v) for v in violations(request_id, rows)] if violations is not None else []
+        if found and strict:
+            return {VIOLATIONS: found}, None
+        fields, inline = self._store(request_id, rows, first_token)
+        return ({**fields, VIOLATIONS: found} if found else fields), inline
+
+    def _store(self, request_id: str, rows: np.ndarray, first_token: int) -> tuple[dict[str, Any], np.ndarray | None]:
         try:
             with self._lock:
                 key = self.ledger().publish(rows, first_token)
