@@ -2,7 +2,8 @@
 """Data parallel serving (``--data-parallel-size 2``, one core per engine) with the plugin: every completed
 request's rows equal the reference exactly, whichever DP engine served it.
 
-Two layouts: one ``vllm serve`` with both engines, and the multi-node form on loopback (rank 0's server with
+Two layouts: one ``vllm serve`` with both engines (and a row store: half the requests' rows fetched by key, both
+engines' keys in one batch, the other half inline), and the multi-node form on loopback (rank 0's server with
 ``--data-parallel-size-local 1`` plus a ``--headless`` process for rank 1); on vLLM 0.20.x (no routed experts
 over HTTP) one offline ``LLM`` per DP rank process instead. Requests of very different lengths
 go in concurrently, so the ranks' token counts differ every step and a rank runs dummy batches while the
@@ -51,3 +52,6 @@ def test_data_parallel_rows_exact(scenario: Any, generation: str, layout: str) -
     assert result["rows"] == result["matched"] == expected_rows
     # Both engines served requests: each rank's own rows were returned, not one engine's only.
     assert min(result["requests_per_rank"].values()) >= 1, result["requests_per_rank"]
+    if layout == "server":  # with a row store: half the requests by key (each DP engine's own), half inline
+        assert sum(result["keys_per_rank"].values()) == len(data_parallel.REQUESTS) // 2, result["keys_per_rank"]
+        assert min(result["keys_per_rank"].values()) >= 1, result["keys_per_rank"]

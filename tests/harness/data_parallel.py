@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Data-parallel serving end to end: ``vllm serve --data-parallel-size 2`` on loopback, one core per engine.
 
-``server``: one ``vllm serve`` with both DP engines. ``headless``: the multi-node form on one machine, a
+``server``: one ``vllm serve`` with both DP engines, and a row store (``VLLM_ASCEND_ROUTING_STORE=shm``): every other
+request asks for its rows inline, the others' are fetched by key, so one batch holds both engines' keys.
+``headless``: the multi-node form on one machine, a
 ``vllm serve --data-parallel-size-local 1`` (rank 0, API server) and a second ``--headless`` process
 (``--data-parallel-start-rank 1``). ``offline``: one ``LLM`` per DP rank in its own process (vLLM's
 ``VLLM_DP_*`` variables), each with its own share of the requests: the only DP form on vLLM 0.20.x, whose
@@ -31,6 +33,7 @@ import numpy as np
 
 from tests.harness import pythonpath
 from tests.harness.server import Server, free_port, post
+from vllm_ascend_routing import replay
 from vllm_ascend_routing.preflight import models, offline
 
 STANDIN = Path(__file__).with_name("dp_standin")
@@ -77,6 +80,8 @@ def run_data_parallel(arch: str, layout: str, mode: str, expert_parallel: bool =
     cores = sorted(os.sched_getaffinity(0))
     cores = [cores[0], cores[-1]]  # the same core twice on a one-core machine
     env = engine_env(events, cores if layout == "server" else cores[:1])
+    if layout == "server":  # the engines publish, this process fetches
+        env["VLLM_ASCEND_ROUTING_STORE"] = os.environ["VLLM_ASCEND_ROUTING_STORE"] = "shm"
     port = free_port()
     common = [
         "--kv-cache-memory-bytes",
@@ -126,6 +131,7 @@ def run_data_parallel(arch: str, layout: str, mode: str, expert_parallel: bool =
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+    keys: list[str] = []
     try:
         with Server(model.path, common, env=env) as server:
             prompts = [
@@ -142,11 +148,16 @@ def run_data_parallel(arch: str, layout: str, mode: str, expert_parallel: bool =
                         "temperature": 0,
                         "ignore_eos": True,
                         "return_token_ids": True,
+                        **({"vllm_xargs": {"routed_experts_transport": "inline"}} if i % 2 == 0 else {}),
                     },
                 )
                 choice = reply["choices"][0]
                 encoded = choice.get("routed_experts")
                 array = None if encoded is None else np.load(io.BytesIO(base64.b64decode(encoded)))
+                key = (choice.get("routed_experts_info") or {}).get("store_key")
+                if key is not None:
+                    keys.append(key)
+                    array = replay.fetch(key)
                 return offline.Completion(prompts[i], list(choice["token_ids"]), array)
 
             with ThreadPoolExecutor(len(REQUESTS)) as pool:
@@ -171,6 +182,7 @@ def run_data_parallel(arch: str, layout: str, mode: str, expert_parallel: bool =
         "ok": result.ok,
         "problems": result.problems[:5],
         "requests": len(completions),
+        "keys_per_rank": {rank: sum(f".dp{rank}." in key for key in keys) for rank in ("0", "1")} if keys else {},
         "requests_per_rank": {rank: counted[(rank, "request")] for rank in ("0", "1")},
         "dummy_batches_per_rank": {rank: counted[(rank, "dummy")] for rank in ("0", "1")},
     }
