@@ -15,6 +15,7 @@ import pytest
 from tests.output import test_engine as stand_in
 from vllm_ascend_routing import replay
 from vllm_ascend_routing.output import engine, frontend, provenance
+from vllm_ascend_routing.store import keys as store_keys
 from vllm_ascend_routing.store import publisher as store_publisher
 from vllm_ascend_routing.store import reader as stored
 from vllm_ascend_routing.store import setting, shm
@@ -205,3 +206,22 @@ def test_validation_mode_checks_rows_before_they_are_stored(
         assert np.array_equal(replay.fetch(broken[provenance.STORE_KEY]), np.concatenate(store_engine.sent["broken"]))
         frontend._attach(output, broken, generation="runner-output", vllm="0.30.0")
         assert output.routed_experts_info[provenance.VIOLATIONS] == broken[provenance.VIOLATIONS]
+
+
+def test_the_front_end_cuts_a_stored_request_to_the_tokens_it_kept() -> None:
+    """vLLM 0.31+'s front end drops tokens accepted past a stop string (and their rows from an inline array): a stored
+    request's record and key then name only the kept tokens' rows (``@rows``); otherwise both stay as stored."""
+    key = store_keys.Namespace.mint().key()
+
+    def record(rows: int) -> dict[str, Any]:
+        return {"first_token": 3, provenance.STORE_KEY: key, "shape": [rows, 3, 2], "dtype": "uint8"}
+
+    state = SimpleNamespace(prompt_len=10, detokenizer=SimpleNamespace(num_output_tokens=lambda: 5))
+    cut = record(16)  # stored: 16 rows from token 3; kept: 10 + 5 - 1 - 3 = 11
+    frontend._kept_rows(state, cut)
+    assert cut["shape"] == [11, 3, 2] and cut[provenance.STORE_KEY] == f"{key}@11"
+    whole = record(11)  # nothing dropped: at the boundary, unchanged
+    frontend._kept_rows(state, whole)
+    assert whole == record(11)
+    frontend._kept_rows(SimpleNamespace(prompt_len=10, detokenizer=None), untouched := record(16))
+    assert untouched == record(16)  # no detokenizer (skip_tokenizer_init): nothing to count, nothing cut
