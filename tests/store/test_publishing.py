@@ -157,6 +157,10 @@ def test_publisher_for_engine_follows_the_setting(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("VLLM_ASCEND_ROUTING_STORE", "shm")
     found = store_publisher.for_engine(2)
     assert found is not None and found.dp_rank == 2 and store_publisher.for_engine(2) is found
+    assert store_publisher.for_engine() is found  # the KV carrier's rows: the same ledger, cap and lease
+    monkeypatch.setattr(store_publisher, "_publishers", {})
+    first = store_publisher.for_engine()
+    assert first is not None and first.dp_rank == 0 and store_publisher.for_engine(0) is first
 
 
 class ContractRows(DistinctRows):

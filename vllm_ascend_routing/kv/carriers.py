@@ -214,7 +214,7 @@ class TransferParamsCarrier:
         sequence = getattr(request, "all_token_ids", None)
         tokens = np.asarray(list((request.prompt_token_ids if sequence is None else sequence) or []), dtype=np.int64)
         end = min(len(tokens), len(rows))
-        publisher = store_publisher.for_engine(0)
+        publisher = store_publisher.for_engine()  # the engine's own (output feature's) ledger
         if publisher is not None:
             try:
                 params[self.KEY_FIELD] = publisher.publish_rows(np.ascontiguousarray(rows[:end]), _digest(tokens[:end]))

@@ -115,11 +115,17 @@ class Publisher:
 _publishers: dict[int, Publisher] = {}
 
 
-def for_engine(dp_rank: int) -> Publisher | None:
-    """This process's publisher for the engine of ``dp_rank``, ``None`` without a store."""
+def for_engine(dp_rank: int | None = None) -> Publisher | None:
+    """This process's publisher for the engine of ``dp_rank``, ``None`` without a store. ``dp_rank`` ``None``: the one
+    this process already has (an engine core runs one engine: the KV carrier's rows share its ledger, its byte cap
+    and its lease), else one for rank 0."""
     found = store_setting.current()
     if found is None:
         return None
+    if dp_rank is None:
+        if _publishers:
+            return next(iter(_publishers.values()))
+        dp_rank = 0
     if dp_rank not in _publishers:
         _publishers[dp_rank] = Publisher(found, dp_rank)
     return _publishers[dp_rank]
