@@ -12,7 +12,7 @@ import pytest
 
 from vllm_ascend_routing import kv, patching, validate
 from vllm_ascend_routing.compat.interface import UnsupportedVllmError
-from vllm_ascend_routing.kv import Missing, RowLayout, carriers, follower
+from vllm_ascend_routing.kv import Missing, RowLayout, carriers, follower, registry
 from vllm_ascend_routing.patching import RELY
 
 LAYOUT = RowLayout(3, 2, "uint8")
@@ -208,8 +208,11 @@ def test_refusals_name_the_connector_and_what_to_do() -> None:
         ("NixlPullConnector", None, True, False),  # vLLM's name for the same connector
         ("NixlPushConnector", None, False, False),  # KV handed over between instances another way: refused
         ("P2pNcclConnector", None, False, False),
-        ("MooncakeConnector", None, False, False),
-        ("MooncakeConnectorV1", None, False, False),  # vllm-ascend's P/D (tests/ascend/test_kv_connectors.py: all)
+        ("MooncakeConnector", None, False, False),  # without a row store and a secret (below: with them)
+        ("MooncakeConnectorV1", None, True, False),  # vllm-ascend's P/D, rows in its parameters (tests/ascend/)
+        ("MooncakeHybridConnector", None, True, False),
+        ("MooncakeLayerwiseConnector", None, False, False),  # vllm-ascend's push P/D: no parameters
+        ("MultiConnector", {"connectors": [{"kv_connector": "MooncakeConnectorV1"}]}, False, False),  # alone only
         ("MooncakeConnectorStoreV1", None, True, True),  # vllm-ascend's KV pool: a store
         (None, None, False, False),
     ],
@@ -268,6 +271,7 @@ def test_connector_rows_are_relied_on_not_replaced() -> None:
         "update_state_after_alloc",
         "request_finished",
         "request_finished_all_groups",
+        "_update_waiting_for_remote_kv",  # the scheduler's: a declined MooncakeConnector load discarded (kv.named)
     ]
     assert all(row.action == RELY and not row.required for row in rows_)  # checked once a connector is configured
 
@@ -366,7 +370,7 @@ def test_a_hybrid_allocator_connector_s_finished_requests_are_followed(monkeypat
         made.append(StandInCarrier(connector, layout))
         return made[-1]
 
-    monkeypatch.setitem(carriers.CARRIERS, "HybridConnector", carrier)
+    monkeypatch.setitem(registry.CARRIERS, "HybridConnector", carrier)
     scheduler = SimpleNamespace(
         vllm_config=SimpleNamespace(
             kv_transfer_config=kv_config("HybridConnector", "kv_producer"), cache_config=SimpleNamespace(block_size=4)

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     VLLM_ASCEND_ROUTING_KV_HELD_ROWS_MIB: int = 256
     VLLM_ASCEND_ROUTING_STORE: str = ""
     VLLM_ASCEND_ROUTING_KV_SECRET: str = ""
+    VLLM_ASCEND_ROUTING_KV_ROWS_WAIT_S: int = 60
     VLLM_ASCEND_ROUTING_STORE_MIB: int = 2048
     VLLM_ASCEND_ROUTING_STORE_TTL_S: int = 3600
     VLLM_ASCEND_ROUTING_VALIDATE: str = "off"
@@ -94,9 +95,13 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # scheduler may hold the rows of requests computed on its instance in, so that loads of their KV are served
     # (kv_carrier.HeldRowsCarrier; least recently used dropped first; 0: every such load is computed instead).
     "VLLM_ASCEND_ROUTING_KV_HELD_ROWS_MIB": _whole_number("VLLM_ASCEND_ROUTING_KV_HELD_ROWS_MIB", 256),
-    # Signs the rows NIXL P/D carries in kv_transfer_params (which pass through clients and proxies): set the same value
-    # on every prefill and decode instance; unset, an instance accepts only rows it lent itself.
+    # Signs the rows P/D carries in kv_transfer_params (NIXL, vllm-ascend's Mooncake: they pass through clients and
+    # proxies) and derives the names of rows lent by transfer id (vLLM's MooncakeConnector): set the same value on
+    # every prefill and decode instance; unset, an instance accepts only rows it lent itself.
     "VLLM_ASCEND_ROUTING_KV_SECRET": lambda: os.getenv("VLLM_ASCEND_ROUTING_KV_SECRET", ""),
+    # vLLM's MooncakeConnector P/D: how long a decode request waits for its prompt's rows (lent through the row store
+    # when the prefill finishes; its proxy sends both requests at once) before its prompt is computed here instead.
+    "VLLM_ASCEND_ROUTING_KV_ROWS_WAIT_S": _whole_number("VLLM_ASCEND_ROUTING_KV_ROWS_WAIT_S", 60, "seconds"),
     # Where finished requests' rows go instead of the output (docs/output.md, "The row store"): unset, rows inline;
     # "shm", node-local shared memory; "mooncake://MASTER_HOST:PORT?metadata=http://HOST:PORT/metadata", Mooncake.
     # The output then carries routed_experts_info["store_key"]; the trainer fetches with replay.fetch.
@@ -128,6 +133,7 @@ runtime_variables: tuple[str, ...] = (
     "VLLM_ASCEND_ROUTING_FORCE_REFERENCE",
     "VLLM_ASCEND_ROUTING_KV_HELD_ROWS_MIB",
     "VLLM_ASCEND_ROUTING_KV_SECRET",
+    "VLLM_ASCEND_ROUTING_KV_ROWS_WAIT_S",
     "VLLM_ASCEND_ROUTING_STORE",
     "VLLM_ASCEND_ROUTING_STORE_MIB",
     "VLLM_ASCEND_ROUTING_STORE_TTL_S",

@@ -285,9 +285,10 @@ def _against_single(whole: list[offline.Completion], decoded: list[offline.Compl
     return {"requests": len(whole), "same_tokens": same_tokens, "same_rows": same_rows}
 
 
-def _oracle(single: Any, decoded: list[offline.Completion]) -> dict[str, Any]:
+def _oracle(single: Any, decoded: list[offline.Completion], extra_args: dict[str, Any] | None = None) -> dict[str, Any]:
     """The re-prefill consistency oracle: each decode request's sequence prefilled again by the plain engine
-    (a cache salt of its own: no prefix-cache row), its rows against the decode request's."""
+    (a cache salt of its own: no prefix-cache row), its rows against the decode request's. ``extra_args``: each
+    request's (a store engine's ``routed_experts_transport: inline``)."""
     from vllm import SamplingParams
 
     salt = f"pd-{time.monotonic_ns()}"
@@ -295,7 +296,8 @@ def _oracle(single: Any, decoded: list[offline.Completion]) -> dict[str, Any]:
         {"prompt_token_ids": c.prompt_ids + c.output_ids[:-1], "cache_salt": f"{salt}-{i}"}
         for i, c in enumerate(decoded)
     ]
-    redone = single.generate(again, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=1, **({"extra_args": extra_args} if extra_args else {}))
+    redone = single.generate(again, params, use_tqdm=False)
     pairs = [
         consistency.Pair(str(i), c.routed_experts, r.outputs[0].routed_experts)
         for i, (c, r) in enumerate(zip(decoded, redone, strict=True))

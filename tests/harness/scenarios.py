@@ -14,7 +14,8 @@ transformers reference; the e2e suite's compiled run adds the re-prefill consist
 ``serve`` does the same batch through the OpenAI completions API on loopback.
 ``verl-handoff`` saves vLLM's arrays for verl's R3 code in a trainer environment (``verl_handoff.py``).
 ``disaggregation`` runs prefill/decode through vLLM's ExampleConnector, producer to consumer (``disaggregation.py``).
-``nixl`` runs prefill/decode through vLLM's NixlConnector, both engines alive at once (``nixl_pd.py``).
+``nixl`` runs prefill/decode through vLLM's NixlConnector, both engines alive at once (``nixl_pd.py``);
+``mooncake-pd`` through vLLM's MooncakeConnector, rows by transfer id through the row store (``mooncake_pd.py``).
 ``store`` serves with a row store, this process fetching every request's rows by key (``row_store.py``).
 """
 
@@ -41,6 +42,7 @@ from tests.harness import (
 from tests.harness.bypass import run_bypass
 from tests.harness.data_parallel import run_data_parallel
 from tests.harness.disaggregation import run_disaggregation
+from tests.harness.mooncake_pd import run_mooncake_pd
 from tests.harness.nixl_pd import run_nixl
 from tests.harness.row_store import run_store
 from tests.harness.server import Server, post
@@ -232,6 +234,7 @@ def main() -> None:
             "device-cache",
             "disaggregation",
             "nixl",
+            "mooncake-pd",
             "store",
         ],
     )
@@ -286,6 +289,8 @@ def main() -> None:
         result = run_disaggregation(args.arch)
     elif args.scenario == "nixl":
         result = run_nixl(args.arch)
+    elif args.scenario == "mooncake-pd":
+        result = run_mooncake_pd(args.arch)
     elif args.scenario == "store":
         result = run_store(args.arch, args.store)
     elif args.scenario == "speculative":

@@ -2,7 +2,7 @@
 """Where routing rows travel with KV that a connector moves: beside that KV, in the connector's own storage,
 under the connector's own key, so that whatever finds the KV finds its rows.
 
-One carrier per connector whose storage the plugin writes into (``CARRIERS``, by the name in
+One carrier per connector whose storage the plugin writes into (``kv.registry.CARRIERS``, by the name in
 ``--kv-transfer-config``), and one for every other connector it serves (``HeldRowsCarrier``):
 
   * ``ExampleConnector`` (vLLM's shared-storage connector: KV of a prompt's first whole blocks, one folder per
@@ -10,10 +10,13 @@ One carrier per connector whose storage the plugin writes into (``CARRIERS``, by
     file, ``ROWS_FILE``, with the token ids they belong to. Written by the scheduler of the instance whose
     connector stored the KV, when the request finishes (its rows are complete then); read by the scheduler of an
     instance whose connector offers that KV, before it loads it.
-  * ``NixlConnector`` (P/D disaggregation: the decode instance reads the prefill instance's KV blocks, which the
+  * ``NixlConnector`` and vllm-ascend's Mooncake P/D connectors that return parameters alike (P/D disaggregation:
+    the decode instance reads the prefill instance's KV blocks, which the
     prefill instance describes in the ``kv_transfer_params`` it returns and the proxy passes on): the rows of those
     prompt tokens go into the same parameters (``TransferParamsCarrier``). Written by the prefill scheduler when the
     request finishes; read by the decode scheduler, with the token ids they belong to checked, before it loads.
+  * vLLM's ``MooncakeConnector`` (P/D, whose parameters the proxy builds: only a transfer id is shared): through the
+    row store, under a name both instances derive from that id (``kv.named``).
   * any other served connector (an offload tier, a cache service, a custom connector: storage the plugin cannot
     write into): the rows of requests computed on this instance (prompts, and on vLLM 0.22-0.30 their generated
     tokens) are held in the scheduler's memory, keyed by their token ids block by block. A load of KV this
@@ -108,6 +111,14 @@ class Missing:
     reason: str
 
 
+@dataclass(frozen=True)
+class Pending:
+    """The rows may still come (the instance lending them has not finished its prefill): ask again later, up to
+    ``VLLM_ASCEND_ROUTING_KV_ROWS_WAIT_S``; then they are missing for ``reason``."""
+
+    reason: str
+
+
 class Carrier(Protocol):
     """Rows beside one connector's KV."""
 
@@ -119,7 +130,7 @@ class Carrier(Protocol):
         ``request_finished`` returned for it. Returns how many rows were stored (0: the connector stored no KV for
         it, or they are stored already)."""
 
-    def get(self, request: Any, start: int, count: int) -> np.ndarray | Missing:
+    def get(self, request: Any, start: int, count: int) -> np.ndarray | Missing | Pending:
         """The rows of the request's prompt tokens ``[start, start + count)``, whose KV the connector offers."""
 
 
@@ -199,10 +210,11 @@ class TransferParamsCarrier:
     MAC_FIELD = "vllm_ascend_routing_rows_mac"
     KEY_FIELD = "vllm_ascend_routing_rows_key"  # with a row store: the rows' key instead of the rows
 
-    def __init__(self, connector: Any, layout: RowLayout, secret: bytes | None = None) -> None:
+    def __init__(self, connector: Any, layout: RowLayout, secret: bytes | None = None, name: str = "") -> None:
         self._connector = connector
         self.layout = layout
         self._secret = kv_secret() if secret is None else secret
+        self.connector = name or type(self).connector  # the configured name (vllm-ascend's Mooncake ones too)
 
     def _mac(self, payload: bytes) -> str:
         return hmac.new(self._secret, payload, hashlib.sha256).hexdigest()
@@ -217,7 +229,7 @@ class TransferParamsCarrier:
         publisher = store_publisher.for_engine()  # the engine's own (output feature's) ledger
         if publisher is not None:
             try:
-                params[self.KEY_FIELD] = publisher.publish_rows(np.ascontiguousarray(rows[:end]), _digest(tokens[:end]))
+                params[self.KEY_FIELD] = publisher.publish_rows(np.ascontiguousarray(rows[:end]), digest(tokens[:end]))
                 return end
             except StoreError as error:  # carried in the parameters instead
                 logger.warning("routed-experts store: a lent prompt's rows ride in kv_transfer_params: %s", error)
@@ -261,29 +273,50 @@ class TransferParamsCarrier:
         return np.ascontiguousarray(rows[start:end])
 
     def _from_store(self, request: Any, key: str, start: int, count: int) -> np.ndarray | Missing:
-        try:
-            stored = store_reader.open_rows(key)
-        except (StoreError, ValueError) as error:
-            return Missing(f"the routing rows its kv_transfer_params name cannot be read from the store: {error}")
-        end = start + count
-        prompt = np.asarray(list(request.prompt_token_ids or [])[: len(stored)], dtype=np.int64)
-        if len(prompt) < len(stored) or _digest(prompt) != stored.header.tokens_sha256 or len(stored) < end:
-            return Missing(
-                f"the routing rows its kv_transfer_params name are of other tokens than this prompt's first {end} "
-                f"({len(stored)} tokens stored)"
-            )
-        if (stored.dtype, stored.shape[1:]) != (
-            np.dtype(self.layout.dtype),
-            (self.layout.num_layers, self.layout.top_k),
-        ):
-            return Missing(
-                f"the stored rows are {stored.shape[1:]} {stored.dtype} per token, this engine's are "
-                f"({self.layout.num_layers}, {self.layout.top_k}) {self.layout.dtype}: another model or configuration"
-            )
-        return np.ascontiguousarray(stored.window(start, end).read())
+        return rows_from_store(request, key, start, count, self.layout, "its kv_transfer_params name")
+
+    def settled(self, request: Any) -> None:
+        """The load is decided (the rows put where vLLM reads them, or declined): stored ones are freed (one load
+        per lent prompt)."""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if isinstance(params, dict) and self.KEY_FIELD in params:
+            release_quietly(str(params[self.KEY_FIELD]))
 
 
-def _digest(tokens: np.ndarray) -> str:
+def rows_from_store(
+    request: Any, key: str, start: int, count: int, layout: RowLayout, named: str
+) -> np.ndarray | Missing:
+    """The rows of the request's prompt tokens ``[start, start + count)`` stored under ``key`` by the instance that
+    lent that KV, checked against this prompt's token ids (the digest stored beside them) and this engine's layout;
+    ``named``: what named the key (for the reason)."""
+    try:
+        stored = store_reader.open_rows(key)
+    except (StoreError, ValueError) as error:
+        return Missing(f"the routing rows {named} cannot be read from the store: {error}")
+    end = start + count
+    prompt = np.asarray(list(request.prompt_token_ids or [])[: len(stored)], dtype=np.int64)
+    if len(prompt) < len(stored) or digest(prompt) != stored.header.tokens_sha256 or len(stored) < end:
+        return Missing(
+            f"the routing rows {named} are of other tokens than this prompt's first {end} ({len(stored)} tokens stored)"
+        )
+    if (stored.dtype, stored.shape[1:]) != (np.dtype(layout.dtype), (layout.num_layers, layout.top_k)):
+        return Missing(
+            f"the stored rows are {stored.shape[1:]} {stored.dtype} per token, this engine's are "
+            f"({layout.num_layers}, {layout.top_k}) {layout.dtype}: another model or configuration"
+        )
+    return np.ascontiguousarray(stored.window(start, end).read())
+
+
+def release_quietly(key: str) -> None:
+    """Free stored rows once loaded (a failure only leaves them to their TTL or their engine's exit)."""
+    try:
+        store_reader.release(key)
+    except (StoreError, ValueError, OSError) as error:
+        logger.warning("routed-experts store: freeing loaded rows %s failed (left to their TTL): %s", key, error)
+
+
+def digest(tokens: np.ndarray) -> str:
+    """The digest of token ids stored beside lent rows (``store.layout.Header.tokens_sha256``)."""
     return hashlib.sha256(np.ascontiguousarray(tokens, dtype=np.int64).tobytes()).hexdigest()
 
 
@@ -438,12 +471,3 @@ def _read(path: Any, layout: RowLayout) -> tuple[np.ndarray, np.ndarray]:
     if len(rows) != len(tokens):
         raise ValueError(f"{len(rows)} rows for {len(tokens)} token ids")
     return tokens, rows
-
-
-# The connectors whose KV the plugin carries rows with, by the name ``--kv-transfer-config`` gives them
-# (``NixlConnector`` is vLLM's name for ``NixlPullConnector``).
-CARRIERS: dict[str, type[SharedStorageCarrier] | type[TransferParamsCarrier]] = {
-    SharedStorageCarrier.connector: SharedStorageCarrier,
-    TransferParamsCarrier.connector: TransferParamsCarrier,
-    "NixlPullConnector": TransferParamsCarrier,
-}

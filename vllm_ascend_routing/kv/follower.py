@@ -24,6 +24,7 @@ loaded through the connector; ``stats()`` counts loads, declined offers and stor
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,8 +34,8 @@ import numpy as np
 from vllm_ascend_routing import envs, patching, validate
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.errors import UnsupportedVllmError
-from vllm_ascend_routing.kv import carriers
-from vllm_ascend_routing.kv.carriers import Missing
+from vllm_ascend_routing.kv import carriers, registry
+from vllm_ascend_routing.kv.carriers import Missing, Pending
 from vllm_ascend_routing.kv.policy import connector_name, holds_rows, refusal, serves
 from vllm_ascend_routing.kv.stores import KvRows, SchedulerRows
 from vllm_ascend_routing.patching import RELY, Patch
@@ -50,6 +51,18 @@ SCHEDULER_INIT = Patch(
     "with a KV connector and routed experts on: rows follow the connector's loads and saves (kv.follower)",
     _KEEP,
     params=("self", "vllm_config"),
+)
+
+
+# A declined load of a connector whose hand-over must run to its end (``discards_declined``): the KV is received and
+# then discarded through vLLM's own path for a failed load (recomputed from the local hit).
+DISCARD_SITE = Patch(
+    "vllm.v1.core.sched.scheduler:Scheduler._update_waiting_for_remote_kv",
+    "a declined MooncakeConnector load: its received KV is discarded as vLLM discards a failed load (recomputed)",
+    _KEEP,
+    params=("self", "request"),
+    required=False,
+    action=RELY,
 )
 
 
@@ -69,7 +82,7 @@ def connector_patches() -> tuple[Patch, ...]:
             # NIXL, the offload connectors, MultiConnector): block ids per KV cache group
             ("SupportsHMA.request_finished_all_groups", ("self", "request", "block_ids")),
         )
-    )  # fmt: skip
+    ) + (DISCARD_SITE,)  # fmt: skip
 
 
 def install(kv_rows: KvRows) -> None:
@@ -123,6 +136,7 @@ class KvRowsStats:
     offers_declined: int = 0  # loads declined for want of exact rows: those tokens were computed here
     rows_declined: int = 0
     rows_stored: int = 0  # rows written beside KV a connector stored
+    requests_waited: int = 0  # loads that waited for rows still to come (MooncakeConnector: the prefill not done)
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -152,6 +166,8 @@ class Follower:
         self.model = model
         self.strict = envs.VLLM_ASCEND_ROUTING_VALIDATE == "strict"
         self.offered: dict[str, tuple[int, np.ndarray]] = {}  # request -> (first token, carried rows)
+        self.waiting: dict[str, float] = {}  # request -> when it first waited for rows still to come (Pending)
+        self.discarding: dict[str, int] = {}  # request -> its local hit: a declined load received, then discarded
         self.reports = 0
 
     def matched(self, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -162,10 +178,28 @@ class Follower:
                 return count, load_async
             start = int(num_computed_tokens)  # vLLM loads from the local hit it passed on
             carried = self.carrier.get(request, start, int(count))
+            if isinstance(carried, Pending):
+                if request.request_id not in self.waiting:
+                    _count(requests_waited=1)
+                waiting = self.waiting.setdefault(request.request_id, time.monotonic())
+                if time.monotonic() - waiting < envs.VLLM_ASCEND_ROUTING_KV_ROWS_WAIT_S:
+                    return None, False  # vLLM asks again at a later step (the request stays waiting)
+                carried = Missing(
+                    f"{carried.reason}; waited {envs.VLLM_ASCEND_ROUTING_KV_ROWS_WAIT_S} s "
+                    "(VLLM_ASCEND_ROUTING_KV_ROWS_WAIT_S)"
+                )
+            self.waiting.pop(request.request_id, None)
             if not isinstance(carried, Missing):
                 carried = self._checked(carried, request.request_id, start, "carried with that KV")
             if isinstance(carried, Missing):
-                self._decline(request.request_id, start, int(count), carried.reason)
+                discard = bool(load_async) and getattr(self.carrier, "discards_declined", False)
+                self._decline(request.request_id, start, int(count), carried.reason, discard)
+                if discard:
+                    # Its hand-over must complete (vLLM's MooncakeConnector reports a pull even for a declined load,
+                    # and a running request's report stops the engine): received, then discarded and computed.
+                    self.discarding[request.request_id] = start
+                    self._settle(request)
+                    return count, load_async
                 return 0, False
             self.offered[request.request_id] = (start, carried)
             return count, load_async
@@ -176,6 +210,8 @@ class Follower:
         def update_state_after_alloc(request: Any, blocks: Any, num_external_tokens: int, *args: Any, **kw: Any) -> Any:
             result = original(request, blocks, num_external_tokens, *args, **kw)
             offered = self.offered.pop(request.request_id, None)
+            if num_external_tokens > 0 and request.request_id in self.discarding:
+                return result  # no rows: its KV is discarded once received (``discard``)
             if num_external_tokens > 0:
                 if offered is None or len(offered[1]) < num_external_tokens:
                     raise RuntimeError(
@@ -186,6 +222,7 @@ class Follower:
                 start, carried = offered
                 self.rows.inject(request, blocks, start, carried[:num_external_tokens])
                 setattr(request, _LOADED, (start, int(num_external_tokens)))
+                self._settle(request)  # rows lent through the row store: freed once in place
                 _count(requests_loaded=1, rows_loaded=int(num_external_tokens))
             return result
 
@@ -197,6 +234,8 @@ class Follower:
                 rows = self._finished_rows(request, block_ids)
             finally:
                 self.offered.pop(request.request_id, None)
+                self.waiting.pop(request.request_id, None)
+                self.discarding.pop(request.request_id, None)
                 self.rows.forget(request.request_id)
             finished = original(request, block_ids, *args, **kwargs)
             if rows is not None:  # after the connector: a carrier may put them into what it returned
@@ -204,6 +243,23 @@ class Follower:
             return finished
 
         return request_finished
+
+    def _settle(self, request: Any) -> None:
+        """The request's load is decided (loaded, or declined for good): rows lent to it through the row store are
+        freed (one load per lent prompt)."""
+        settled = getattr(self.carrier, "settled", None)
+        if settled is not None:
+            settled(request)
+
+    def discard(self, scheduler: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+        def update_waiting_for_remote_kv(request: Any, *args: Any, **kwargs: Any) -> Any:
+            start = self.discarding.pop(request.request_id, None)
+            if start is not None:  # vLLM's own failed-load path: keep the local hit, compute the rest here
+                request.num_computed_tokens = min(int(request.num_computed_tokens), start)
+                scheduler.failed_recving_kv_req_ids.add(request.request_id)
+            return original(request, *args, **kwargs)
+
+        return update_waiting_for_remote_kv
 
     def _finished_rows(self, request: Any, block_ids: Any) -> np.ndarray | None:
         """The finished request's rows, checked (``None``: none to store)."""
@@ -233,12 +289,13 @@ class Follower:
             raise validate.RoutingValidationError(text)
         return Missing("those rows break the contract (reported above)")
 
-    def _decline(self, request_id: str, start: int, count: int, reason: str) -> None:
+    def _decline(self, request_id: str, start: int, count: int, reason: str, discarded: bool = False) -> None:
         _count(offers_declined=1, rows_declined=count)
+        how = "its KV is received, then discarded" if discarded else "the load is skipped"
         self._report(
             f"vllm-ascend-routing: request {request_id}: {self.carrier.connector} offers the KV of tokens "
             f"[{start}, {start + count}) but {reason}. Those tokens are computed here instead of loaded (their "
-            "routed experts are exact; the load is skipped).",
+            f"routed experts are exact; {how}).",
             error=False,
         )
 
@@ -256,7 +313,13 @@ def follow(scheduler: Any, connector: Any, rows: SchedulerRows) -> None:
     name = type(connector).__name__
     carrier: carriers.Carrier
     if not holds_rows(config):
-        carrier = carriers.CARRIERS[str(connector_name(config))](connector, rows.layout)
+        named = str(connector_name(config))
+        kind = registry.CARRIERS[named]
+        carrier = (
+            kind(connector, rows.layout, name=named)
+            if kind is carriers.TransferParamsCarrier
+            else kind(connector, rows.layout)
+        )
         where = f"carried with its KV ({rows.layout} per token)"
     else:
         capacity = envs.VLLM_ASCEND_ROUTING_KV_HELD_ROWS_MIB << 20
@@ -276,6 +339,8 @@ def follow(scheduler: Any, connector: Any, rows: SchedulerRows) -> None:
     patching.wrap(connector, "request_finished", follower.finished)
     if hasattr(connector, "request_finished_all_groups"):  # SupportsHMA: vLLM's scheduler calls this one instead
         patching.wrap(connector, "request_finished_all_groups", follower.finished)
+    if getattr(carrier, "discards_declined", False):
+        patching.wrap(scheduler, "_update_waiting_for_remote_kv", functools.partial(follower.discard, scheduler))
     logger.info("routed experts follow KV connector %s: rows of loaded tokens %s", name, where)
 
 

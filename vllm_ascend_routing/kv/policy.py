@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Which KV connectors routed experts are served with, and the refusal of the others (``docs/disaggregation.md``).
 
-Served: connectors the plugin carries rows with (``carriers.CARRIERS``: rows beside the KV they move) and every
+Served: connectors the plugin carries rows with (``registry.CARRIERS``: rows beside the KV they move) and every
 other connector that is not a P/D hand-over (offload tiers, cache services: the scheduler holds the rows of KV its
 instance computed, ``carriers.HeldRowsCarrier``). Refused by name: connectors that hand KV between instances in a way
 the plugin carries no rows through (``REFUSED``), at model load in every worker (``refuse_uncovered``) and wherever
@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from vllm_ascend_routing import patching
+from vllm_ascend_routing import envs, patching
 from vllm_ascend_routing.errors import UnsupportedVllmError
-from vllm_ascend_routing.kv import carriers
+from vllm_ascend_routing.kv import carriers, registry
 
 if TYPE_CHECKING:
     from vllm_ascend_routing.kv.stores import KvRows
@@ -24,11 +24,15 @@ if TYPE_CHECKING:
 DOCS = "docs/disaggregation.md"
 
 # Connectors that hand KV from one instance to another (P/D disaggregation), by the name in --kv-transfer-config:
-# refused. Declining their load is their own path for a full local hit (the sender is told to free its blocks), which
-# no machine of this project can run for these; vLLM 0.31+ itself refuses Nixl, MoRIIO and Mooncake. NIXL's pull mode
-# (``NixlConnector``) is served: its rows ride in the kv_transfer_params (``carriers.TransferParamsCarrier``).
-# vllm-ascend's are those it registers from its ``kv_p2p`` package (its ``kv_pool`` ones are stores and offload
-# tiers: served).
+# refused, for the reason given. Served instead: NIXL's pull mode (``NixlConnector``) and vllm-ascend's Mooncake P/D
+# connectors that return parameters alike (rows, or their key, in the kv_transfer_params:
+# ``carriers.TransferParamsCarrier``), and vLLM's ``MooncakeConnector`` with a row store (rows by transfer id:
+# ``named.TransferIdCarrier``). vLLM 0.31+ itself refuses Nixl, MoRIIO and Mooncake; the plugin lifts that for the
+# served ones. vllm-ascend's ``kv_pool`` connectors are stores and offload tiers: served.
+_PUSHED = (
+    "it pushes KV into the decode instance while the prefill runs and returns no parameters, so nothing the prefill "
+    "instance computed can go with it"
+)
 REFUSED: dict[str, str] = {
     "NixlPushConnector": (
         "in NIXL's push mode the decode request may be sent at the same time as the prefill request, with parameters "
@@ -36,24 +40,18 @@ REFUSED: dict[str, str] = {
         "vLLM's default: served, rows in the parameters the prefill instance returns)"
     ),
     **dict.fromkeys(
-        ("MooncakeConnector", "MoRIIOConnector", "P2pNcclConnector"),
-        "it moves KV between instances over RDMA/NCCL, which the plugin does not carry rows through yet (it cannot "
-        "be run on this project's machines)",
+        ("MoRIIOConnector", "P2pNcclConnector"),
+        "it moves KV between instances over RDMA/NCCL without parameters or a shared identifier the plugin could carry "
+        "rows by; use NixlConnector or MooncakeConnector (served)",
     ),
-    **dict.fromkeys(
-        (
-            "MooncakeConnectorV1",
-            "MooncakeConnectorV2",
-            "MooncakePullConnector",
-            "MooncakeD2RHConnectorV1",
-            "MooncakeHybridConnector",
-            "MooncakeLayerwiseConnector",
-            "SfaRemoteD2HConnector",
-        ),
-        "vllm-ascend moves KV between instances with it (P/D over HCCS/RDMA), which the plugin does not carry rows "
-        "through yet (it cannot be run on this project's machines)",
-    ),
+    "MooncakeLayerwiseConnector": f"(vllm-ascend) {_PUSHED}; use MooncakeConnectorV1 (served)",
+    "SfaRemoteD2HConnector": f"(vllm-ascend) {_PUSHED}; use MooncakeConnectorV1 (served)",
 }  # fmt: skip
+_NEEDS_STORE = (
+    "its rows go through the row store only (its proxy passes the decode instance a transfer id, nothing the prefill "
+    "instance returns): set VLLM_ASCEND_ROUTING_STORE (shm on one host, mooncake://... across hosts) and the same "
+    "VLLM_ASCEND_ROUTING_KV_SECRET on the prefill and decode instances"
+)
 # Inside MultiConnector, a connector whose rows ride in kv_transfer_params is refused: the plugin follows
 # MultiConnector, which merges its connectors' parameters, so no rows would ride in that connector's parameters and
 # every load of KV another instance lent through it would be declined (computed here).
@@ -85,8 +83,12 @@ def _refused(kv_transfer_config: Any) -> tuple[str, str] | None:
     for position, name in enumerate(_named(kv_transfer_config)):
         if name in REFUSED:
             return name, REFUSED[name]
-        if position > 0 and carriers.CARRIERS.get(name) is carriers.TransferParamsCarrier:
+        if position > 0 and name in registry.CARRIERS and name != carriers.SharedStorageCarrier.connector:
             return name, _INSIDE_MULTI
+        if name in registry.NEEDS_STORE and not (
+            envs.VLLM_ASCEND_ROUTING_STORE.strip() and envs.VLLM_ASCEND_ROUTING_KV_SECRET
+        ):
+            return name, _NEEDS_STORE
     return None
 
 
@@ -100,13 +102,13 @@ def serves(kv_transfer_config: Any) -> bool:
 def lifts(kv_transfer_config: Any, name: str) -> bool:
     """Whether vLLM's own refusal of routed experts with connector ``name`` is lifted: the configured connectors are
     served and ``name`` is one the plugin carries rows for (vLLM 0.31+ refuses NIXL; 0.22-0.30 refuse every one)."""
-    return name in _named(kv_transfer_config) and serves(kv_transfer_config) and name in carriers.CARRIERS
+    return name in _named(kv_transfer_config) and serves(kv_transfer_config) and name in registry.CARRIERS
 
 
 def holds_rows(kv_transfer_config: Any) -> bool:
     """Whether the scheduler holds the rows itself (``carriers.HeldRowsCarrier``): no carrier writes into this
     connector's storage."""
-    return serves(kv_transfer_config) and connector_name(kv_transfer_config) not in carriers.CARRIERS
+    return serves(kv_transfer_config) and connector_name(kv_transfer_config) not in registry.CARRIERS
 
 
 def refusal(kv_transfer_config: Any, generation: str, carried_here: bool = True) -> str:
@@ -125,8 +127,10 @@ def refusal(kv_transfer_config: Any, generation: str, carried_here: bool = True)
     return (
         f"vllm-ascend-routing: KV connector {refused}{inside} ({role}) is not covered: {why}. Tokens whose KV it "
         "loads were never computed on this instance, and their routed-experts rows would come back as zeros or as "
-        "another request's rows. Served: NixlConnector (rows in its kv_transfer_params), ExampleConnector (rows "
-        "beside its KV) and every connector that is not a P/D hand-over (offload tiers, cache services: rows of KV "
+        "another request's rows. Served: NixlConnector and vllm-ascend's MooncakeConnectorV1/V2, "
+        "MooncakePullConnector, MooncakeD2RHConnectorV1 and MooncakeHybridConnector (rows in their "
+        "kv_transfer_params), MooncakeConnector with a row store, ExampleConnector (rows beside its KV) and every "
+        "connector that is not a P/D hand-over (offload tiers, cache services: rows of KV "
         "this instance computed held in its memory, other KV computed here instead). Use such a connector, or remove "
         "--kv-transfer-config for routed-experts rollouts, or unset VLLM_ASCEND_ROUTING (vLLM then refuses routed "
         f"experts with this connector itself); see {DOCS}."

@@ -6,18 +6,28 @@
 ``instance`` is minted once per engine-core process, ``start`` is that process's start (ms since the epoch, hex),
 ``secret`` 128 random bits per object (``secrets``). A key of another engine, or of an earlier start of this one,
 never names this start's objects: its namespace differs, and so does its secret. ``@<rows>``: the object's first
-``rows`` rows only (the front end cuts a request's rows where its detokenizer dropped tokens past a stop string). A
-leaf.
+``rows`` rows only (the front end cuts a request's rows where its detokenizer dropped tokens past a stop string).
+
+    rxn.<64 hex>
+
+A *name*: what two instances that share nothing but a secret and an identifier derive alike (``derive``: HMAC-SHA256 of
+the identifier under the deployment's secret), for rows whose key cannot travel with their KV (vLLM's
+``MooncakeConnector`` passes a transfer id only). A name's object holds a key (``layout.encode_pointer``), never rows.
+A leaf.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
 import secrets
 import time
 from dataclasses import dataclass
 
 VERSION = "rx1"
+NAME_VERSION = "rxn"
+_NAME = re.compile(r"^rxn\.[0-9a-f]{64}$")
 _PATTERN = re.compile(
     r"^rx1\.(?P<instance>[0-9a-f]{8})\.dp(?P<dp>[0-9]{1,4})\.(?P<start>[0-9a-f]{1,16})\.(?P<secret>[0-9a-f]{32})"
     r"(?:@(?P<rows>[0-9]{1,12}))?$"
@@ -81,3 +91,19 @@ def parse(key: object) -> Key:
         match.group("secret"),
         None if rows is None else int(rows),
     )
+
+
+def derive(secret: bytes, scope: str, identifier: str) -> str:
+    """The name both ends derive for ``identifier`` in ``scope`` (``rxn.<64 hex>``): without ``secret`` nobody can
+    plant an object under it, nor tell whose transfer it names."""
+    digest = hmac.new(secret, f"{scope}\0{identifier}".encode(), hashlib.sha256).hexdigest()
+    return f"{NAME_VERSION}.{digest}"
+
+
+def is_name(text: object) -> bool:
+    return isinstance(text, str) and _NAME.match(text) is not None
+
+
+def object_of(text: object) -> str:
+    """The stored object a key (its ``@rows`` dropped) or a name stands for. Raises ``MalformedKeyError``."""
+    return str(text) if is_name(text) else parse(text).object

@@ -7,7 +7,10 @@ The header names the object's key (a reader checks it: a backend's name clash ca
 rows), the array's dtype and shape ``[T, L, K]`` as vLLM returns it inline, and ``first_token`` (row ``i`` is token
 ``first_token + i``). Rows are stored layer-major: one pipeline stage's layers are one contiguous run each, and a
 context-parallel chunk of tokens within a layer is one run too, so a rank reads its slice in a few ranged reads
-(``StoredRows.read``). A leaf beside ``interface``.
+(``StoredRows.read``).
+
+A name's object (``keys.derive``) is a pointer, ``b"RXNAME01" | u32 length | JSON {name, key}``: the reader checks
+that it names the name asked, then reads the key's object as any other. A leaf beside ``interface``.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from vllm_ascend_routing.store.interface import Backend, StoreError
+from vllm_ascend_routing.store.interface import Backend, StoreError, UnknownKeyError
 
 MAGIC = b"RXROWS01"
+POINTER_MAGIC = b"RXNAME01"
+_POINTER_MAX = 4096  # a name's object holds one key: anything longer is not one of ours
 _ALIGN = 64
 _LENGTH = struct.Struct("<I")
 
@@ -80,6 +85,31 @@ def read_header(backend: Backend, key: str) -> tuple[Header, int]:
     shape = tuple(fields["shape"])
     header = Header(fields["key"], fields["dtype"], shape, int(fields["first_token"]), fields.get("tokens_sha256", ""))  # type: ignore[arg-type]
     return header, payload_offset(len(start) + length)
+
+
+def encode_pointer(name: str, key: str) -> list[memoryview]:
+    """The object stored under ``name``: ``key``, which the rows are stored under."""
+    text = json.dumps({"name": name, "key": key}).encode()
+    return [memoryview(POINTER_MAGIC + _LENGTH.pack(len(text)) + text)]
+
+
+def read_pointer(backend: Backend, name: str) -> str:
+    """The key ``name``'s object holds. Raises ``UnknownKeyError`` (no such name: not yet, or no longer, stored) and
+    ``StoreError`` (an object that is not a pointer to that name)."""
+    size = backend.size(name)
+    if size is None:
+        raise UnknownKeyError(name)
+    head = len(POINTER_MAGIC) + _LENGTH.size
+    if not head < size <= _POINTER_MAX:
+        raise StoreError(f"the object of {name!r} is not a routed-experts pointer ({size} bytes)")
+    raw = backend.read(name, 0, size)
+    (length,) = _LENGTH.unpack(raw[len(POINTER_MAGIC) : head])
+    if raw[: len(POINTER_MAGIC)] != POINTER_MAGIC or head + length != size:
+        raise StoreError(f"the object of {name!r} is not a routed-experts pointer (bad magic or length)")
+    fields = json.loads(raw[head:])
+    if not isinstance(fields, dict) or fields.get("name") != name or not isinstance(fields.get("key"), str):
+        raise StoreError(f"the object of {name!r} points for another name ({fields!r:.120})")
+    return str(fields["key"])
 
 
 class Reads:

@@ -84,6 +84,25 @@ class Ledger:
         self.stats.published_bytes += nbytes
         return key
 
+    def name(self, name: str, key: str) -> None:
+        """Store, under ``name`` (``keys.derive``), a pointer to ``key`` (published here): it lives as long as the
+        rows do (removed with them on expiry or at shutdown; a reader that releases one releases both).
+
+        Raises:
+            StoreError: the name is taken (names are written once). StoreUnavailableError: unreachable.
+        """
+        deadline = self.entries[key].deadline  # a key this ledger published
+        parts = layout.encode_pointer(name, key)
+        self.backend.put(name, parts)
+        nbytes = sum(len(part) for part in parts)
+        self.entries[name] = _Entry(nbytes, deadline)  # just after its key: expires with it
+        self.live_bytes += nbytes
+
+    def remove(self, key: str) -> None:
+        """Remove one of this ledger's objects now."""
+        self._forget(key)
+        self.backend.remove(key)
+
     def expire(self) -> int:
         """Remove the objects whose TTL has passed; how many."""
         now, gone = self.clock(), 0

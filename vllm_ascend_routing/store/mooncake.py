@@ -274,7 +274,7 @@ class MooncakeBackend:
         return staging
 
     def _name(self, key: str) -> str:
-        return keys.parse(key).object  # ``@rows`` names the same object
+        return keys.object_of(key)  # ``@rows`` names the same object; a name is its own
 
     def _live(self) -> Any:
         if self._closed:

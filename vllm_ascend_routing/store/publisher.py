@@ -105,6 +105,20 @@ class Publisher:
         with self._lock:
             return self.ledger().publish(rows, 0, tokens_sha256)
 
+    def publish_named(self, rows: np.ndarray, tokens_sha256: str, name: str) -> str:
+        """Rows lent to another instance that finds them by ``name`` (``keys.derive`` of what both share: vLLM's
+        ``MooncakeConnector`` passes a transfer id only): published as ``publish_rows``, then the name points to them.
+        Raises ``StoreError`` (nothing is left stored: the other instance computes those tokens)."""
+        with self._lock:
+            ledger = self.ledger()
+            key = ledger.publish(rows, 0, tokens_sha256)
+            try:
+                ledger.name(name, key)
+            except StoreError:
+                ledger.remove(key)
+                raise
+            return key
+
     def close(self) -> None:
         with self._lock:
             if self._ledger is not None:

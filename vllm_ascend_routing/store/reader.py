@@ -6,6 +6,7 @@ loading a P/D prefill's rows (``kv.carriers``).
     rows = fetch(info["store_key"])               # exactly the array the request would have returned inline
     lazy = open_rows(info["store_key"])           # nothing read yet: align(lazy, ...) / to_megatron read a slice
     release(keys)                                 # free them once every rank has read its slice
+    key = resolve(name)                           # the key a name (keys.derive) points to (P/D by transfer id)
 
 The store is the one the environment names (``VLLM_ASCEND_ROUTING_STORE``, as the engines were started with), or the
 ``store=`` given. NumPy only (and the store's client), never vLLM.
@@ -72,4 +73,12 @@ def release(keys_: str | Iterable[str], *, store: str | None = None) -> int:
     """Free the keys' objects (each once, by whichever process is done with them last); how many were still there."""
     backend = client(store)
     items = [keys_] if isinstance(keys_, str) else list(keys_)
-    return sum(backend.remove(keys.parse(key).object) for key in items)
+    return sum(backend.remove(keys.object_of(key)) for key in items)
+
+
+def resolve(name: str, *, store: str | None = None) -> str:
+    """The key a name (``keys.derive``) points to. Raises ``UnknownKeyError`` where nothing is stored under it (not yet,
+    or no longer), ``StoreError`` where what is stored there is not a pointer to that name."""
+    if not keys.is_name(name):
+        raise keys.MalformedKeyError(name)
+    return layout.read_pointer(client(store), name)

@@ -22,8 +22,9 @@ import glob
 import os
 import stat
 
-from vllm_ascend_routing.store import keys
+from vllm_ascend_routing.store import keys, layout
 from vllm_ascend_routing.store.interface import (
+    StoreError,
     StoreFullError,
     StoreUnavailableError,
     UnknownKeyError,
@@ -64,6 +65,8 @@ class ShmBackend:
         self._leases: dict[str, int] = {}  # instance -> the open, exclusively locked lease file (a writer's)
 
     def _file(self, key: str) -> str:
+        if keys.is_name(key):
+            return os.path.join(self.path, f"n-{key.removeprefix(keys.NAME_VERSION + '.')}")
         parsed = keys.parse(key)
         return os.path.join(self.path, f"{parsed.instance}-{parsed.secret}")
 
@@ -108,9 +111,20 @@ class ShmBackend:
         """Remove the objects of every engine that has exited (its lease no longer held)."""
         for lease in glob.glob(os.path.join(glob.escape(self.path), "*.lease")):
             self._alive(os.path.basename(lease).removesuffix(".lease"))
+        for pointer in glob.glob(os.path.join(glob.escape(self.path), "n-*")):
+            name = f"{keys.NAME_VERSION}.{os.path.basename(pointer).removeprefix('n-')}"
+            try:
+                target = layout.read_pointer(self, name)
+                alive = self._alive(keys.parse(target).instance)
+            except (StoreError, ValueError):
+                alive = False  # not a pointer of ours, or to nothing: gone
+            if not alive:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(pointer)
 
     def put(self, key: str, parts: list[memoryview]) -> None:
-        self._hold_lease(keys.parse(key).instance)
+        if not keys.is_name(key):  # a name's object lives as long as the key it points to (``sweep``)
+            self._hold_lease(keys.parse(key).instance)
         path = self._file(key)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -133,7 +147,7 @@ class ShmBackend:
             raise StoreUnavailableError(f"shm store: writing {path} failed: {error}") from error
 
     def read(self, key: str, offset: int, nbytes: int) -> bytes:
-        if not self._alive(keys.parse(key).instance):
+        if not keys.is_name(key) and not self._alive(keys.parse(key).instance):
             raise UnknownKeyError(key, "the engine that published it has exited")
         try:
             fd = os.open(self._file(key), os.O_RDONLY | os.O_NOFOLLOW)
