@@ -1,30 +1,46 @@
 # SPDX-License-Identifier: Apache-2.0
-"""vllm-ascend's own KV connectors, as this release registers them (read from its source): every one it registers
-from its ``kv_p2p`` package (P/D hand-over between instances) is refused by name; every other (``kv_pool``: stores
-and offload tiers; its ``MultiConnector``) is served, rows of KV the instance computed held in its scheduler. A new
-P/D connector in a later release fails here until it is classified."""
+"""vllm-ascend's own KV connectors, as this release registers them (read from its source): its ``kv_p2p`` P/D
+connectors whose prefill returns the parameters the proxy passes on (``kv.registry.ASCEND_PARAMS``) are served, rows
+(or their row-store key) in those parameters; its push-mode ones are refused by name; every other (``kv_pool``: stores
+and offload tiers; its ``MultiConnector``) is served, rows of KV the instance computed held in its scheduler. A new P/D
+connector in a later release fails here until it is classified.
+
+The hand-over itself, on the real connector's scheduler side (``torch_npu`` stubbed, Mooncake's transfer engine never
+started: the scheduler side does not touch it): a prefill request finishes on a producer, its parameters (what
+vllm-ascend's proxy passes on) go to a decode request on a consumer, and the rows the follower puts where vLLM reads
+them are exactly the prefill's, inline in the parameters and through a row store."""
 
 from __future__ import annotations
 
+import importlib
 import re
+import sys
+import types
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
+import numpy as np
 import pytest
 
 from tests.ascend.conftest import ASCEND_SRC
-from vllm_ascend_routing import kv
+from tests.test_kv_transfer import MODEL, StandInRows, rows
+from vllm_ascend_routing import kv, validate
+from vllm_ascend_routing.kv import follower, registry
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ascend]
 
-_REGISTERED = re.compile(r'register_connector\(\s*"(\w+)",\s*"([\w.]+)"')
+_REGISTERED = re.compile(r'register_connector\(\s*"(\w+)",\s*"([\w.]+)",\s*"(\w+)"')
 
 
-def registered() -> dict[str, str]:
-    """Connector name -> the module vllm-ascend registers it from."""
+def registered() -> dict[str, tuple[str, str]]:
+    """Connector name -> (the module vllm-ascend registers it from, its class)."""
     root = Path(ASCEND_SRC.split(":")[0]) / "vllm_ascend"
-    found: dict[str, str] = {}
+    found: dict[str, tuple[str, str]] = {}
     for path in root.rglob("*.py"):
-        found.update(_REGISTERED.findall(path.read_text(errors="ignore")))
+        found.update(
+            (name, (module, cls)) for name, module, cls in _REGISTERED.findall(path.read_text(errors="ignore"))
+        )
     return found
 
 
@@ -32,12 +48,145 @@ def config(name: str) -> object:
     return type("KVTransferConfig", (), {"kv_connector": name, "kv_role": "kv_both", "kv_connector_extra_config": {}})
 
 
-def test_vllm_ascend_p2p_connectors_are_refused_and_its_stores_served() -> None:
+def test_vllm_ascend_p2p_connectors_are_classified_and_its_stores_served() -> None:
     connectors = registered()
     assert connectors, "no register_connector call found in vllm-ascend's source"
-    wrong = {name: module for name, module in connectors.items() if kv.serves(config(name)) == (".kv_p2p." in module)}
-    assert not wrong, f"classified wrongly (kv_p2p must be refused, the rest served): {wrong}"
-    refused = sorted(name for name, module in connectors.items() if ".kv_p2p." in module)
-    served = sorted(name for name in connectors if name not in refused)
-    assert refused and served
-    print(f"refused: {', '.join(refused)}; served: {', '.join(served)}")
+    p2p = {name for name, (module, _) in connectors.items() if ".kv_p2p." in module}
+    unclassified = sorted(p2p - set(registry.ASCEND_PARAMS) - set(kv.REFUSED))
+    assert not unclassified, f"vllm-ascend P/D connectors neither served nor refused by name: {unclassified}"
+    wrong = {name for name in connectors if kv.serves(config(name)) != (name not in kv.REFUSED)}
+    assert not wrong, f"classified wrongly: {wrong}"
+    carried = {name for name in p2p if kv.serves(config(name))}
+    assert carried <= set(registry.ASCEND_PARAMS) and not any(kv.holds_rows(config(n)) for n in carried)
+    refused = sorted(p2p - carried)
+    held = sorted(n for n in connectors if n not in p2p and kv.holds_rows(config(n)))
+    print(
+        f"carried in parameters: {', '.join(sorted(carried))}; refused: {', '.join(refused)}; held: {', '.join(held)}"
+    )
+
+
+def _mooncake_engine_stub(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TEST-ONLY: ``mooncake.engine`` (Mooncake's transfer engine, imported by the connector module; only its worker
+    side uses it) as an empty module."""
+    engine = types.ModuleType("mooncake.engine")
+    engine.TransferEngine = object  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "mooncake", sys.modules.get("mooncake") or types.ModuleType("mooncake"))
+    monkeypatch.setitem(sys.modules, "mooncake.engine", engine)
+
+
+def _registered_with_vllm(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """vLLM's connector factory knows ``name`` as vllm-ascend's platform registers it (this process's only)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    monkeypatch.setattr(KVConnectorFactory, "_registry", dict(KVConnectorFactory._registry))
+    if name not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(name, *registered()[name])
+
+
+def _scheduler_side(name: str, role: str, block_size: int) -> Any:
+    """vllm-ascend's connector ``name`` (scheduler role) under a vLLM config naming it, and a scheduler stand-in the
+    follower attaches to (its KV config and block size)."""
+    import torch
+    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    module, cls = registered()[name]
+    connector_cls = getattr(importlib.import_module(module), cls)
+    transfer = KVTransferConfig(kv_connector=name, kv_role=role, engine_id=f"{role}-engine", kv_port=20000)
+    vllm_config = VllmConfig(kv_transfer_config=transfer, cache_config=CacheConfig(block_size=block_size))
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float16)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]
+    )
+    connector = connector_cls(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    scheduler = SimpleNamespace(vllm_config=vllm_config)
+    return connector, scheduler
+
+
+class LocalBlocks:
+    """TEST-ONLY: the blocks vLLM's scheduler allocated for a load (``KVCacheBlocks``), as the connector reads them."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def get_unhashed_block_ids_all_groups(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+
+@pytest.mark.parametrize("store", ["inline", "shm"])
+def test_rows_cross_from_a_prefill_to_a_decode_request_through_the_real_connector(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, store: str
+) -> None:
+    from vllm.v1.request import RequestStatus
+
+    from vllm_ascend_routing.compat import adapter
+    from vllm_ascend_routing.errors import UnsupportedVllmError
+
+    name = "MooncakeConnectorV1"
+    assert name in registered()  # every release this suite runs on registers it
+    if adapter().kv_rows is None:  # vLLM 0.20.x / 0.21.0: no store for loaded rows, every connector refused at load
+        with pytest.raises(UnsupportedVllmError, match=f"KV connector {name} .* is served from vLLM 0.22 on"):
+            kv.refuse_uncovered(SimpleNamespace(kv_transfer_config=config(name)), "this", None)
+        return
+    _mooncake_engine_stub(monkeypatch)
+    _registered_with_vllm(monkeypatch, name)
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING_KV_SECRET", "ascend-pd")
+    if store == "shm":
+        from tests.store.local import shm_ledger
+        from vllm_ascend_routing.store import publisher as store_publisher
+
+        shm_ledger(tmp_path, monkeypatch)
+        monkeypatch.setattr(store_publisher, "_publishers", {})
+    monkeypatch.setattr(validate.ModelRouting, "from_vllm_config", staticmethod(lambda config: MODEL))
+    block = 16
+    producer, produced = _scheduler_side(name, "kv_producer", block), StandInRows()
+    consumer, consumed = _scheduler_side(name, "kv_consumer", block), StandInRows()
+    follower.follow(producer[1], producer[0], produced)
+    follower.follow(consumer[1], consumer[0], consumed)
+    prompts = {"a": list(range(100, 140)), "b": list(range(300, 353))}  # two prompts, each its own rows
+    params = {}
+    for n, (rid, prompt) in enumerate(prompts.items()):
+        request = SimpleNamespace(
+            request_id=rid,
+            prompt_token_ids=prompt,
+            all_token_ids=[*prompt, 7],
+            output_token_ids=[7],
+            num_output_tokens=1,
+            num_tokens=len(prompt) + 1,
+            status=RequestStatus.FINISHED_LENGTH_CAPPED,
+            kv_transfer_params={"do_remote_decode": True},
+            mm_features=[],
+        )
+        produced.prompts[rid] = rows(len(prompt), start=10 * n)
+        blocks = list(range(1 + 4 * n, 1 + 4 * n + -(-len(prompt) // block)))
+        delay, returned = producer[0].request_finished(request, blocks)
+        assert delay is True and isinstance(returned, dict)
+        carrier = registry.CARRIERS[name]
+        assert (carrier.KEY_FIELD in returned) == (store == "shm") and (carrier.FIELD in returned) == (store != "shm")
+        params[rid] = returned
+    for rid, prompt in prompts.items():
+        decode = SimpleNamespace(
+            request_id=f"d-{rid}",
+            prompt_token_ids=prompt,
+            num_tokens=len(prompt),
+            kv_transfer_params=dict(params[rid]),
+            mm_features=[],
+        )
+        count, load_async = consumer[0].get_num_new_matched_tokens(decode, 0)
+        assert count == len(prompt) and load_async is True
+        consumer[0].update_state_after_alloc(decode, LocalBlocks(list(range(40, 40 + -(-count // block)))), count)
+        request_id, start, carried = consumed.injected[-1]
+        assert (request_id, start) == (f"d-{rid}", 0)
+        assert np.array_equal(carried, produced.prompts[rid][:count])
+    swapped = SimpleNamespace(
+        request_id="d-swapped",
+        prompt_token_ids=list(range(500, 540)),
+        num_tokens=40,
+        kv_transfer_params=dict(params["b"]),
+        mm_features=[],
+    )
+    assert consumer[0].get_num_new_matched_tokens(swapped, 0) == (0, False)  # rows of other tokens: computed here
