@@ -58,6 +58,16 @@ class Client:
         self.backend.put(key, parts)
         return {"seconds": time.monotonic() - started, "bytes": sum(len(part) for part in parts)}
 
+    def name(self, name: str, key: str) -> dict[str, Any]:
+        """Put under ``name`` a pointer to ``key`` (what ``Ledger.name`` stores)."""
+        assert self.backend is not None
+        self.backend.put(name, layout.encode_pointer(name, key))
+        return {}
+
+    def resolve(self, name: str) -> dict[str, Any]:
+        assert self.backend is not None
+        return {"key": layout.read_pointer(self.backend, name)}
+
     def read_rows(
         self, key: str, path: str, layers: list[int] | None = None, start: int | None = None, stop: int | None = None
     ) -> dict[str, Any]:

@@ -125,11 +125,23 @@ def _wait_for_text(path: Path) -> str:
     return path.read_text()
 
 
-def run_mooncake_pd(arch: str) -> dict[str, Any]:
-    """The consumer, with the producer in a child process (see the module's docstring)."""
+def run_mooncake_pd(arch: str, store: str = "shm") -> dict[str, Any]:
+    """The consumer, with the producer in a child process (see the module's docstring). ``store``: ``shm``, or
+    ``mooncake`` (a real ``mooncake_master`` on localhost: the row store as across hosts)."""
+    if store != "mooncake":
+        return _run(arch, "shm")
+    from tests.harness.mooncake_master import MooncakeMaster
+    from tests.scripts import load
+
+    kit = load("scripts/mooncake_kit.py", "mooncake_kit").kit
+    with MooncakeMaster(kit().master_binary, dict(os.environ)) as master:  # this process has the kit's environment
+        return {**_run(arch, master.url), "store": "mooncake"}
+
+
+def _run(arch: str, store: str) -> dict[str, Any]:
     model = models.build_tiny_moe(arch, model_dir() / arch)
     exchange = Path(tempfile.mkdtemp(prefix="vllm_ascend_routing_mooncake_pd_"))
-    shared = {SECRET: "mooncake-pd-scenario", "VLLM_ASCEND_ROUTING_STORE": "shm"}
+    shared = {SECRET: "mooncake-pd-scenario", "VLLM_ASCEND_ROUTING_STORE": store}
     environment = _with_standin(dict(os.environ, **shared, **{BOOTSTRAP: str(free_port())}))
     log_path = exchange / "producer.log"  # a file, not a pipe: nothing reads a pipe while the consumer runs
     with log_path.open("w") as log_file:

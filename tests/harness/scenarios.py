@@ -290,7 +290,7 @@ def main() -> None:
     elif args.scenario == "nixl":
         result = run_nixl(args.arch)
     elif args.scenario == "mooncake-pd":
-        result = run_mooncake_pd(args.arch)
+        result = run_mooncake_pd(args.arch, args.store)
     elif args.scenario == "store":
         result = run_store(args.arch, args.store)
     elif args.scenario == "speculative":

@@ -189,6 +189,30 @@ def test_a_writer_s_objects_go_with_it_and_a_key_is_written_once(
     assert reader.call("read", key=key, offset=0, nbytes=64)["error"] == "UnknownKeyError"
 
 
+def test_a_name_points_another_process_to_its_rows_once_and_goes_with_its_writer(
+    master: MooncakeMaster, clients: Any, tmp_path: Path
+) -> None:
+    """MooncakeConnector P/D across hosts: the prefill engine names a transfer's rows (``keys.derive``), the decode
+    engine (another process, no segment) finds them by that name only; a name is written once and goes with its
+    writer's segment."""
+    writer = clients(master.url, segment_bytes=16 << 20)
+    reader = clients(master.url)
+    array = rows(4, t=97)
+    key = put_rows(writer, tmp_path, array)
+    name, other = keys.derive(b"s", "mooncake-transfer", "t-1"), keys.derive(b"s", "mooncake-transfer", "t-2")
+    assert reader.call("resolve", name=name)["error"] == "UnknownKeyError"  # before it is named: nothing
+    writer.ok("name", name=name, key=key)
+    assert reader.ok("resolve", name=name)["key"] == key
+    reader.ok("read_rows", key=key, path=str(tmp_path / "named.npy"))
+    assert np.array_equal(np.load(tmp_path / "named.npy"), array)
+    assert reader.call("resolve", name=other)["error"] == "UnknownKeyError"
+    taken = writer.call("name", name=name, key=put_rows(writer, tmp_path, rows(5, t=97)))
+    assert taken["error"] == "StoreError" and "written once" in taken["message"]
+    assert reader.ok("resolve", name=name)["key"] == key  # the first stays
+    writer.ok("close")
+    assert reader.call("resolve", name=name)["error"] == "UnknownKeyError"
+
+
 def test_a_full_segment_raises_store_full_and_never_spills_into_another_engine_s(
     kit: Any, clients: Any, tmp_path: Path
 ) -> None:
