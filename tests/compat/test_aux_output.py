@@ -264,4 +264,9 @@ def test_config_check_lifts_vllm_s_refusal_only_for_connectors_the_plugin_carrie
         config = SimpleNamespace(kv_transfer_config=KvConfig(name))
         upstream(config)
         assert config.kv_transfer_config.has_connector(name)  # any other reader: vLLM's answer
-    assert refused == ["MooncakeConnector"]
+    assert refused == ["MooncakeConnector"]  # without a row store and a secret the plugin does not serve it
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING_STORE", "shm")
+    monkeypatch.setenv("VLLM_ASCEND_ROUTING_KV_SECRET", "s")
+    refused.clear()
+    upstream(SimpleNamespace(kv_transfer_config=KvConfig("MooncakeConnector")))
+    assert refused == []  # with them its rows go by transfer id through the store: lifted (kv.named)
