@@ -24,14 +24,11 @@ vLLM's Mooncake worker calls ``torch.accelerator.current_device_index()``, which
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import runpy
-import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -40,7 +37,7 @@ from typing import Any
 
 from tests.harness.disaggregation import BLOCK_SIZE, DECODE_BUDGET, PREFILL_BUDGET, _against_single, _oracle, prompts
 from tests.harness.mooncake_master import free_port
-from tests.harness.nixl_pd import _wait_for, _write
+from tests.harness.pd_pair import phase_runner, producer_main, wait_for, with_producer, write
 from vllm_ascend_routing import kv, replay
 from vllm_ascend_routing.preflight import models, offline
 from vllm_ascend_routing.preflight.scenarios import MAX_TOKENS, _verdict, model_dir
@@ -93,8 +90,8 @@ def producer(arch: str, exchange: Path) -> None:
     model = models.build_tiny_moe(arch, model_dir() / arch)
     llm = _engine(model, "kv_producer", PREFILL_BUDGET)
     engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
-    _write(exchange / "producer.ready", {"engine_id": engine_id, "bootstrap": os.environ[BOOTSTRAP]})
-    transfers = json.loads(_wait_for_text(exchange / "go.json"))
+    write(exchange / "producer.ready", {"engine_id": engine_id, "bootstrap": os.environ[BOOTSTRAP]})
+    transfers = json.loads(_text(exchange / "go.json"))
     time.sleep(PRODUCER_DELAY_S)
     sets = _sets()
     batch = [*sets["decoded"], sets["swapped"]]
@@ -114,14 +111,12 @@ def producer(arch: str, exchange: Path) -> None:
     while not (exchange / "consumer.done").exists() and time.monotonic() < deadline:
         offline.generate(llm, [[5, 6, 7]], 1, cache_salt=f"step-{time.monotonic_ns()}")
         time.sleep(0.2)
-    _write(
-        exchange / "producer.json", {"verdict": verdict, "rows_lent": lent, "sentinel": offline.sentinel_totals(llm)}
-    )
+    write(exchange / "producer.json", {"verdict": verdict, "rows_lent": lent, "sentinel": offline.sentinel_totals(llm)})
     offline.close(llm)
 
 
-def _wait_for_text(path: Path) -> str:
-    _wait_for(path, None, 600)
+def _text(path: Path, child: subprocess.Popen[str] | None = None) -> str:
+    wait_for(path, child, 600)
     return path.read_text()
 
 
@@ -143,59 +138,22 @@ def _run(arch: str, store: str) -> dict[str, Any]:
     exchange = Path(tempfile.mkdtemp(prefix="vllm_ascend_routing_mooncake_pd_"))
     shared = {SECRET: "mooncake-pd-scenario", "VLLM_ASCEND_ROUTING_STORE": store}
     environment = _with_standin(dict(os.environ, **shared, **{BOOTSTRAP: str(free_port())}))
-    log_path = exchange / "producer.log"  # a file, not a pipe: nothing reads a pipe while the consumer runs
-    with log_path.open("w") as log_file:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "tests.harness.mooncake_pd", "--arch", arch, "--exchange", str(exchange)],
-            env=environment,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-    started = time.monotonic()
-    out: dict[str, Any] = {"arch": arch, "phases": {}}
-    try:
-        os.environ.update(_with_standin({**shared, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}))
-        os.environ["VLLM_ASCEND_ROUTING_KV_ROWS_WAIT_S"] = str(WAIT_S)
-        runpy.run_path(str(STANDIN / "sitecustomize.py"))  # this process's engine too (started before the path)
-        out.update(_consume(model, exchange, child, out["phases"]))
-        (exchange / "consumer.done").write_text("1")
-        _wait_for(exchange / "producer.json", child, 300)
-        out["producer"] = json.loads((exchange / "producer.json").read_text())
-        child.wait(timeout=120)
-    finally:
-        if child.poll() is None:
-            (exchange / "consumer.done").write_text("1")
-            child.kill()
-        child.wait()
-        if child.returncode != 0 or "producer" not in out:  # shown with the scenario's output when it fails
-            print(f"== the producer (exit {child.returncode}):\n{log_path.read_text()[-4000:]}", flush=True)
-        shutil.rmtree(exchange, ignore_errors=True)
-    out["seconds"] = round(time.monotonic() - started, 1)
-    return out
+    os.environ.update(_with_standin({**shared, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}))
+    os.environ["VLLM_ASCEND_ROUTING_KV_ROWS_WAIT_S"] = str(WAIT_S)
+    runpy.run_path(str(STANDIN / "sitecustomize.py"))  # this process's engine too (started before the path)
+    return with_producer(
+        "tests.harness.mooncake_pd", arch, exchange, environment, lambda child: _consume(model, exchange, child)
+    )
 
 
-def _consume(model: models.TinyMoE, exchange: Path, child: subprocess.Popen[str], phases: dict[str, Any]) -> Any:
-    reference = offline.reference_for(model)
+def _consume(model: models.TinyMoE, exchange: Path, child: subprocess.Popen[str]) -> dict[str, Any]:
+    phases: dict[str, Any] = {}
     sets = _sets()
     llm = _engine(model, "kv_consumer", DECODE_BUDGET)
-
-    def phase(name: str, batch: list[list[int]], params: list[dict[str, Any] | None] | None = None) -> Any:
-        before = kv.stats()
-        started = time.monotonic()
-        done = offline.generate(llm, batch, MAX_TOKENS, kv_transfer_params=params, extra_args=[INLINE] * len(batch))
-        after = kv.stats()
-        verdict = _verdict(offline.check(reference, model, done))
-        verdict["seconds"] = round(time.monotonic() - started, 1)
-        for field in ("rows_loaded", "rows_declined", "requests_waited", "offers_declined"):
-            verdict[field] = getattr(after, field) - getattr(before, field)
-        verdict["info_loaded"] = [None if c.info is None else c.info["loaded"] for c in done]
-        verdict["requests"] = len(done)
-        phases[name] = verdict
-        return done
+    phase = phase_runner(llm, model, phases, INLINE)
 
     phase("consumer_warm_up", prompts(WARM_UP, 55) + [sets["decoded"][-1][: LOCAL_HIT + 1]])
-    ready = json.loads(_wait_for_text_from(exchange / "producer.ready", child))
+    ready = json.loads(_text(exchange / "producer.ready", child))
     transfers = [f"t-{uuid.uuid4().hex}" for _ in range(len(DECODED) + 1)]
 
     def params(transfer: str) -> dict[str, Any]:  # what vLLM's Mooncake proxy sends the decode instance
@@ -206,7 +164,7 @@ def _consume(model: models.TinyMoE, exchange: Path, child: subprocess.Popen[str]
             "transfer_id": transfer,
         }
 
-    _write(exchange / "go.json", transfers)  # the producer starts its prefills PRODUCER_DELAY_S after this
+    write(exchange / "go.json", transfers)  # the producer starts its prefills PRODUCER_DELAY_S after this
     every = phase("mooncake_decode", [*sets["decoded"], sets["other"]], [params(t) for t in transfers])
     out: dict[str, Any] = {"reports": kv.first_reports()}
     prompts_again = [c.prompt_ids for c in every]
@@ -217,20 +175,11 @@ def _consume(model: models.TinyMoE, exchange: Path, child: subprocess.Popen[str]
     out["oracle"] = _oracle(llm, every, INLINE)
     out["sentinel_consumer"] = offline.sentinel_totals(llm)
     offline.close(llm)
-    return out
-
-
-def _wait_for_text_from(path: Path, child: subprocess.Popen[str]) -> str:
-    _wait_for(path, child, 600)
-    return path.read_text()
+    return {**out, "phases": phases}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="TEST-ONLY: the producer of the Mooncake P/D scenario")
-    parser.add_argument("--arch", required=True)
-    parser.add_argument("--exchange", required=True, type=Path)
-    args = parser.parse_args()
-    producer(args.arch, args.exchange)
+    producer_main("TEST-ONLY: the producer of the Mooncake P/D scenario", producer)
 
 
 if __name__ == "__main__":

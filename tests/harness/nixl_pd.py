@@ -24,19 +24,17 @@ Every row of both engines is compared with the transformers reference.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from tests.harness.disaggregation import BLOCK_SIZE, DECODE_BUDGET, PREFILL_BUDGET, _against_single, _oracle, prompts
+from tests.harness.pd_pair import phase_runner, producer_main, wait_for, with_producer, write
 from vllm_ascend_routing import kv
 from vllm_ascend_routing.kv import carriers
 from vllm_ascend_routing.preflight import models, offline
@@ -88,21 +86,6 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _wait_for(path: Path, process: subprocess.Popen[str] | None, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while not path.exists():
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"the producer exited ({process.returncode}) before writing {path.name}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear within {seconds} s")
-        time.sleep(0.2)
-
-
-def _write(path: Path, value: Any) -> None:
-    path.with_suffix(".tmp").write_text(json.dumps(value))
-    path.with_suffix(".tmp").rename(path)
-
-
 def producer(arch: str, exchange: Path) -> None:
     """The prefill instance (its own process: NIXL's agents and the engines' workers are per process)."""
     model = models.build_tiny_moe(arch, model_dir() / arch)
@@ -125,8 +108,8 @@ def producer(arch: str, exchange: Path) -> None:
     verdict = _verdict(offline.check(reference, model, [c for i, c in enumerate(done) if i not in options]))
     omitted = _verdict(offline.check(reference, model, [done[OMITTED]], prompt_start=OMIT_BEFORE))
     lent = free_idle - _free_blocks(llm)
-    _write(exchange / "params.json", [c.kv_transfer_params for c in done])
-    _wait_for(exchange / "consumer.done", None, 600)
+    write(exchange / "params.json", [c.kv_transfer_params for c in done])
+    wait_for(exchange / "consumer.done", None, 600)
     # Steps until every lent block is back (NIXL's notifications are read in them; they travel on their own, so a
     # loaded machine needs more than a few). The lease is far longer than this wait: a block freed here was freed by
     # a notification, and one still lent at the end was never notified.
@@ -134,7 +117,7 @@ def producer(arch: str, exchange: Path) -> None:
     while free_idle - _free_blocks(llm) > 0 and time.monotonic() - waited < NOTIFY_WAIT_SECONDS:
         offline.generate(llm, [[5, 6, 7]], 2, cache_salt=f"step-{time.monotonic_ns()}")
         time.sleep(0.5)
-    _write(
+    write(
         exchange / "producer.json",
         {
             "verdict": verdict,
@@ -167,57 +150,22 @@ def run_nixl(arch: str) -> dict[str, Any]:
     exchange = Path(tempfile.mkdtemp(prefix="vllm_ascend_routing_nixl_"))
     # the deployment's secret, the same on both instances (the rows in kv_transfer_params are signed with it)
     environment = dict(os.environ, **{PORT: str(_free_port()), HOST: "127.0.0.1", SECRET: "nixl-scenario"})
-    log_path = exchange / "producer.log"  # a file, not a pipe: nothing reads a pipe while the consumer runs
-    with log_path.open("w") as log_file:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "tests.harness.nixl_pd", "--arch", arch, "--exchange", str(exchange)],
-            env=environment,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-    started = time.monotonic()
-    out: dict[str, Any] = {"arch": arch, "phases": {}}
-    try:
-        os.environ.update({PORT: str(_free_port()), HOST: "127.0.0.1", SECRET: "nixl-scenario"})
-        out.update(_consume(model, exchange, child, out["phases"]))
-        (exchange / "consumer.done").write_text("1")
-        _wait_for(exchange / "producer.json", child, 300)
-        out["producer"] = json.loads((exchange / "producer.json").read_text())
-        child.wait(timeout=120)
-    finally:
-        if child.poll() is None:
-            (exchange / "consumer.done").write_text("1")
-            child.kill()
-        child.wait()
-        if child.returncode != 0 or "producer" not in out:  # shown with the scenario's output when it fails
-            print(f"== the producer (exit {child.returncode}):\n{log_path.read_text()[-4000:]}", flush=True)
-        shutil.rmtree(exchange, ignore_errors=True)
-    out["seconds"] = round(time.monotonic() - started, 1)
-    return out
+    os.environ.update({PORT: str(_free_port()), HOST: "127.0.0.1", SECRET: "nixl-scenario"})
+    return with_producer(
+        "tests.harness.nixl_pd", arch, exchange, environment, lambda child: _consume(model, exchange, child)
+    )
 
 
-def _consume(model: models.TinyMoE, exchange: Path, child: subprocess.Popen[str], phases: dict[str, Any]) -> Any:
-    reference = offline.reference_for(model)
+def _consume(model: models.TinyMoE, exchange: Path, child: subprocess.Popen[str]) -> dict[str, Any]:
+    phases: dict[str, Any] = {}
     sets = _sets()
     llm = _engine(model, "kv_consumer", DECODE_BUDGET)
-
-    def phase(name: str, batch: list[list[int]], params: list[dict[str, Any] | None] | None = None) -> Any:
-        before = kv.stats()
-        done = offline.generate(llm, batch, MAX_TOKENS, kv_transfer_params=params)
-        after = kv.stats()
-        verdict = _verdict(offline.check(reference, model, done))
-        verdict["rows_loaded"] = after.rows_loaded - before.rows_loaded
-        verdict["rows_declined"] = after.rows_declined - before.rows_declined
-        verdict["info_loaded"] = [None if c.info is None else c.info["loaded"] for c in done]
-        verdict["requests"] = len(done)
-        phases[name] = verdict
-        return done
+    phase = phase_runner(llm, model, phases)
 
     # The warm-up's last prompt is the first LOCAL_HIT tokens of the longest decoded prompt: that decode request finds
     # them in the consumer's prefix cache and NIXL loads only the rest (its rows start past token 0).
     phase("consumer_warm_up", prompts(WARM_UP, 45) + [sets["decoded"][-1][: LOCAL_HIT + 1]])
-    _wait_for(exchange / "params.json", child, 600)
+    wait_for(exchange / "params.json", child, 600)
     params = json.loads((exchange / "params.json").read_text())
     decoded = sets["decoded"]
     carried = params[: len(decoded)]
@@ -244,7 +192,7 @@ def _consume(model: models.TinyMoE, exchange: Path, child: subprocess.Popen[str]
     out["oracle"] = _oracle(llm, every)
     out["sentinel_consumer"] = offline.sentinel_totals(llm)
     offline.close(llm)
-    return out
+    return {**out, "phases": phases}
 
 
 def _forge(params: dict[str, Any], model: models.TinyMoE) -> dict[str, Any]:
@@ -264,11 +212,7 @@ def _forge(params: dict[str, Any], model: models.TinyMoE) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="TEST-ONLY: the producer of the NIXL P/D scenario")
-    parser.add_argument("--arch", required=True)
-    parser.add_argument("--exchange", required=True, type=Path)
-    args = parser.parse_args()
-    producer(args.arch, args.exchange)
+    producer_main("TEST-ONLY: the producer of the NIXL P/D scenario", producer)
 
 
 if __name__ == "__main__":
