@@ -112,7 +112,7 @@ def test_another_secret_finds_nothing_and_a_planted_pointer_is_refused(
     assert isinstance(foreign, Pending)  # its name differs: the rows are not found, never another's
     carrier = TransferIdCarrier(object(), LAYOUT)
     name, other = carrier.name("t-9"), carrier.name("t-1")
-    (store / f"n-{name.split('.', 1)[1]}").write_bytes(b"".join(layout.encode_pointer(other, "rx1.x")))
+    (store / f"n-{name.split('.', 1)[1]}").write_bytes(b"".join(layout.encode_pointer(other, "rx1.x", "deadbeef")))
     planted = carrier.get(decode(prompt, "t-9"), 0, 11)
     assert isinstance(planted, Missing) and "points for another name" in planted.reason
 
@@ -142,13 +142,19 @@ def test_loaded_rows_are_freed_and_a_dead_prefill_s_pointer_is_swept(store: Path
     assert list(store.glob("n-*")) == [] and list(store.glob("*-*")) == []
 
 
-def test_the_store_full_lends_nothing_and_the_decode_waits_then_computes(
+def test_rows_the_store_could_not_take_are_declined_at_once_with_the_reason(
     store: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Rows the prefill could not store (its byte cap, VLLM_ASCEND_ROUTING_STORE_MIB, is 0 here): none lent, and the
+    name says so, so the decode request declines at once, with the reason, instead of waiting."""
     monkeypatch.setenv("VLLM_ASCEND_ROUTING_STORE_MIB", "0")
     carrier = TransferIdCarrier(object(), LAYOUT)
-    assert carrier.put(prefill(list(range(100, 111)), "t-1"), rows(11), LENT) == 0
-    assert list(store.glob("n-*")) == []
+    prompt = list(range(100, 111))
+    assert carrier.put(prefill(prompt, "t-1"), rows(11), LENT) == 0
+    assert len(list(store.glob("n-*"))) == 1 and not [p for p in store.iterdir() if p.name[:1] != "n" and "-" in p.stem]
+    declined = TransferIdCarrier(object(), LAYOUT).get(decode(prompt, "t-1"), 0, 11)
+    assert isinstance(declined, Missing) and "stored no rows" in declined.reason and "StoreFullError" in declined.reason
+    assert isinstance(carrier.get(decode(prompt, "t-2"), 0, 11), Pending)  # another transfer: still to come
 
 
 class MooncakeLike:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_ascend_routing.store import layout, mooncake
+from vllm_ascend_routing.store import keys, layout, mooncake
 from vllm_ascend_routing.store.interface import UnknownKeyError
 
 
@@ -61,12 +61,12 @@ class Client:
     def name(self, name: str, key: str) -> dict[str, Any]:
         """Put under ``name`` a pointer to ``key`` (what ``Ledger.name`` stores)."""
         assert self.backend is not None
-        self.backend.put(name, layout.encode_pointer(name, key))
+        self.backend.put(name, layout.encode_pointer(name, key, keys.parse(key).instance))
         return {}
 
     def resolve(self, name: str) -> dict[str, Any]:
         assert self.backend is not None
-        return {"key": layout.read_pointer(self.backend, name)}
+        return {"key": layout.read_pointer(self.backend, name).key}
 
     def read_rows(
         self, key: str, path: str, layers: list[int] | None = None, start: int | None = None, stop: int | None = None

@@ -8,13 +8,15 @@ reaches the decode instance, so no rows or key can ride in the parameters. The r
 ``VLLM_ASCEND_ROUTING_KV_SECRET``): the prefill scheduler publishes them when its request finishes, before its
 connector lets the KV go; the decode scheduler, which may see its request first, waits for them
 (``carriers.Pending``) as its connector waits for the KV, up to ``VLLM_ASCEND_ROUTING_KV_ROWS_WAIT_S``. The stored
-token digest is checked against the decode request's prompt; loaded rows are freed. A load without exact rows is
+token digest is checked against the decode request's prompt; loaded rows are freed. Rows the prefill could not store
+are marked so under the same name: the decode request declines at once, with the reason. A load without exact rows is
 declined as vLLM declines a failed load: its KV is received (the connector's hand-over runs to its end) and
 discarded, and the prompt computed here from the local hit.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -32,7 +34,7 @@ from vllm_ascend_routing.kv.carriers import (
 from vllm_ascend_routing.store import keys
 from vllm_ascend_routing.store import publisher as store_publisher
 from vllm_ascend_routing.store import reader as store_reader
-from vllm_ascend_routing.store.interface import StoreError, UnknownKeyError
+from vllm_ascend_routing.store.interface import NothingStoredError, StoreError, UnknownKeyError
 
 logger = get_logger(__name__)
 
@@ -67,10 +69,14 @@ class TransferIdCarrier:
         sequence = getattr(request, "all_token_ids", None)
         tokens = np.asarray(list((request.prompt_token_ids if sequence is None else sequence) or []), dtype=np.int64)
         end = min(len(tokens), len(rows))
+        name = self.name(str(transfer))
         try:
-            publisher.publish_named(np.ascontiguousarray(rows[:end]), digest(tokens[:end]), self.name(str(transfer)))
-        except StoreError as error:  # the decode instance computes that prompt (exact; it waits for them first)
+            publisher.publish_named(np.ascontiguousarray(rows[:end]), digest(tokens[:end]), name)
+        except StoreError as error:  # the decode instance computes that prompt (exact), told at once where it can be
             logger.warning("routed-experts store: the rows of Mooncake transfer %s are not lent: %s", transfer, error)
+            # where even that fails, the decode instance waits for them until VLLM_ASCEND_ROUTING_KV_ROWS_WAIT_S
+            with contextlib.suppress(StoreError):
+                publisher.mark_unlent(name, f"{type(error).__name__}: {error}")
             return 0
         return end
 
@@ -81,6 +87,8 @@ class TransferIdCarrier:
             return Missing("its kv_transfer_params name no transfer_id (not a MooncakeConnector hand-over)")
         try:
             key = store_reader.resolve(self.name(str(transfer)))
+        except NothingStoredError as error:
+            return Missing(f"the prefill instance stored no rows for Mooncake transfer {transfer} ({error.reason})")
         except UnknownKeyError:
             return Pending(
                 f"the rows of Mooncake transfer {transfer} are not in the row store (its prefill has not finished, or "

@@ -30,6 +30,14 @@ class UnknownKeyError(StoreError, KeyError):
         return str(self.args[0])
 
 
+class NothingStoredError(StoreError):
+    """A name whose writer stored no rows under it (its store was full or failed), and says why: nothing will come."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        self.name, self.reason = name, reason
+        super().__init__(f"no rows were stored under {name!r}: {reason}")
+
+
 class StoreFullError(StoreError):
     """Publishing would pass the byte cap (``VLLM_ASCEND_ROUTING_STORE_MIB``) or the backend has no room."""
 

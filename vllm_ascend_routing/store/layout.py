@@ -87,29 +87,49 @@ def read_header(backend: Backend, key: str) -> tuple[Header, int]:
     return header, payload_offset(len(start) + length)
 
 
-def encode_pointer(name: str, key: str) -> list[memoryview]:
-    """The object stored under ``name``: ``key``, which the rows are stored under."""
-    text = json.dumps({"name": name, "key": key}).encode()
+@dataclass(frozen=True)
+class Pointer:
+    """What a name's object says: the key its rows are stored under, or (``key`` ``None``) that none were stored, and
+    why. ``instance``: the writing engine's, whose lifetime the name shares."""
+
+    key: str | None
+    instance: str
+    reason: str = ""
+
+
+def encode_pointer(name: str, key: str | None, instance: str, reason: str = "") -> list[memoryview]:
+    """The object stored under ``name``: ``key``, which the rows are stored under (``None``: none were, ``reason``)."""
+    fields = {"name": name, "key": key, "instance": instance, **({"reason": reason} if key is None else {})}
+    text = json.dumps(fields).encode()
     return [memoryview(POINTER_MAGIC + _LENGTH.pack(len(text)) + text)]
 
 
-def read_pointer(backend: Backend, name: str) -> str:
-    """The key ``name``'s object holds. Raises ``UnknownKeyError`` (no such name: not yet, or no longer, stored) and
+def decode_pointer(name: str, raw: bytes) -> Pointer:
+    """``raw`` as the pointer stored under ``name``. Raises ``StoreError`` (not a pointer to that name)."""
+    head = len(POINTER_MAGIC) + _LENGTH.size
+    if len(raw) <= head or raw[: len(POINTER_MAGIC)] != POINTER_MAGIC:
+        raise StoreError(f"the object of {name!r} is not a routed-experts pointer (bad magic or length)")
+    (length,) = _LENGTH.unpack(raw[len(POINTER_MAGIC) : head])
+    if head + length != len(raw):
+        raise StoreError(f"the object of {name!r} is not a routed-experts pointer (bad length)")
+    fields = json.loads(raw[head:])
+    if not isinstance(fields, dict) or fields.get("name") != name:
+        raise StoreError(f"the object of {name!r} points for another name ({fields!r:.120})")
+    key, instance, reason = fields.get("key"), fields.get("instance"), fields.get("reason", "")
+    if not (key is None or isinstance(key, str)) or not isinstance(instance, str) or not isinstance(reason, str):
+        raise StoreError(f"the object of {name!r} is not a routed-experts pointer ({fields!r:.120})")
+    return Pointer(key, instance, reason)
+
+
+def read_pointer(backend: Backend, name: str) -> Pointer:
+    """What ``name``'s object says. Raises ``UnknownKeyError`` (no such name: not yet, or no longer, stored) and
     ``StoreError`` (an object that is not a pointer to that name)."""
     size = backend.size(name)
     if size is None:
         raise UnknownKeyError(name)
-    head = len(POINTER_MAGIC) + _LENGTH.size
-    if not head < size <= _POINTER_MAX:
+    if size > _POINTER_MAX:
         raise StoreError(f"the object of {name!r} is not a routed-experts pointer ({size} bytes)")
-    raw = backend.read(name, 0, size)
-    (length,) = _LENGTH.unpack(raw[len(POINTER_MAGIC) : head])
-    if raw[: len(POINTER_MAGIC)] != POINTER_MAGIC or head + length != size:
-        raise StoreError(f"the object of {name!r} is not a routed-experts pointer (bad magic or length)")
-    fields = json.loads(raw[head:])
-    if not isinstance(fields, dict) or fields.get("name") != name or not isinstance(fields.get("key"), str):
-        raise StoreError(f"the object of {name!r} points for another name ({fields!r:.120})")
-    return str(fields["key"])
+    return decode_pointer(name, backend.read(name, 0, size))
 
 
 class Reads:

@@ -92,10 +92,18 @@ class Ledger:
             StoreError: the name is taken (names are written once). StoreUnavailableError: unreachable.
         """
         deadline = self.entries[key].deadline  # a key this ledger published
-        parts = layout.encode_pointer(name, key)
+        self._put_name(name, layout.encode_pointer(name, key, self.namespace.instance), deadline)
+
+    def mark(self, name: str, reason: str) -> None:
+        """Store, under ``name``, that no rows were stored for it and why (its reader declines at once instead of
+        waiting for rows that will not come). Raises as ``name``."""
+        parts = layout.encode_pointer(name, None, self.namespace.instance, reason)
+        self._put_name(name, parts, self.clock() + self.ttl_s if self.ttl_s > 0 else float("inf"))
+
+    def _put_name(self, name: str, parts: list[memoryview], deadline: float) -> None:
         self.backend.put(name, parts)
         nbytes = sum(len(part) for part in parts)
-        self.entries[name] = _Entry(nbytes, deadline)  # just after its key: expires with it
+        self.entries[name] = _Entry(nbytes, deadline)  # expires with its key (published just before)
         self.live_bytes += nbytes
 
     def remove(self, key: str) -> None:

@@ -119,6 +119,12 @@ class Publisher:
                 raise
             return key
 
+    def mark_unlent(self, name: str, reason: str) -> None:
+        """Say under ``name`` that its rows were not stored (``reason``): the other instance declines at once rather
+        than waiting for them. Raises ``StoreError`` (the store cannot take even that: the other instance waits)."""
+        with self._lock:
+            self.ledger().mark(name, reason)
+
     def close(self) -> None:
         with self._lock:
             if self._ledger is not None:

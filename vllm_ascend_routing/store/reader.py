@@ -21,7 +21,7 @@ import numpy as np
 
 from vllm_ascend_routing.store import keys, layout
 from vllm_ascend_routing.store import setting as store_setting
-from vllm_ascend_routing.store.interface import Backend, UnknownKeyError
+from vllm_ascend_routing.store.interface import Backend, NothingStoredError, UnknownKeyError
 
 _clients: dict[str, Backend] = {}
 
@@ -78,7 +78,11 @@ def release(keys_: str | Iterable[str], *, store: str | None = None) -> int:
 
 def resolve(name: str, *, store: str | None = None) -> str:
     """The key a name (``keys.derive``) points to. Raises ``UnknownKeyError`` where nothing is stored under it (not yet,
-    or no longer), ``StoreError`` where what is stored there is not a pointer to that name."""
+    or no longer), ``NothingStoredError`` where its writer stored no rows (and says why), ``StoreError`` where what is
+    stored there is not a pointer to that name."""
     if not keys.is_name(name):
         raise keys.MalformedKeyError(name)
-    return layout.read_pointer(client(store), name)
+    pointer = layout.read_pointer(client(store), name)
+    if pointer.key is None:
+        raise NothingStoredError(name, pointer.reason)
+    return pointer.key

@@ -38,6 +38,13 @@ def folder(root: str = SHM_ROOT) -> str:
     return os.path.join(root, _FOLDER.format(uid=os.getuid()))
 
 
+def _writer(key: str, parts: list[memoryview]) -> str:
+    """The engine instance an object belongs to: a key's own, or the one a name's pointer names."""
+    if not keys.is_name(key):
+        return keys.parse(key).instance
+    return layout.decode_pointer(key, b"".join(bytes(part) for part in parts)).instance
+
+
 class ShmBackend:
     name = "shm"
 
@@ -114,17 +121,16 @@ class ShmBackend:
         for pointer in glob.glob(os.path.join(glob.escape(self.path), "n-*")):
             name = f"{keys.NAME_VERSION}.{os.path.basename(pointer).removeprefix('n-')}"
             try:
-                target = layout.read_pointer(self, name)
-                alive = self._alive(keys.parse(target).instance)
+                alive = self._alive(layout.read_pointer(self, name).instance)
             except (StoreError, ValueError):
-                alive = False  # not a pointer of ours, or to nothing: gone
+                alive = False  # not a pointer of ours: gone
             if not alive:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(pointer)
 
     def put(self, key: str, parts: list[memoryview]) -> None:
-        if not keys.is_name(key):  # a name's object lives as long as the key it points to (``sweep``)
-            self._hold_lease(keys.parse(key).instance)
+        # a name's object lives as long as its writer (the pointer names it; ``sweep``), a key's as its engine
+        self._hold_lease(_writer(key, parts))
         path = self._file(key)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
