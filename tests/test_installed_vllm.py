@@ -15,6 +15,7 @@ import torch
 from vllm_ascend_routing import _cpu_compat, integration, kv, manifest, patching
 from vllm_ascend_routing.compat import UnsupportedVllmError
 from vllm_ascend_routing.compat import adapter as get_adapter
+from vllm_ascend_routing.kv import registry
 from vllm_ascend_routing.output import serving
 from vllm_ascend_routing.patching import RELY, Patch, resolve
 from vllm_ascend_routing.preflight import findings
@@ -24,9 +25,10 @@ pytestmark = pytest.mark.vllm
 
 # vLLM's KV connectors reviewed as stores, offload tiers or connectors that load nothing from another instance: served
 # (rows of KV the instance computed held in its scheduler; ExampleConnector's carried beside its KV); and NIXL's pull
-# mode (NixlConnector, NixlPullConnector: rows carried in its kv_transfer_params). A connector a
-# later vLLM adds fails test_every_kv_connector_this_vllm_registers_is_classified until it is put here or in
-# kv.REFUSED (it hands KV between instances).
+# mode (NixlConnector, NixlPullConnector: rows carried in its kv_transfer_params). MooncakeConnector is served with a
+# row store and a secret only (kv.registry.NEEDS_STORE). A connector a later vLLM adds fails
+# test_every_kv_connector_this_vllm_registers_is_classified until it is put here or in kv.REFUSED (it hands KV between
+# instances).
 SERVED_CONNECTORS = frozenset(
     {
         "ExampleConnector",
@@ -224,8 +226,9 @@ def test_every_kv_connector_this_vllm_registers_is_classified() -> None:
 
     registered = set(KVConnectorFactory._registry)
     assert registered, "vLLM's KV connector registry is empty"
-    unclassified = registered - SERVED_CONNECTORS - set(kv.REFUSED)
+    with_store = set(registry.NEEDS_STORE)  # served with a row store and a secret only (MooncakeConnector)
+    unclassified = registered - SERVED_CONNECTORS - set(kv.REFUSED) - with_store
     assert not unclassified, f"KV connectors neither served nor refused: {sorted(unclassified)}"
     for name in registered:
         config = type("KVTransferConfig", (), {"kv_connector": name, "kv_role": "kv_both"})
-        assert kv.serves(config) is (name in SERVED_CONNECTORS), name
+        assert kv.serves(config) is (name in SERVED_CONNECTORS), name  # no store set here
