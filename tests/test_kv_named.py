@@ -6,6 +6,7 @@ only with a store and a secret. The e2e run: tests/e2e/test_mooncake_pd.py."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -202,12 +203,16 @@ def test_the_decode_request_waits_for_the_rows_then_loads_them(store: Path, monk
     monkeypatch.setenv("VLLM_ASCEND_ROUTING_STORE", "shm")
     producer, produced, _ = followed(monkeypatch, "kv_producer")
     consumer, consumed, scheduler = followed(monkeypatch, "kv_consumer")
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     prompt = list(range(100, 120))
     request = decode(prompt, "t-1", "d1")
     assert consumer.get_num_new_matched_tokens(request, 4) == (None, False)  # not yet: vLLM asks again
+    clock[0] += follower.POLL_S
     assert consumer.get_num_new_matched_tokens(request, 4) == (None, False)
     produced.prompts["p-t-1"] = rows(20)
     producer.request_finished(prefill(prompt, "t-1"), ([0, 1],))
+    clock[0] += follower.POLL_S
     assert consumer.get_num_new_matched_tokens(request, 4) == (16, True)
     consumer.update_state_after_alloc(request, "blocks", 16)
     (injected,) = consumed.injected
@@ -217,6 +222,30 @@ def test_the_decode_request_waits_for_the_rows_then_loads_them(store: Path, monk
     request.num_computed_tokens = 20  # the KV received
     scheduler._update_waiting_for_remote_kv(request)
     assert scheduler.promoted == [("d1", 20, False)]  # loaded, kept
+
+
+def test_a_waiting_request_asks_the_store_at_most_every_poll_interval(
+    store: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM asks again at every scheduler step; a Mooncake store answers each look-up over the network: a waiting
+    request's store is asked again only once POLL_S has passed (below it: not; at it: again)."""
+    consumer, _, _ = followed(monkeypatch, "kv_consumer")
+    asked: list[str] = []
+    resolve = stored.resolve
+    monkeypatch.setattr(stored, "resolve", lambda name, **kw: asked.append(name) or resolve(name, **kw))
+    clock = [0.0]  # exact in binary at the interval's boundary
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    first, second = decode(list(range(100, 120)), "t-a", "da"), decode(list(range(200, 220)), "t-b", "db")
+    for request in (first, second):
+        assert consumer.get_num_new_matched_tokens(request, 0) == (None, False)
+    assert len(asked) == 2  # each its own look-up
+    clock[0] = follower.POLL_S * 0.95  # the next step, just below the interval: no look-up
+    for request in (first, second):
+        assert consumer.get_num_new_matched_tokens(request, 0) == (None, False)
+    assert len(asked) == 2
+    clock[0] = follower.POLL_S  # at it: asked again
+    assert consumer.get_num_new_matched_tokens(first, 0) == (None, False)
+    assert len(asked) == 3
 
 
 @pytest.mark.parametrize("wait_s", [0, 1])

@@ -54,6 +54,10 @@ SCHEDULER_INIT = Patch(
 )
 
 
+# A request waiting for rows still to come asks the store at most this often (seconds): vLLM asks again at every
+# step, and a Mooncake store answers each look-up over the network.
+POLL_S = 0.02
+
 # A declined load of a connector whose hand-over must run to its end (``discards_declined``): the KV is received and
 # then discarded through vLLM's own path for a failed load (recomputed from the local hit).
 DISCARD_SITE = Patch(
@@ -166,7 +170,8 @@ class Follower:
         self.model = model
         self.strict = envs.VLLM_ASCEND_ROUTING_VALIDATE == "strict"
         self.offered: dict[str, tuple[int, np.ndarray]] = {}  # request -> (first token, carried rows)
-        self.waiting: dict[str, float] = {}  # request -> when it first waited for rows still to come (Pending)
+        # request -> (when it first waited for rows still to come (Pending), when its store was last asked)
+        self.waiting: dict[str, tuple[float, float]] = {}
         self.discarding: dict[str, int] = {}  # request -> its local hit: a declined load received, then discarded
         self.reports = 0
 
@@ -177,17 +182,19 @@ class Follower:
             if not count or count <= 0:
                 return count, load_async
             start = int(num_computed_tokens)  # vLLM loads from the local hit it passed on
+            now, waited = time.monotonic(), self.waiting.get(request.request_id)
+            wait_s = envs.VLLM_ASCEND_ROUTING_KV_ROWS_WAIT_S
+            if waited is not None and now - waited[1] < POLL_S and now - waited[0] < wait_s:
+                return None, False  # its store was asked a moment ago: not again at this step
             carried = self.carrier.get(request, start, int(count))
             if isinstance(carried, Pending):
-                if request.request_id not in self.waiting:
+                if waited is None:
                     _count(requests_waited=1)
-                waiting = self.waiting.setdefault(request.request_id, time.monotonic())
-                if time.monotonic() - waiting < envs.VLLM_ASCEND_ROUTING_KV_ROWS_WAIT_S:
+                first = now if waited is None else waited[0]
+                if now - first < wait_s:
+                    self.waiting[request.request_id] = (first, now)
                     return None, False  # vLLM asks again at a later step (the request stays waiting)
-                carried = Missing(
-                    f"{carried.reason}; waited {envs.VLLM_ASCEND_ROUTING_KV_ROWS_WAIT_S} s "
-                    "(VLLM_ASCEND_ROUTING_KV_ROWS_WAIT_S)"
-                )
+                carried = Missing(f"{carried.reason}; waited {wait_s} s (VLLM_ASCEND_ROUTING_KV_ROWS_WAIT_S)")
             self.waiting.pop(request.request_id, None)
             if not isinstance(carried, Missing):
                 carried = self._checked(carried, request.request_id, start, "carried with that KV")
