@@ -150,6 +150,9 @@ def run_data_parallel(arch: str, layout: str, mode: str, expert_parallel: bool =
                         "return_token_ids": True,
                         **({"vllm_xargs": {"routed_experts_transport": "inline"}} if i % 2 == 0 else {}),
                     },
+                    # each request to the rank rank_requests gives it: vLLM's balancer alternates ranks in the order
+                    # requests arrive, which would put every keyed (odd) request on one rank
+                    {"X-data-parallel-rank": str(rank_of(i))},
                 )
                 choice = reply["choices"][0]
                 encoded = choice.get("routed_experts")
@@ -194,8 +197,14 @@ def models_dir() -> Path:
     return Path(envs.VLLM_ASCEND_ROUTING_MODELS)
 
 
+def rank_of(request: int) -> int:
+    """The DP rank of 2 that serves request index ``request`` (``rank_requests``)."""
+    return 0 if request in rank_requests(0) else 1
+
+
 def rank_requests(rank: int) -> list[int]:
-    """Request indices DP rank ``rank`` of 2 serves offline: uneven shares (10 and 6, long prompts on rank 0)."""
+    """Request indices DP rank ``rank`` of 2 serves (offline: its own ``LLM``; served: asked for by vLLM's
+    ``X-data-parallel-rank`` header): uneven shares (10 and 6, long prompts on rank 0)."""
     return [i for i in range(len(REQUESTS)) if (i % 3 != 0) == (rank == 0)]
 
 

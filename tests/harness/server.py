@@ -22,9 +22,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def post(url: str, body: dict[str, Any]) -> Any:
-    """POST ``body`` as JSON; the decoded JSON reply."""
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
+    """POST ``body`` as JSON (with ``headers`` too); the decoded JSON reply."""
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json", **(headers or {})}
+    )
     with urllib.request.urlopen(request, timeout=300) as response:
         return json.loads(response.read())
 

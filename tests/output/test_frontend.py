@@ -110,3 +110,89 @@ def test_records_travel_out_of_kv_transfer_params_onto_the_finished_output() -> 
     opted_out = completion(None)
     frontend._recording(State._new_request_output, attach)(State("e"), "e", [opted_out], True)
     assert opted_out.routed_experts_info is None  # no array, no record (and the attribute always exists)
+
+
+def merged_stream(routed: list[np.ndarray]) -> tuple[Any, list[Any]]:
+    """An n=2 stream's first outputs (not finished) and, per choice, a finishing one with its own rows and record."""
+    older = [SimpleNamespace(index=i, token_ids=[i], routed_experts=None, finish_reason=None) for i in (0, 1)]
+    finishing = []
+    for i, rows in enumerate(routed):
+        done = SimpleNamespace(index=i, token_ids=[10 + i], routed_experts=rows, finish_reason="length")
+        done.routed_experts_info = {"rows": len(rows), "choice": i}
+        finishing.append(done)
+    return SimpleNamespace(outputs=older), finishing
+
+
+def merge_as_vllm_0_31_does(self: Any, next_output: Any, aggregate: bool) -> None:
+    """vLLM up to 0.31's ``RequestOutput.add``: aggregating keeps the older completion and takes the newer one's tokens
+    and finish reason, not its rows (nor any attribute the plugin added)."""
+    for latest in next_output.outputs:
+        for i, completion in enumerate(self.outputs):
+            if completion.index == latest.index:
+                if aggregate:
+                    completion.token_ids = [*completion.token_ids, *latest.token_ids]
+                    completion.finish_reason = latest.finish_reason
+                else:
+                    self.outputs[i] = latest
+
+
+def test_a_lagging_streams_merged_output_keeps_each_choices_rows_and_record() -> None:
+    routed = [np.full((3, 2, 2), 1, np.uint8), np.full((5, 2, 2), 2, np.uint8)]  # distinct per choice
+    pending, (first, second) = merged_stream(routed)
+    merge = frontend._merging(merge_as_vllm_0_31_does)
+    merge(pending, SimpleNamespace(outputs=[second]), True)  # choice 1 finishes while choice 0 still streams
+    zero, one = pending.outputs
+    assert one.routed_experts is routed[1] and one.routed_experts_info == {"rows": 5, "choice": 1}
+    assert zero.routed_experts is None and not hasattr(zero, "routed_experts_info")
+    assert one.token_ids == [1, 11] and one.finish_reason == "length"  # vLLM's own merge ran
+    merge(pending, SimpleNamespace(outputs=[first]), aggregate=True)
+    assert zero.routed_experts is routed[0] and zero.routed_experts_info == {"rows": 3, "choice": 0}
+    assert one.routed_experts is routed[1] and one.routed_experts_info["choice"] == 1  # untouched by choice 0's
+
+
+def test_a_merge_carries_a_record_of_none_and_never_rows_of_none() -> None:
+    pending, (first, _) = merged_stream([np.zeros((2, 1, 1), np.uint8)] * 2)
+    earlier = np.ones((2, 1, 1), np.uint8)
+    pending.outputs[0].routed_experts = earlier
+    first.routed_experts, first.routed_experts_info = None, None  # an opted-out choice: no rows, a record of None
+    frontend._merging(merge_as_vllm_0_31_does)(pending, SimpleNamespace(outputs=[first]), True)
+    assert pending.outputs[0].routed_experts is earlier and pending.outputs[0].routed_experts_info is None
+
+
+def test_replacing_outputs_needs_no_carrying() -> None:
+    pending, (first, _) = merged_stream([np.zeros((2, 1, 1), np.uint8)] * 2)
+    frontend._merging(merge_as_vllm_0_31_does)(pending, SimpleNamespace(outputs=[first]), False)
+    assert pending.outputs[0] is first and first.routed_experts_info["choice"] == 0
+
+
+@pytest.mark.vllm
+def test_vllms_own_collector_hands_a_lagging_consumer_the_rows_and_record() -> None:
+    """vLLM's ``RequestOutputCollector`` (between the output handler and a stream's consumer) merges outputs the
+    consumer has not taken yet: with the plugin's merge, the one taken holds the terminal rows and record."""
+    from vllm.outputs import CompletionOutput, RequestOutput
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.output_processor import RequestOutputCollector
+
+    from vllm_ascend_routing import patching
+
+    def output(index: int, token: int, rows: np.ndarray | None) -> RequestOutput:
+        completion = CompletionOutput(index, "", [token], None, None, finish_reason=None if rows is None else "length")
+        completion.routed_experts = rows
+        if rows is not None:
+            setattr(completion, frontend.INFO, {"rows": len(rows)})
+        return RequestOutput("r", None, [1, 2], None, [completion], finished=rows is not None)
+
+    routed = np.arange(12, dtype=np.int16).reshape(3, 2, 2)
+    original = getattr(RequestOutput.add, patching.ORIGINAL, RequestOutput.add)
+    try:
+        RequestOutput.add = frontend._merging(original)
+        collector = RequestOutputCollector(RequestOutputKind.DELTA, "r")
+        for item in (output(0, 5, None), output(0, 6, None), output(0, 7, routed)):
+            collector.put(item)  # nobody takes them in between: the consumer lags
+        taken = collector.get_nowait()
+    finally:
+        RequestOutput.add = original
+    (completion,) = taken.outputs
+    assert list(completion.token_ids) == [5, 6, 7] and completion.finish_reason == "length"
+    assert np.array_equal(completion.routed_experts, routed)
+    assert getattr(completion, frontend.INFO) == {"rows": 3}

@@ -11,6 +11,9 @@
 * ``RequestState._new_request_output`` / ``ParentRequest.get_outputs`` (0.22+): each finished
   ``CompletionOutput`` gets ``routed_experts_info``, the completed record (``output.provenance``), or ``None``
   where it has no array.
+* ``RequestOutput.add`` (every generation): a streamed request whose consumer lags gets its outputs merged into the
+  oldest one not yet taken (``aggregate``, AsyncLLM's per-request collector); the terminal output's rows (up to
+  vLLM 0.31, whose merge drops them) and its ``routed_experts_info`` are carried into the merged one.
 """
 
 from __future__ import annotations
@@ -57,7 +60,13 @@ GET_OUTPUTS = Patch(
     params=("self", "child_request_id", "completion_output"),
     needs=_NEEDS,
 )
-PATCHES = (PROCESS_INPUTS, PROCESS_OUTPUTS, NEW_REQUEST_OUTPUT, GET_OUTPUTS)
+MERGE_OUTPUTS = Patch(
+    "vllm.outputs:RequestOutput.add",
+    "a lagging stream's merged output keeps its terminal rows and routed_experts_info",
+    "once vLLM's merge carries every field of the terminal CompletionOutput (0.32 carries the rows, not the record)",
+    params=("self", "next_output", "aggregate"),
+)
+PATCHES = (PROCESS_INPUTS, MERGE_OUTPUTS, PROCESS_OUTPUTS, NEW_REQUEST_OUTPUT, GET_OUTPUTS)
 
 _records: dict[str, dict[str, Any]] = {}  # finished samples of n > 1 requests, by internal request id
 
@@ -67,6 +76,7 @@ def install(adapter: Any, vllm: str) -> None:
     (``adapter.per_request_output``)."""
     serves = bool(adapter.per_request_output)
     patching.replace(PROCESS_INPUTS, lambda method: _checking(method, adapter, serves))
+    patching.replace(MERGE_OUTPUTS, _merging)
     if serves:
         attach = functools.partial(_attach, generation=adapter.generation.value, vllm=vllm)
         patching.replace(PROCESS_OUTPUTS, _taking_records)
@@ -203,3 +213,30 @@ def _recording_samples(get_outputs: Callable[..., Any], attach: Callable[..., No
 
 def _is_finished_completion(output: Any) -> bool:
     return getattr(output, "finish_reason", None) is not None and hasattr(output, "routed_experts")
+
+
+def _merging(add: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(add)
+    def wrapper(self: Any, next_output: Any, aggregate: bool, *args: Any, **kwargs: Any) -> Any:
+        merged = add(self, next_output, aggregate, *args, **kwargs)
+        if aggregate:
+            carry_terminal_fields(self.outputs, next_output.outputs)
+        return merged
+
+    return wrapper
+
+
+def carry_terminal_fields(merged: Any, latest: Any) -> None:
+    """Onto each completion of ``merged`` (the older outputs, edited in place by vLLM's merge), the rows and the
+    record of the ``latest`` completion with its index: only a finished completion has them, and a merge must not
+    lose them (a stream whose last chunk came without rows would look like an opted-out request's)."""
+    by_index = {getattr(completion, "index", None): completion for completion in merged}
+    for completion in latest:
+        into = by_index.get(getattr(completion, "index", None))
+        if into is None or into is completion:
+            continue
+        routed = getattr(completion, "routed_experts", None)
+        if routed is not None:
+            into.routed_experts = routed
+        if hasattr(completion, INFO):
+            setattr(into, INFO, getattr(completion, INFO))
