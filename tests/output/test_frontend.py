@@ -123,8 +123,8 @@ def merged_stream(routed: list[np.ndarray]) -> tuple[Any, list[Any]]:
     return SimpleNamespace(outputs=older), finishing
 
 
-def merge_as_vllm_0_31_does(self: Any, next_output: Any, aggregate: bool) -> None:
-    """vLLM up to 0.31's ``RequestOutput.add``: aggregating keeps the older completion and takes the newer one's tokens
+def merge_as_vllm_0_30_does(self: Any, next_output: Any, aggregate: bool) -> None:
+    """vLLM 0.30.0's ``RequestOutput.add``: aggregating keeps the older completion and takes the newer one's tokens
     and finish reason, not its rows (nor any attribute the plugin added)."""
     for latest in next_output.outputs:
         for i, completion in enumerate(self.outputs):
@@ -139,7 +139,7 @@ def merge_as_vllm_0_31_does(self: Any, next_output: Any, aggregate: bool) -> Non
 def test_a_lagging_streams_merged_output_keeps_each_choices_rows_and_record() -> None:
     routed = [np.full((3, 2, 2), 1, np.uint8), np.full((5, 2, 2), 2, np.uint8)]  # distinct per choice
     pending, (first, second) = merged_stream(routed)
-    merge = frontend._merging(merge_as_vllm_0_31_does)
+    merge = frontend._merging(merge_as_vllm_0_30_does)
     merge(pending, SimpleNamespace(outputs=[second]), True)  # choice 1 finishes while choice 0 still streams
     zero, one = pending.outputs
     assert one.routed_experts is routed[1] and one.routed_experts_info == {"rows": 5, "choice": 1}
@@ -155,13 +155,13 @@ def test_a_merge_carries_a_record_of_none_and_never_rows_of_none() -> None:
     earlier = np.ones((2, 1, 1), np.uint8)
     pending.outputs[0].routed_experts = earlier
     first.routed_experts, first.routed_experts_info = None, None  # an opted-out choice: no rows, a record of None
-    frontend._merging(merge_as_vllm_0_31_does)(pending, SimpleNamespace(outputs=[first]), True)
+    frontend._merging(merge_as_vllm_0_30_does)(pending, SimpleNamespace(outputs=[first]), True)
     assert pending.outputs[0].routed_experts is earlier and pending.outputs[0].routed_experts_info is None
 
 
 def test_replacing_outputs_needs_no_carrying() -> None:
     pending, (first, _) = merged_stream([np.zeros((2, 1, 1), np.uint8)] * 2)
-    frontend._merging(merge_as_vllm_0_31_does)(pending, SimpleNamespace(outputs=[first]), False)
+    frontend._merging(merge_as_vllm_0_30_does)(pending, SimpleNamespace(outputs=[first]), False)
     assert pending.outputs[0] is first and first.routed_experts_info["choice"] == 0
 
 

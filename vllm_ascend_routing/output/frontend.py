@@ -12,8 +12,8 @@
   ``CompletionOutput`` gets ``routed_experts_info``, the completed record (``output.provenance``), or ``None``
   where it has no array.
 * ``RequestOutput.add`` (every generation): a streamed request whose consumer lags gets its outputs merged into the
-  oldest one not yet taken (``aggregate``, AsyncLLM's per-request collector); the terminal output's rows (up to
-  vLLM 0.31, whose merge drops them) and its ``routed_experts_info`` are carried into the merged one.
+  oldest one not yet taken (``aggregate``, AsyncLLM's per-request collector); the terminal output's rows (vLLM
+  0.30.0 and earlier drop them there) and its ``routed_experts_info`` are carried into the merged one.
 """
 
 from __future__ import annotations
