@@ -12,6 +12,7 @@ them are exactly the prefill's, inline in the parameters and through a row store
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import re
 import sys
@@ -83,7 +84,7 @@ def _registered_with_vllm(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
         KVConnectorFactory.register_connector(name, *registered()[name])
 
 
-def _scheduler_side(name: str, role: str, block_size: int) -> Any:
+def _scheduler_side(name: str, role: str, block_size: int, model_config: Any = None) -> Any:
     """vllm-ascend's connector ``name`` (scheduler role) under a vLLM config naming it, and a scheduler stand-in the
     follower attaches to (its KV config and block size)."""
     import torch
@@ -93,8 +94,13 @@ def _scheduler_side(name: str, role: str, block_size: int) -> Any:
 
     module, cls = registered()[name]
     connector_cls = getattr(importlib.import_module(module), cls)
-    transfer = KVTransferConfig(kv_connector=name, kv_role=role, engine_id=f"{role}-engine", kv_port=20000)
-    vllm_config = VllmConfig(kv_transfer_config=transfer, cache_config=CacheConfig(block_size=block_size))
+    # D2RH sizes its transfers by the prefill and decode instances' TP (its own extra config, as its docs set it)
+    extra = {"prefill": {"tp_size": 1}, "decode": {"tp_size": 1}}
+    transfer = KVTransferConfig(
+        kv_connector=name, kv_role=role, engine_id=f"{role}-engine", kv_port=20000, kv_connector_extra_config=extra
+    )
+    with_model = {} if model_config is None else {"model_config": model_config}
+    vllm_config = VllmConfig(kv_transfer_config=transfer, cache_config=CacheConfig(block_size=block_size), **with_model)
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float16)
     kv_cache_config = KVCacheConfig(
         num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]
@@ -102,6 +108,60 @@ def _scheduler_side(name: str, role: str, block_size: int) -> Any:
     connector = connector_cls(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
     scheduler = SimpleNamespace(vllm_config=vllm_config)
     return connector, scheduler
+
+
+# Its decode side asks the producer's scheduler (ZMQ) from get_num_new_matched_tokens, which no producer answers here:
+# the rows in what its real producer returned are read by the follower's carrier directly.
+DECODE_ASKS_THE_PRODUCER = ("MooncakeD2RHConnectorV1",)
+NEED_A_MODEL = ("MooncakeD2RHConnectorV1", "MooncakeHybridConnector")  # their schedulers read the model's config
+
+
+def _model_config(folder: Path) -> Any:
+    """vLLM's config of a tiny MoE this project builds (``transformers``, random weights: only its config is read)."""
+    from vllm.config import ModelConfig
+
+    from vllm_ascend_routing.preflight import models
+
+    model = models.build_tiny_moe("qwen3_moe", folder / "qwen3_moe")
+    return ModelConfig(model=str(model.path), dtype="float32")
+
+
+class DelayedFrees:
+    """TEST-ONLY: in place of the pull-mode producer's scheduler thread (``MooncakeSchedulerSendingThread``, started
+    once its workers report their transfer-engine handshake, which no worker does here): the delayed frees it is
+    told of, recorded."""
+
+    def __init__(self) -> None:
+        self.requests: list[str] = []
+
+    def add_delayed_request(self, request_id: str, *args: Any) -> None:
+        self.requests.append(request_id)
+
+
+def _without_worker_handshake(connector: Any) -> DelayedFrees | None:
+    """The stand-in above on a pull-mode producer (``MooncakeConnectorV2``, ``MooncakePullConnector``)."""
+    scheduler = getattr(connector, "connector_scheduler", None)
+    if scheduler is None or getattr(scheduler, "_sending_thread", False) is not None:
+        return None
+    scheduler._sending_thread = DelayedFrees()
+    return scheduler._sending_thread
+
+
+def _block_hashes(prompt: list[int], block: int) -> list[bytes]:
+    """A request's hashes of its whole blocks, chained over every token before each block's end (as vLLM's)."""
+    return [hashlib.sha256(repr(prompt[:end]).encode()).digest() for end in range(block, len(prompt) + 1, block)]
+
+
+def _finished(connector: Any, request: Any, blocks: list[int]) -> Any:
+    """What vLLM's scheduler calls on a finished request: ``request_finished_all_groups`` (block ids per KV cache
+    group) for a connector that supports the hybrid allocator, else ``request_finished``."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+    except ImportError:
+        return connector.request_finished(request, blocks)
+    if isinstance(connector, SupportsHMA):
+        return connector.request_finished_all_groups(request, (blocks,))
+    return connector.request_finished(request, blocks)
 
 
 class LocalBlocks:
@@ -117,17 +177,18 @@ class LocalBlocks:
         return (self.ids,)
 
 
+@pytest.mark.parametrize("name", registry.ASCEND_PARAMS)
 @pytest.mark.parametrize("store", ["inline", "shm"])
 def test_rows_cross_from_a_prefill_to_a_decode_request_through_the_real_connector(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, store: str
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, store: str, name: str
 ) -> None:
     from vllm.v1.request import RequestStatus
 
     from vllm_ascend_routing.compat import adapter
     from vllm_ascend_routing.errors import UnsupportedVllmError
 
-    name = "MooncakeConnectorV1"
-    assert name in registered()  # every release this suite runs on registers it
+    if name not in registered():
+        pytest.skip(f"this vllm-ascend release has no {name}")
     if adapter().kv_rows is None:  # vLLM 0.20.x / 0.21.0: no store for loaded rows, every connector refused at load
         with pytest.raises(UnsupportedVllmError, match=f"KV connector {name} .* is served from vLLM 0.22 on"):
             kv.refuse_uncovered(SimpleNamespace(kv_transfer_config=config(name)), "this", None)
@@ -143,8 +204,11 @@ def test_rows_cross_from_a_prefill_to_a_decode_request_through_the_real_connecto
         monkeypatch.setattr(store_publisher, "_publishers", {})
     monkeypatch.setattr(validate.ModelRouting, "from_vllm_config", staticmethod(lambda config: MODEL))
     block = 16
-    producer, produced = _scheduler_side(name, "kv_producer", block), StandInRows()
-    consumer, consumed = _scheduler_side(name, "kv_consumer", block), StandInRows()
+    model = _model_config(tmp_path) if name in NEED_A_MODEL else None
+    producer, produced = _scheduler_side(name, "kv_producer", block, model), StandInRows()
+    consumer, consumed = _scheduler_side(name, "kv_consumer", block, model), StandInRows()
+    block = int(producer[1].vllm_config.cache_config.block_size)  # a model's config may set its own
+    delayed = _without_worker_handshake(producer[0])
     follower.follow(producer[1], producer[0], produced)
     follower.follow(consumer[1], consumer[0], consumed)
     prompts = {"a": list(range(100, 140)), "b": list(range(300, 353))}  # two prompts, each its own rows
@@ -157,13 +221,15 @@ def test_rows_cross_from_a_prefill_to_a_decode_request_through_the_real_connecto
             output_token_ids=[7],
             num_output_tokens=1,
             num_tokens=len(prompt) + 1,
+            num_prompt_tokens=len(prompt),
+            block_hashes=_block_hashes(prompt, block),
             status=RequestStatus.FINISHED_LENGTH_CAPPED,
             kv_transfer_params={"do_remote_decode": True},
             mm_features=[],
         )
         produced.prompts[rid] = rows(len(prompt), start=10 * n)
         blocks = list(range(1 + 4 * n, 1 + 4 * n + -(-len(prompt) // block)))
-        delay, returned = producer[0].request_finished(request, blocks)
+        delay, returned = _finished(producer[0], request, blocks)
         assert delay is True and isinstance(returned, dict)
         carrier = registry.CARRIERS[name]
         assert (carrier.KEY_FIELD in returned) == (store == "shm") and (carrier.FIELD in returned) == (store != "shm")
@@ -173,9 +239,15 @@ def test_rows_cross_from_a_prefill_to_a_decode_request_through_the_real_connecto
             request_id=f"d-{rid}",
             prompt_token_ids=prompt,
             num_tokens=len(prompt),
+            num_prompt_tokens=len(prompt),
+            block_hashes=_block_hashes(prompt, block),
             kv_transfer_params=dict(params[rid]),
             mm_features=[],
         )
+        if name in DECODE_ASKS_THE_PRODUCER:  # the follower's carrier on what the producer's connector returned
+            carried = registry.CARRIERS[name](consumer[0], consumed.layout, name=name).get(decode, 0, len(prompt))
+            assert np.array_equal(carried, produced.prompts[rid]), carried
+            continue
         count, load_async = consumer[0].get_num_new_matched_tokens(decode, 0)
         assert count == len(prompt) and load_async is True
         consumer[0].update_state_after_alloc(decode, LocalBlocks(list(range(40, 40 + -(-count // block)))), count)
@@ -186,7 +258,14 @@ def test_rows_cross_from_a_prefill_to_a_decode_request_through_the_real_connecto
         request_id="d-swapped",
         prompt_token_ids=list(range(500, 540)),
         num_tokens=40,
+        num_prompt_tokens=40,
+        block_hashes=_block_hashes(list(range(500, 540)), block),
         kv_transfer_params=dict(params["b"]),
         mm_features=[],
     )
-    assert consumer[0].get_num_new_matched_tokens(swapped, 0) == (0, False)  # rows of other tokens: computed here
+    if name in DECODE_ASKS_THE_PRODUCER:
+        refused = registry.CARRIERS[name](consumer[0], consumed.layout, name=name).get(swapped, 0, 40)
+        assert "other tokens" in getattr(refused, "reason", ""), refused
+    else:
+        assert consumer[0].get_num_new_matched_tokens(swapped, 0) == (0, False)  # rows of other tokens: computed here
+    assert delayed is None or delayed.requests == list(prompts)  # a pull-mode producer kept both prompts' blocks
