@@ -27,7 +27,7 @@ import pytest
 from tests.ascend.conftest import ASCEND_SRC
 from tests.test_kv_transfer import MODEL, StandInRows, rows
 from vllm_ascend_routing import kv, validate
-from vllm_ascend_routing.kv import follower, registry
+from vllm_ascend_routing.kv import carriers, follower, registry
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ascend]
 
@@ -110,8 +110,9 @@ def _scheduler_side(name: str, role: str, block_size: int, model_config: Any = N
     return connector, scheduler
 
 
-# Its decode side asks the producer's scheduler (ZMQ) from get_num_new_matched_tokens, which no producer answers here:
-# the rows in what its real producer returned are read by the follower's carrier directly.
+# Served by the parameters carrier (registry.CARRIERS). Its decode side asks the producer's scheduler (ZMQ) from
+# get_num_new_matched_tokens, which no producer answers here: the rows in what its real producer returned are read by
+# the follower's carrier directly.
 DECODE_ASKS_THE_PRODUCER = ("MooncakeD2RHConnectorV1",)
 NEED_A_MODEL = ("MooncakeD2RHConnectorV1", "MooncakeHybridConnector")  # their schedulers read the model's config
 
@@ -245,8 +246,10 @@ def test_rows_cross_from_a_prefill_to_a_decode_request_through_the_real_connecto
             mm_features=[],
         )
         if name in DECODE_ASKS_THE_PRODUCER:  # the follower's carrier on what the producer's connector returned
-            carried = registry.CARRIERS[name](consumer[0], consumed.layout, name=name).get(decode, 0, len(prompt))
-            assert np.array_equal(carried, produced.prompts[rid]), carried
+            carried = carriers.TransferParamsCarrier(consumer[0], consumed.layout, name=name).get(
+                decode, 0, len(prompt)
+            )
+            assert isinstance(carried, np.ndarray) and np.array_equal(carried, produced.prompts[rid]), carried
             continue
         count, load_async = consumer[0].get_num_new_matched_tokens(decode, 0)
         assert count == len(prompt) and load_async is True
@@ -264,7 +267,7 @@ def test_rows_cross_from_a_prefill_to_a_decode_request_through_the_real_connecto
         mm_features=[],
     )
     if name in DECODE_ASKS_THE_PRODUCER:
-        refused = registry.CARRIERS[name](consumer[0], consumed.layout, name=name).get(swapped, 0, 40)
+        refused = carriers.TransferParamsCarrier(consumer[0], consumed.layout, name=name).get(swapped, 0, 40)
         assert "other tokens" in getattr(refused, "reason", ""), refused
     else:
         assert consumer[0].get_num_new_matched_tokens(swapped, 0) == (0, False)  # rows of other tokens: computed here
