@@ -117,14 +117,12 @@ DECODE_ASKS_THE_PRODUCER = ("MooncakeD2RHConnectorV1",)
 NEED_A_MODEL = ("MooncakeD2RHConnectorV1", "MooncakeHybridConnector")  # their schedulers read the model's config
 
 
-def _model_config(folder: Path) -> Any:
-    """vLLM's config of a tiny MoE this project builds (``transformers``, random weights: only its config is read)."""
-    from vllm.config import ModelConfig
-
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny MoE this project builds (``transformers``, random weights: only its config is read), once per module."""
     from vllm_ascend_routing.preflight import models
 
-    model = models.build_tiny_moe("qwen3_moe", folder / "qwen3_moe")
-    return ModelConfig(model=str(model.path), dtype="float32")
+    return str(models.build_tiny_moe("qwen3_moe", tmp_path_factory.mktemp("model") / "qwen3_moe").path)
 
 
 class DelayedFrees:
@@ -181,7 +179,7 @@ class LocalBlocks:
 @pytest.mark.parametrize("name", registry.ASCEND_PARAMS)
 @pytest.mark.parametrize("store", ["inline", "shm"])
 def test_rows_cross_from_a_prefill_to_a_decode_request_through_the_real_connector(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, store: str, name: str
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, store: str, name: str, tiny_model: str
 ) -> None:
     from vllm.v1.request import RequestStatus
 
@@ -205,7 +203,11 @@ def test_rows_cross_from_a_prefill_to_a_decode_request_through_the_real_connecto
         monkeypatch.setattr(store_publisher, "_publishers", {})
     monkeypatch.setattr(validate.ModelRouting, "from_vllm_config", staticmethod(lambda config: MODEL))
     block = 16
-    model = _model_config(tmp_path) if name in NEED_A_MODEL else None
+    model = None
+    if name in NEED_A_MODEL:
+        from vllm.config import ModelConfig
+
+        model = ModelConfig(model=tiny_model, dtype="float32")
     producer, produced = _scheduler_side(name, "kv_producer", block, model), StandInRows()
     consumer, consumed = _scheduler_side(name, "kv_consumer", block, model), StandInRows()
     block = int(producer[1].vllm_config.cache_config.block_size)  # a model's config may set its own
