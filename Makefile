@@ -198,13 +198,19 @@ test-distributed:
 		VLLM_ALLOW_INSECURE_SERIALIZATION=1 VLLM_ASCEND_ROUTING_VALIDATE=strict \
 		$$py -m tests.harness.scenarios distributed --mode $(MODE) $(if $(CASES),--cases $(CASES))
 
+# The checkout's files (tracked, and untracked ones git does not ignore) copied into $(1): an in-place native build
+# runs there, never here, where another stage (test-unit walks the package's modules) would see its half-built _C*.so.
+COPY_CHECKOUT = git ls-files -z --cached --others --exclude-standard | tar --null --ignore-failed-read -T - -cf - | \
+	tar -C "$(1)" -xf -
+
 ## make build-cuda: compile the CUDA kernel's torch binding against a CUDA build of torch (no GPU needed),
 ## check it registers; then gpu-check's own in-place build up to its registration, and the Triton kernel against
 ## the oracle in Triton's interpreter; on a machine with a GPU also run the GPU kernel tests against it
 build-cuda:
 	@py=$(call VENV,cuda-build) && VLLM_ASCEND_ROUTING_TARGET_DEVICE=cuda $$py -m pip install -q --no-deps \
 		--no-build-isolation --force-reinstall . && (cd /tmp && $$py $(CURDIR)/scripts/check_native.py cuda) && \
-		$$py scripts/gpu_check.py --build-only && VLLM_ASCEND_ROUTING_TEST_REQUIRE=triton $$py -m pytest \
+		tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && $(call COPY_CHECKOUT,$$tmp) && \
+		(cd "$$tmp" && $$py scripts/gpu_check.py --build-only) && VLLM_ASCEND_ROUTING_TEST_REQUIRE=triton $$py -m pytest \
 		$(PYTEST_FLAGS) -p no:cacheprovider -m "triton and not cuda" tests/ops/test_triton_kernel.py && \
 		if $$py -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 			VLLM_ASCEND_ROUTING_TEST_REQUIRE=cuda $$py -m pytest $(PYTEST_FLAGS) -m "cuda and not triton" tests/ops; \
@@ -247,8 +253,7 @@ gpu-e2e:
 ## environment's torch in a copy of the checkout (never into it: other stages import the checkout), then the op,
 ## capture and always-on-check tests with the C++ kernel serving the CPU (VLLM_ASCEND_ROUTING_TEST_REQUIRE=native_cpu)
 test-native-cpu:
-	@py=$(call VENV,dev) && tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
-	git ls-files -z --cached --others --exclude-standard | tar --null --ignore-failed-read -T - -cf - | tar -C "$$tmp" -xf - && \
+	@py=$(call VENV,dev) && tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && $(call COPY_CHECKOUT,$$tmp) && \
 	cd "$$tmp" && { VLLM_ASCEND_ROUTING_TARGET_DEVICE=cpu $$py setup.py -q build_ext --inplace >build.log 2>&1 || \
 		{ tail -40 build.log; echo "test-native-cpu: FAILED: the CPU kernel did not build"; exit 1; }; } && \
 	PYTHONPATH="$$tmp" $$py scripts/check_native.py cpu && VLLM_ASCEND_ROUTING_TEST_REQUIRE=native_cpu $$py -m pytest \
