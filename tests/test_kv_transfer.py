@@ -311,7 +311,9 @@ def test_a_connector_without_a_carrier_serves_the_rows_this_instance_computed(
     # As in vLLM with the plugin: the class's reset_prefix_cache is already another patch's replacement.
     patching.wrap(Scheduler, "reset_prefix_cache", lambda original: lambda self: original(self))
     config = SimpleNamespace(
-        kv_transfer_config=kv_config("OffloadingConnector", "kv_both"), cache_config=SimpleNamespace(block_size=4)
+        kv_transfer_config=kv_config("OffloadingConnector", "kv_both"),
+        cache_config=SimpleNamespace(block_size=4),
+        model_config=SimpleNamespace(model="/models/tiny-moe"),
     )
     scheduler = Scheduler()
     scheduler.vllm_config = config  # type: ignore[attr-defined]

@@ -351,7 +351,7 @@ class HeldRowsCarrier:
         tail = b"" if len(tokens) == self.block_size else b"partial"
         return hashlib.sha256(parent + tail + tokens.tobytes()).digest()
 
-    def _keys(self, request: Any, tokens: np.ndarray, end: int) -> list[tuple[bytes, bytes, int, int]]:
+    def chain(self, request: Any, tokens: np.ndarray, end: int) -> list[tuple[bytes, bytes, int, int]]:
         """``(parent key, key, first, last)`` of each whole block of ``tokens[:end]``, then of its partial last
         block; the first parent is what else keys vLLM's KV of these tokens (``_kv_identity``)."""
         key = hashlib.sha256(repr(_kv_identity(request)).encode()).digest()
@@ -369,7 +369,7 @@ class HeldRowsCarrier:
         tokens = np.asarray(list((request.prompt_token_ids if sequence is None else sequence) or []), dtype=np.int64)
         end = min(len(tokens), len(rows))
         stored = 0
-        for _, key, first, last in self._keys(request, tokens, end):
+        for _, key, first, last in self.chain(request, tokens, end):
             if key in self._held:
                 self._held.move_to_end(key)
                 continue
@@ -388,7 +388,7 @@ class HeldRowsCarrier:
         if end > len(tokens):
             return Missing(f"the load reaches past the prompt ({end} of {len(tokens)} tokens): no rows are held there")
         rows = []
-        for parent, key, first, last in self._keys(request, tokens, end):
+        for parent, key, first, last in self.chain(request, tokens, end):
             if last <= start:
                 continue  # before the load: vLLM's own cache holds those tokens
             found = self._find(tokens, parent, key, first, last)

@@ -34,7 +34,7 @@ import numpy as np
 from vllm_ascend_routing import envs, patching, validate
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.errors import UnsupportedVllmError
-from vllm_ascend_routing.kv import carriers, registry
+from vllm_ascend_routing.kv import carriers, registry, shared
 from vllm_ascend_routing.kv.carriers import Missing, Pending
 from vllm_ascend_routing.kv.policy import connector_name, holds_rows, refusal, serves
 from vllm_ascend_routing.kv.stores import KvRows, SchedulerRows
@@ -331,13 +331,18 @@ def follow(scheduler: Any, connector: Any, rows: SchedulerRows) -> None:
     else:
         capacity = envs.VLLM_ASCEND_ROUTING_KV_HELD_ROWS_MIB << 20
         held = carriers.HeldRowsCarrier(name, rows.layout, scheduler.vllm_config.cache_config.block_size, capacity)
-        # around: the scheduler class's reset_prefix_cache is another patch's replacement (output.engine)
-        patching.wrap(scheduler, "reset_prefix_cache", functools.partial(_dropping_held_rows, held=held), around=True)
         setattr(scheduler, _HELD, held)
-        carrier = held
+        carrier = shared.with_store(held, str(connector_name(config)), str(scheduler.vllm_config.model_config.model))
+        # around: the scheduler class's reset_prefix_cache is another patch's replacement (output.engine)
+        patching.wrap(
+            scheduler, "reset_prefix_cache", functools.partial(_dropping_held_rows, held=carrier), around=True
+        )
         where = (
             f"of KV this instance computed held here (up to {capacity >> 20} MiB, "
             "VLLM_ASCEND_ROUTING_KV_HELD_ROWS_MIB); KV computed elsewhere is computed here instead"
+            if carrier is held
+            else f"of KV this instance computed held here (up to {capacity >> 20} MiB); of salted requests' blocks "
+            "also in the row store, so that another instance's hit on this cache loads them (kv.shared)"
         )
     model = validate.ModelRouting.from_vllm_config(scheduler.vllm_config)
     follower = Follower(connector, rows, carrier, model)
@@ -351,7 +356,9 @@ def follow(scheduler: Any, connector: Any, rows: SchedulerRows) -> None:
     logger.info("routed experts follow KV connector %s: rows of loaded tokens %s", name, where)
 
 
-def _dropping_held_rows(original: Callable[..., Any], held: carriers.HeldRowsCarrier) -> Callable[..., Any]:
+def _dropping_held_rows(
+    original: Callable[..., Any], held: carriers.HeldRowsCarrier | shared.SharedCacheCarrier
+) -> Callable[..., Any]:
     def reset_prefix_cache(*args: Any, **kwargs: Any) -> Any:
         held.clear()  # before the reset: a load after it must not find rows of the weights before it
         return original(*args, **kwargs)

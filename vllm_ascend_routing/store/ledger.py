@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm_ascend_routing._logging import get_logger
-from vllm_ascend_routing.store import layout
+from vllm_ascend_routing.store import keys, layout
 from vllm_ascend_routing.store.interface import Backend, StoreFullError
 from vllm_ascend_routing.store.keys import Namespace
 
@@ -91,7 +91,7 @@ class Ledger:
         Raises:
             StoreError: the name is taken (names are written once). StoreUnavailableError: unreachable.
         """
-        deadline = self.entries[key].deadline  # a key this ledger published
+        deadline = self.entries[keys.object_of(key)].deadline  # a key this ledger published (``@rows``: a part)
         self._put_name(name, layout.encode_pointer(name, key, self.namespace.instance), deadline)
 
     def mark(self, name: str, reason: str) -> None:

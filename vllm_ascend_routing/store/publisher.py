@@ -20,6 +20,7 @@ import numpy as np
 from vllm_ascend_routing import envs
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.reporting import loud
+from vllm_ascend_routing.store import keys
 from vllm_ascend_routing.store import setting as store_setting
 from vllm_ascend_routing.store.interface import StoreError
 from vllm_ascend_routing.store.keys import Namespace
@@ -118,6 +119,28 @@ class Publisher:
                 ledger.remove(key)
                 raise
             return key
+
+    def publish_blocks(self, rows: np.ndarray, names: list[tuple[str, int]]) -> int:
+        """Rows of a shared cache's blocks (``kv.shared``): ``rows`` (from token 0) published once, then each
+        ``(name, end)`` pointing to their first ``end`` rows; a name taken already (another instance's rows of the same
+        block: the first written is kept, as the cache keeps its first KV) is left as it is. How many names were
+        written (none: the object is removed). Raises ``StoreError`` where the rows cannot be published."""
+        with self._lock:
+            ledger = self.ledger()
+            free = [(name, end) for name, end in names if ledger.backend.size(name) is None]
+            if not free:
+                return 0
+            key = ledger.publish(rows, 0)
+            written = 0
+            for name, end in free:
+                try:
+                    ledger.name(name, keys.parse(key).with_rows(end))
+                    written += 1
+                except StoreError:  # taken since (another instance's): theirs is kept
+                    continue
+            if not written:
+                ledger.remove(key)
+            return written
 
     def mark_unlent(self, name: str, reason: str) -> None:
         """Say under ``name`` that its rows were not stored (``reason``): the other instance declines at once rather
