@@ -79,15 +79,20 @@ def with_producer(
 def phase_runner(
     llm: Any, model: models.TinyMoE, phases: dict[str, Any], extra_args: dict[str, Any] | None = None
 ) -> Callable[..., list[offline.Completion]]:
-    """``phase(name, batch, params=None)``: the batch generated on the consumer (each prompt with its
-    ``kv_transfer_params`` and ``extra_args``), its rows against the reference, the follower's counts and each
-    request's ``routed_experts_info["loaded"]``, filed under ``phases[name]``."""
+    """``phase(name, batch, params=None, salts=None)``: the batch generated on the consumer (each prompt with its
+    ``kv_transfer_params``, ``extra_args`` and cache salt), its rows against the reference, the follower's counts and
+    each request's ``routed_experts_info["loaded"]``, filed under ``phases[name]``."""
     reference = offline.reference_for(model)
 
-    def phase(name: str, batch: list[list[int]], params: list[dict[str, Any] | None] | None = None) -> Any:
+    def phase(
+        name: str,
+        batch: list[list[int]],
+        params: list[dict[str, Any] | None] | None = None,
+        salts: list[str] | None = None,
+    ) -> Any:
         before, started = kv.stats(), time.monotonic()
         extra: list[dict[str, Any] | None] | None = [extra_args] * len(batch) if extra_args else None
-        done = offline.generate(llm, batch, MAX_TOKENS, kv_transfer_params=params, extra_args=extra)
+        done = offline.generate(llm, batch, MAX_TOKENS, kv_transfer_params=params, extra_args=extra, salts=salts)
         after = kv.stats()
         verdict = _verdict(offline.check(reference, model, done))
         verdict["seconds"] = round(time.monotonic() - started, 1)

@@ -16,6 +16,8 @@ transformers reference; the e2e suite's compiled run adds the re-prefill consist
 ``disaggregation`` runs prefill/decode through vLLM's ExampleConnector, producer to consumer (``disaggregation.py``).
 ``nixl`` runs prefill/decode through vLLM's NixlConnector, both engines alive at once (``nixl_pd.py``);
 ``mooncake-pd`` through vLLM's MooncakeConnector, rows by transfer id through the row store (``mooncake_pd.py``).
+``mooncake-store`` shares KV between two instances through vLLM's MooncakeStoreConnector, rows beside it in the
+row store by name (``mooncake_store.py``).
 ``store`` serves with a row store, this process fetching every request's rows by key (``row_store.py``).
 """
 
@@ -43,6 +45,7 @@ from tests.harness.bypass import run_bypass
 from tests.harness.data_parallel import run_data_parallel
 from tests.harness.disaggregation import run_disaggregation
 from tests.harness.mooncake_pd import run_mooncake_pd
+from tests.harness.mooncake_store import run_mooncake_store
 from tests.harness.nixl_pd import run_nixl
 from tests.harness.row_store import run_store
 from tests.harness.server import Server, post
@@ -235,6 +238,7 @@ def main() -> None:
             "disaggregation",
             "nixl",
             "mooncake-pd",
+            "mooncake-store",
             "store",
         ],
     )
@@ -291,6 +295,8 @@ def main() -> None:
         result = run_nixl(args.arch)
     elif args.scenario == "mooncake-pd":
         result = run_mooncake_pd(args.arch, args.store)
+    elif args.scenario == "mooncake-store":
+        result = run_mooncake_store(args.arch)
     elif args.scenario == "store":
         result = run_store(args.arch, args.store)
     elif args.scenario == "speculative":

@@ -38,14 +38,15 @@ from vllm_ascend_routing.store.interface import NothingStoredError, StoreError, 
 logger = get_logger(__name__)
 
 SCOPE = "shared-kv-cache"  # what the derived names are of (a transfer id's names never collide with these)
-# Connectors whose KV other instances load (a cache service): with a row store and a deployment secret their blocks'
-# rows are shared; every other served connector keeps its rows in the scheduler only.
+# Connectors whose KV other instances load (a cache service) and whose KV keys include the cache salt (read in their
+# source: vLLM's block hashes, or the salt passed on): with a row store and a deployment secret their blocks' rows are
+# shared. Every other served connector keeps its rows in the scheduler only (LMCacheConnectorV1 among them: its keys
+# are the lmcache package's own, not checked here).
 SHARED_CACHES = (
-    "MooncakeStoreConnector",
-    "LMCacheConnectorV1",
-    "LMCacheMPConnector",
-    "AscendStoreConnector",  # vllm-ascend's KV pool (Mooncake or Memcache behind it)
-    "MooncakeConnectorStoreV1",
+    "MooncakeStoreConnector",  # vLLM 0.30+: keys of request.block_hashes
+    "LMCacheMPConnector",  # vLLM: request.cache_salt passed to the LMCache server with the block hashes
+    "AscendStoreConnector",  # vllm-ascend's KV pool: keys of request.block_hashes
+    "MooncakeConnectorStoreV1",  # vllm-ascend: the same class under its older name
 )
 _SALTS_KEPT = 4096  # salts remembered with the reset they were first seen after (a few per weight version)
 NO_SALT = (

@@ -118,12 +118,14 @@ def generate(
     cache_salt: str = "",
     kv_transfer_params: list[dict[str, Any] | None] | None = None,
     extra_args: list[dict[str, Any] | None] | None = None,
+    salts: list[str] | None = None,
 ) -> list[Completion]:
     """Greedy generation of exactly ``max_tokens`` tokens per prompt (one value, or one per prompt; EOS
     ignored), in prompt order; ``prompt_start`` > 0 asks vLLM 0.22+ for rows from that prompt token on;
     ``cache_salt``: each prompt salted with it and its index (vLLM's prefix cache then finds none of its blocks);
     ``kv_transfer_params``: one per prompt (or ``None``), for its KV connector (P/D: vLLM's offline form);
-    ``extra_args``: one per prompt (or ``None``), its ``SamplingParams.extra_args`` (per-request options)."""
+    ``extra_args``: one per prompt (or ``None``), its ``SamplingParams.extra_args`` (per-request options);
+    ``salts``: one ``cache_salt`` per prompt, as given (a shared KV cache's weight version), for ``cache_salt``."""
     from vllm import SamplingParams
 
     counts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
@@ -139,9 +141,10 @@ def generate(
         )
         for n, extra in zip(counts, extras, strict=True)
     ]
+    given = salts or [f"{cache_salt}-{i}" if cache_salt else "" for i in range(len(prompts))]
     salted = [
-        {"prompt_token_ids": p, **({"cache_salt": f"{cache_salt}-{i}"} if cache_salt else {})}
-        for i, p in enumerate(prompts)
+        {"prompt_token_ids": p, **({"cache_salt": salt} if salt else {})}
+        for p, salt in zip(prompts, given, strict=True)
     ]
     outputs = llm.generate(salted, params, use_tqdm=False)
     return [
