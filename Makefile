@@ -17,7 +17,7 @@ PYTEST_FLAGS ?= -q
 # Bare `make` prints the help: the `## ` comments above the targets (it builds nothing).
 .DEFAULT_GOAL := help
 
-.PHONY: dist gpu-check gpu-e2e gpu-e2e-prep gpu-e2e-rehearse house test venvs test-unit test-mutate mutate test-native test-native-cpu test-static test-ascend test-trainer test-e2e test-spec test-contract test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-output bench-store mooncake-kit bench-handoff bench-kernel bench-compiled bench-sentinel matrix matrix-ascend bench-oracle help
+.PHONY: dist gpu-check gpu-e2e gpu-e2e-prep gpu-e2e-rehearse house test venvs test-unit test-mutate mutate test-native test-native-cpu test-static test-ascend test-trainer test-e2e test-spec test-contract test-distributed lint stress soak demo replay-check venv clean-venvs build-cuda bench bench-check bench-output bench-store bench-shared-cache mooncake-kit bench-handoff bench-kernel bench-compiled bench-sentinel matrix matrix-ascend bench-oracle help
 
 ## make help: this list (bare `make` prints it too); each target's `## ` comment in the Makefile
 help:
@@ -323,6 +323,14 @@ bench-output:
 ## and peak memory from keys; written to benchmarks/results/store-vllm-RELEASE.json
 bench-store:
 	@py=$(call VENV,$(RELEASE)) && PYTHONPATH=$(CURDIR) $$py benchmarks/store.py
+
+## make bench-shared-cache [STORE=shm|mooncake]: what shared-cache rows (kv.shared) cost the scheduler per request
+## against held rows alone (a finished request's put; another instance's get), DeepSeek-V3-sized rows, 4k-token prompts
+STORE ?= shm
+bench-shared-cache:
+	@py=$(call VENV,dev) && if [ "$(STORE)" = mooncake ]; then \
+		env $$($$py scripts/mooncake_kit.py --python $$py --print-env | tr '\n' ' ') $$py benchmarks/shared_cache.py --store mooncake; \
+	else $$py benchmarks/shared_cache.py; fi
 
 ## make bench-handoff [LONG=1]: host memory and time of the replay bridge (align + to_megatron) before and after
 ## the narrow bridge, as ratios to vLLM's bytes, on DeepSeek-V3, Qwen3-235B and Kimi-K2 shapes (4k, 32k; LONG: 128k),

@@ -15,7 +15,7 @@ import torch
 from vllm_ascend_routing import _cpu_compat, integration, kv, manifest, patching
 from vllm_ascend_routing.compat import UnsupportedVllmError
 from vllm_ascend_routing.compat import adapter as get_adapter
-from vllm_ascend_routing.kv import registry
+from vllm_ascend_routing.kv import registry, shared
 from vllm_ascend_routing.output import serving
 from vllm_ascend_routing.patching import RELY, Patch, resolve
 from vllm_ascend_routing.preflight import findings
@@ -232,3 +232,8 @@ def test_every_kv_connector_this_vllm_registers_is_classified() -> None:
     for name in registered:
         config = type("KVTransferConfig", (), {"kv_connector": name, "kv_role": "kv_both"})
         assert kv.serves(config) is (name in SERVED_CONNECTORS), name  # no store set here
+    # The shared caches this vLLM registers are held-rows connectors (kv.shared wraps their carrier): their KV keys
+    # are vLLM's block hashes, which include the cache salt (MooncakeStoreConnector on 0.30+).
+    for name in set(shared.SHARED_CACHES) & registered:
+        config = type("KVTransferConfig", (), {"kv_connector": name, "kv_role": "kv_both"})
+        assert kv.holds_rows(config), name

@@ -20,6 +20,7 @@ from vllm_ascend_routing import kv
 from vllm_ascend_routing.kv import follower
 from vllm_ascend_routing.kv.carriers import HeldRowsCarrier, Missing, RowLayout
 from vllm_ascend_routing.kv.shared import NO_SALT, SharedCacheCarrier, with_store
+from vllm_ascend_routing.store import keys as keys_module
 from vllm_ascend_routing.store import publisher as store_publisher
 from vllm_ascend_routing.store import reader as stored
 
@@ -96,20 +97,26 @@ def test_rows_of_another_salt_model_or_layout_are_never_found(store: None, reade
     a.put(finished(prompt, "v1"), rows(12))
     other = instance(layout=RowLayout(3, 2, "int16")) if reader.endswith(":layout") else instance(reader)
     declined = other.get(arriving(prompt, salt), 0, 8)
-    assert isinstance(declined, Missing) and "no instance's rows of tokens [0, 4)" in declined.reason, why
+    assert isinstance(declined, Missing) and "no instance's rows of the block of tokens [4, 8)" in declined.reason, why
     assert np.array_equal(instance().get(arriving(prompt, "v1"), 0, 8), rows(12)[:8])  # the right ones: found
 
 
-def test_a_block_whose_rows_are_gone_declines_the_whole_load(store: None) -> None:
+def test_a_load_is_served_by_the_name_of_the_block_it_ends_in_or_declined_whole(store: None) -> None:
+    """That block's name commits to every token before it, and its object holds the whole prefix's rows: a load
+    ending there is served from it whatever became of the earlier blocks' names, and declined whole without it."""
     a, b = instance(), instance()
     prompt = list(range(70, 82))
     a.put(finished(prompt, "v1"), rows(12))
     request = arriving(prompt, "v1")
     keys = [key for _, key, _, _ in a.held.chain(request, np.asarray(prompt, dtype=np.int64), 12)]
-    stored.release(a.name("v1", keys[1]))  # the second block's rows gone (evicted, expired)
+    assert stored.release(a.name("v1", keys[1])) == 1  # the second block's name gone (evicted, expired)
+    assert np.array_equal(b.get(request, 0, 12), rows(12))  # ends in the third block: its name holds [0, 12)
+    assert np.array_equal(b.get(request, 2, 2), rows(12)[2:4])  # ends in the first
+    declined = b.get(request, 4, 4)  # ends in the second
+    assert isinstance(declined, Missing) and "block of tokens [4, 8)" in declined.reason
+    assert stored.release(a.name("v1", keys[2])) == 1
     declined = b.get(request, 0, 12)
-    assert isinstance(declined, Missing) and "tokens [4, 8)" in declined.reason
-    assert np.array_equal(b.get(request, 0, 4), rows(12)[:4])  # before it: still found
+    assert isinstance(declined, Missing) and "block of tokens [8, 12)" in declined.reason
 
 
 def test_a_load_ending_in_the_partial_last_block_is_declined(store: None) -> None:
@@ -223,3 +230,19 @@ def test_followed_schedulers_load_another_instance_s_rows_and_a_reset_stops_the_
     scheduler_b.reset_prefix_cache()
     assert cache.get_num_new_matched_tokens(arriving(prompt, "step-1"), 4) == (0, False)  # declined: computed
     assert any("does not name one weight version" in r for r in kv.first_reports())
+
+
+def test_a_name_pointing_at_fewer_rows_than_its_block_ends_at_is_declined(store: None) -> None:
+    """A pointer under a block's name to the first rows of an object, fewer than the block's end (a writer's fault,
+    or one planted with the secret): never read as that prefix's rows."""
+    b = instance()
+    prompt = list(range(120, 132))
+    request = arriving(prompt, "v1")
+    *_, (_, chain, _, _) = b.held.chain(request, np.asarray(prompt, dtype=np.int64), 12)
+    publisher = store_publisher.for_engine()
+    assert publisher is not None
+    ledger = publisher.ledger()
+    key = ledger.publish(rows(12), 0)
+    ledger.name(b.name("v1", chain), keys_module.parse(key).with_rows(10))  # ends inside the last block
+    declined = b.get(request, 0, 12)
+    assert isinstance(declined, Missing) and "are (10, 3, 2) uint8: not these" in declined.reason

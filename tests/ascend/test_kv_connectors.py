@@ -27,7 +27,7 @@ import pytest
 from tests.ascend.conftest import ASCEND_SRC
 from tests.test_kv_transfer import MODEL, StandInRows, rows
 from vllm_ascend_routing import kv, validate
-from vllm_ascend_routing.kv import carriers, follower, registry
+from vllm_ascend_routing.kv import carriers, follower, registry, shared
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ascend]
 
@@ -61,6 +61,10 @@ def test_vllm_ascend_p2p_connectors_are_classified_and_its_stores_served() -> No
     assert carried <= set(registry.ASCEND_PARAMS) and not any(kv.holds_rows(config(n)) for n in carried)
     refused = sorted(p2p - carried)
     held = sorted(n for n in connectors if n not in p2p and kv.holds_rows(config(n)))
+    # its KV pool (the kv_pool connector registered as AscendStoreConnector and its older name) is a shared cache:
+    # held here, its blocks' rows shared through the row store where the deployment sets one (kv.shared)
+    pool = {n for n, (module, _) in connectors.items() if ".kv_pool.ascend_store." in module}
+    assert pool <= set(shared.SHARED_CACHES) and pool <= set(held), (pool, held)
     print(
         f"carried in parameters: {', '.join(sorted(carried))}; refused: {', '.join(refused)}; held: {', '.join(held)}"
     )

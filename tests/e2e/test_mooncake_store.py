@@ -56,7 +56,7 @@ def test_a_block_whose_rows_are_gone_is_computed_here(result: dict[str, Any]) ->
     assert result["released"], "the second block's rows were not in the store to release"
     hit = result["phases"]["shared_hit"]
     assert hit["offers_declined"] == 1 and hit["rows_declined"] == cache.whole(cache.GONE), hit
-    assert any("no instance's rows of tokens [32, 64)" in r for r in result["reports"]), result["reports"]
+    assert any("rows of the block of tokens [96, 128)" in r for r in result["reports"]), result["reports"]
 
 
 def test_another_weight_version_loads_nothing(result: dict[str, Any]) -> None:

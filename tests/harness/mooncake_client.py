@@ -64,6 +64,15 @@ class Client:
         self.backend.put(name, layout.encode_pointer(name, key, keys.parse(key).instance))
         return {}
 
+    def name_many(self, pairs: list[list[str]]) -> dict[str, Any]:
+        """Pointers under each name to its key in one batch (what ``Ledger.name_many`` stores): the names written."""
+        assert self.backend is not None
+        items = [
+            (name, b"".join(bytes(p) for p in layout.encode_pointer(name, key, keys.parse(key).instance)))
+            for name, key in pairs
+        ]
+        return {"written": self.backend.put_new(items)}
+
     def resolve(self, name: str) -> dict[str, Any]:
         assert self.backend is not None
         return {"key": layout.read_pointer(self.backend, name).key}

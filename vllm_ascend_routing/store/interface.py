@@ -58,6 +58,14 @@ class Backend(Protocol):
             StoreFullError: no room. StoreUnavailableError: the store cannot be reached.
         """
 
+    def put_new(self, items: list[tuple[str, bytes]]) -> list[str]:
+        """Store each small object whose key is free, in as few round trips as the backend allows; a taken key is
+        left as it is. The keys written.
+
+        Raises:
+            StoreUnavailableError: the store cannot be reached.
+        """
+
     def read(self, key: str, offset: int, nbytes: int) -> bytes:
         """``nbytes`` bytes of ``key``'s object from ``offset``.
 

@@ -94,6 +94,20 @@ class Ledger:
         deadline = self.entries[keys.object_of(key)].deadline  # a key this ledger published (``@rows``: a part)
         self._put_name(name, layout.encode_pointer(name, key, self.namespace.instance), deadline)
 
+    def name_many(self, pairs: list[tuple[str, str]]) -> list[str]:
+        """Pointers under each ``name`` to its ``key`` (published here; ``@rows``: a part), in one batch where the
+        backend allows; a name taken already is left as it is. The names written, each living as long as its key."""
+        encoded = [
+            (name, b"".join(bytes(part) for part in layout.encode_pointer(name, key, self.namespace.instance)), key)
+            for name, key in pairs
+        ]
+        written = set(self.backend.put_new([(name, data) for name, data, _ in encoded]))
+        for name, data, key in encoded:
+            if name in written:
+                self.entries[name] = _Entry(len(data), self.entries[keys.object_of(key)].deadline)
+                self.live_bytes += len(data)
+        return [name for name, _, _ in encoded if name in written]
+
     def mark(self, name: str, reason: str) -> None:
         """Store, under ``name``, that no rows were stored for it and why (its reader declines at once instead of
         waiting for rows that will not come). Raises as ``name``."""

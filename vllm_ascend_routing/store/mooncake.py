@@ -349,6 +349,39 @@ class MooncakeBackend:
         if self.segment_bytes:
             self._check_placement(client, name, key)
 
+    def put_new(self, items: list[tuple[str, bytes]]) -> list[str]:
+        """One existence check and one put for all ``items`` (pointers: a few hundred bytes each). A key written by
+        another client between the two keeps its object (Mooncake keeps the first) and counts as written here: its
+        pointer then goes with this engine's ledger, and its readers compute instead (never other rows). Placement is
+        not checked: a pointer lives as long as its ledger keeps it, wherever Mooncake put it."""
+        if not items:
+            return []
+        client = self._live()
+        names = [self._name(key) for key, _ in items]
+        states = [int(state) for state in client.batch_is_exist(names)]
+        for (key, _), state in zip(items, states, strict=True):
+            if state < 0:
+                self._raise(state, key, "put")
+        fresh = [(key, name, data) for (key, data), name, state in zip(items, names, states, strict=True) if not state]
+        if not fresh:
+            return []
+        blob = np.frombuffer(b"".join(data for _, _, data in fresh), dtype=np.uint8).copy()  # writable: registered
+        offsets = np.cumsum([0] + [len(data) for _, _, data in fresh])
+        with self._lock:
+            code = client.register_buffer(blob.ctypes.data, blob.nbytes)
+            if code != 0:
+                self._raise(code, fresh[0][0], "put (registering its bytes)")
+            try:
+                codes = client.batch_put_from_multi_buffers(
+                    [name for _, name, _ in fresh],
+                    [[blob.ctypes.data + int(offsets[i])] for i in range(len(fresh))],
+                    [[len(data)] for _, _, data in fresh],
+                    self._config,
+                )
+            finally:
+                client.unregister_buffer(blob.ctypes.data)
+        return [key for (key, _, _), code in zip(fresh, codes, strict=True) if int(code) == 0]
+
     def _check_placement(self, client: Any, name: str, key: str) -> None:
         """Mooncake only prefers this client's segment: a put that does not fit there lands in another client's,
         whose lifetime (another engine's) is not this engine's. Such an object is removed and the put refused."""

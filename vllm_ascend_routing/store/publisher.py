@@ -127,20 +127,15 @@ class Publisher:
         written (none: the object is removed). Raises ``StoreError`` where the rows cannot be published."""
         with self._lock:
             ledger = self.ledger()
-            free = [(name, end) for name, end in names if ledger.backend.size(name) is None]
-            if not free:
-                return 0
             key = ledger.publish(rows, 0)
-            written = 0
-            for name, end in free:
-                try:
-                    ledger.name(name, keys.parse(key).with_rows(end))
-                    written += 1
-                except StoreError:  # taken since (another instance's): theirs is kept
-                    continue
-            if not written:
+            try:
+                written = ledger.name_many([(name, keys.parse(key).with_rows(end)) for name, end in names])
+            except StoreError:
                 ledger.remove(key)
-            return written
+                raise
+            if not written:
+                ledger.remove(key)  # every block named already (by another instance, or an earlier request here)
+            return len(written)
 
     def mark_unlent(self, name: str, reason: str) -> None:
         """Say under ``name`` that its rows were not stored (``reason``): the other instance declines at once rather

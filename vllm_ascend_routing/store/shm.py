@@ -152,6 +152,20 @@ class ShmBackend:
                 raise StoreFullError(f"shm store: {self.path} is full ({error.strerror})") from error
             raise StoreUnavailableError(f"shm store: writing {path} failed: {error}") from error
 
+    def put_new(self, items: list[tuple[str, bytes]]) -> list[str]:
+        written = []
+        for key, data in items:
+            if os.path.lexists(self._file(key)):
+                continue  # taken: O_EXCL in put refuses it too, should another writer come in between
+            try:
+                self.put(key, [memoryview(data)])
+            except StoreUnavailableError:
+                if not os.path.lexists(self._file(key)):
+                    raise
+                continue
+            written.append(key)
+        return written
+
     def read(self, key: str, offset: int, nbytes: int) -> bytes:
         if not keys.is_name(key) and not self._alive(keys.parse(key).instance):
             raise UnknownKeyError(key, "the engine that published it has exited")
