@@ -213,7 +213,9 @@ def test_a_name_points_another_process_to_its_rows_once_and_goes_with_its_writer
     assert reader.call("resolve", name=name)["error"] == "UnknownKeyError"
 
 
-def test_names_written_in_one_batch_keep_the_first_of_each(master: MooncakeMaster, clients: Any, tmp_path: Path) -> None:
+def test_names_written_in_one_batch_keep_the_first_of_each(
+    master: MooncakeMaster, clients: Any, tmp_path: Path
+) -> None:
     """Shared-cache rows (``kv.shared``): a request's block names in one batch (``put_new``); a name another engine
     wrote first is left to it, the free ones are written, and each resolves to its writer's key."""
     first, second = clients(master.url, segment_bytes=16 << 20), clients(master.url, segment_bytes=16 << 20)
