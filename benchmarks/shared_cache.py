@@ -98,7 +98,11 @@ def main() -> None:
         print(f"{args.requests} requests of {args.prompt} tokens, {LAYERS}x{TOP_K} uint8 rows, store {args.store}")
         from vllm_ascend_routing.store import publisher
 
-        stack.callback(lambda: [p.close() for p in publisher._publishers.values()])  # before the master stops
+        def close_publishers() -> None:  # before the master stops (ExitStack: last in, first out)
+            for one in publisher._publishers.values():
+                one.close()
+
+        stack.callback(close_publishers)
         for block in (16, 128):
             ms = run(block, args.prompt, args.requests)
             print(
