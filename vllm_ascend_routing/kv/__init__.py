@@ -10,6 +10,9 @@ before. Its parts:
   * ``policy``: which connectors are served, and the refusal (naming the connector) of the others;
   * ``carriers``: where rows travel with the KV a connector moves (beside ``ExampleConnector``'s files, in NIXL's
     ``kv_transfer_params``, or held in the scheduler for KV this instance computed);
+  * ``named``: vLLM's ``MooncakeConnector`` (P/D by transfer id): rows through the row store by a derived name;
+  * ``shared``: a cache service several instances share (``MooncakeStoreConnector``, vllm-ascend's KV pool): each
+    block's rows in the row store by model, layout, cache salt (the weight version) and token chain;
   * ``stores``: what a generation provides (its scheduler-side row store; ``Adapter.kv_rows``, under ``compat/``);
   * ``follower``: the scheduler's connector calls followed, per request; this process's counts and first reports.
 
