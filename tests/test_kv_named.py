@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.store.local import shm_ledger
+from tests.store.local import deployment_store
 from tests.test_kv_transfer import LAYOUT, MODEL, StandInRows, kv_config, rows
 from vllm_ascend_routing import kv
 from vllm_ascend_routing.errors import UnsupportedVllmError
@@ -31,10 +31,7 @@ SECRET = "VLLM_ASCEND_ROUTING_KV_SECRET"
 @pytest.fixture
 def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A node-local store in ``tmp_path``, the deployment's secret set, a fresh publisher for this process."""
-    shm_ledger(tmp_path, monkeypatch)
-    monkeypatch.setattr(store_publisher, "_publishers", {})
-    monkeypatch.setenv(SECRET, "deployment-a")
-    return Path(shm.folder(str(tmp_path)))
+    return deployment_store(tmp_path, monkeypatch)
 
 
 def prefill(prompt: list[int], transfer: str, outputs: list[int] | None = None) -> Any:

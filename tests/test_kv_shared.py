@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.store.local import shm_ledger
+from tests.store.local import deployment_store, shm_ledger
 from tests.test_kv_transfer import LAYOUT, MODEL, StandInRows, kv_config, rows
 from vllm_ascend_routing import kv
 from vllm_ascend_routing.kv import follower
@@ -31,10 +31,7 @@ SECRET = "VLLM_ASCEND_ROUTING_KV_SECRET"
 @pytest.fixture
 def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A node-local store in ``tmp_path``, the deployment's secret set, a fresh publisher for this process."""
-    shm_ledger(tmp_path, monkeypatch)
-    monkeypatch.setattr(store_publisher, "_publishers", {})
-    monkeypatch.setenv(SECRET, "deployment-a")
-    monkeypatch.setenv("VLLM_ASCEND_ROUTING_STORE", "shm")
+    deployment_store(tmp_path, monkeypatch)
 
 
 def instance(model: str = "tiny-moe", layout: RowLayout = LAYOUT) -> SharedCacheCarrier:

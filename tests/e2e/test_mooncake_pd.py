@@ -9,14 +9,12 @@ decode instance never computed the tokens whose KV it read."""
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import pytest
 
-from tests.harness import distributed
 from tests.harness import mooncake_pd as mooncake
-from tests.harness.generation_cases import once_per_generation
+from tests.harness.generation_cases import connector_scenario
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
@@ -26,13 +24,9 @@ ARCH = "qwen3_moe_dense"  # a dense layer: its rows travel (as zeros) too
 @pytest.fixture(scope="module")
 def result(scenario: Any, generation: str) -> dict[str, Any]:
     """One scenario (two engines) per carrying generation: runner-output on its full release, aux-output."""
-    if generation in ("shm", "device-cache"):
-        pytest.skip(f"vLLM's '{generation}' generation refuses KV connectors (tests/e2e/test_disaggregation.py)")
-    once_per_generation("the MooncakeConnector P/D scenario", distributed.vllm_release())
-    from tests.scripts import load
-
-    env = load("scripts/mooncake_kit.py", "mooncake_kit").kit(sys.executable).env()
-    return dict(scenario("mooncake-pd", "--arch", ARCH, env=env))
+    return connector_scenario(
+        scenario, generation, "mooncake-pd", "the MooncakeConnector P/D scenario", ARCH, mooncake=True
+    )
 
 
 def test_rows_lent_by_transfer_id_arrive_exact(result: dict[str, Any], generation: str) -> None:

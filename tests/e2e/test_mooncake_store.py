@@ -10,14 +10,12 @@ computing instance's only)."""
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import pytest
 
-from tests.harness import distributed
 from tests.harness import mooncake_store as cache
-from tests.harness.generation_cases import once_per_generation
+from tests.harness.generation_cases import connector_scenario
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
@@ -27,13 +25,9 @@ ARCH = "qwen3_moe_dense"  # a dense layer: its rows are shared (as zeros) too
 @pytest.fixture(scope="module")
 def result(scenario: Any, generation: str) -> dict[str, Any]:
     """One scenario (two engines) per carrying generation: runner-output on its full release, aux-output."""
-    if generation in ("shm", "device-cache"):
-        pytest.skip(f"vLLM's '{generation}' generation refuses KV connectors (tests/e2e/test_disaggregation.py)")
-    once_per_generation("the MooncakeStoreConnector shared-cache scenario", distributed.vllm_release())
-    from tests.scripts import load
-
-    env = load("scripts/mooncake_kit.py", "mooncake_kit").kit(sys.executable).env()
-    return dict(scenario("mooncake-store", "--arch", ARCH, env=env))
+    return connector_scenario(
+        scenario, generation, "mooncake-store", "the MooncakeStoreConnector shared-cache scenario", ARCH, mooncake=True
+    )
 
 
 def test_another_instance_s_kv_loads_with_its_rows_exact(result: dict[str, Any], generation: str) -> None:

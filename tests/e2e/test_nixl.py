@@ -12,9 +12,8 @@ from typing import Any
 
 import pytest
 
-from tests.harness import distributed
 from tests.harness import nixl_pd as nixl
-from tests.harness.generation_cases import once_per_generation
+from tests.harness.generation_cases import connector_scenario
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.nixl]
 
@@ -24,10 +23,7 @@ ARCH = "qwen3_moe_dense"  # a dense layer: its rows travel (as zeros) too
 @pytest.fixture(scope="module")
 def result(scenario: Any, generation: str) -> dict[str, Any]:
     """One scenario (two engines) per carrying generation: runner-output on its full release, aux-output."""
-    if generation in ("shm", "device-cache"):
-        pytest.skip(f"vLLM's '{generation}' generation refuses KV connectors (tests/e2e/test_disaggregation.py)")
-    once_per_generation("the NIXL P/D scenario", distributed.vllm_release())
-    return dict(scenario("nixl", "--arch", ARCH))
+    return connector_scenario(scenario, generation, "nixl", "the NIXL P/D scenario", ARCH)
 
 
 def test_rows_read_with_nixl_are_exact(result: dict[str, Any], generation: str) -> None:

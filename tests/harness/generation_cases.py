@@ -15,6 +15,9 @@ to the front end as a DP server's own engines' do) runs once, on ``release_roles
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import pytest
 
 from tests import release_roles, settings
@@ -27,6 +30,22 @@ def runs_here(release: str) -> bool:
         return True
     here, full = releases.generation_of(release), releases.generation_of(release_roles.FULL_E2E_RELEASE)
     return here is None or full is None or here.generation != full.generation
+
+
+def connector_scenario(scenario: Any, generation: str, name: str, case: str, arch: str, mooncake: bool = False) -> Any:
+    """The result of scenario ``name`` (two engines with a KV connector), once per carrying generation (runner-output
+    on its full release, aux-output); ``mooncake``: with the Mooncake kit's environment (scripts/mooncake_kit.py)."""
+    from tests.harness import distributed
+
+    if generation in ("shm", "device-cache"):
+        pytest.skip(f"vLLM's '{generation}' generation refuses KV connectors (tests/e2e/test_disaggregation.py)")
+    once_per_generation(case, distributed.vllm_release())
+    if not mooncake:
+        return dict(scenario(name, "--arch", arch))
+    from tests.scripts import load
+
+    env = load("scripts/mooncake_kit.py", "mooncake_kit").kit(sys.executable).env()
+    return dict(scenario(name, "--arch", arch, env=env))
 
 
 def once_per_generation(case: str, release: str) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 
 from tests.harness.disaggregation import BLOCK_SIZE, DECODE_BUDGET, PREFILL_BUDGET, _against_single, _oracle, prompts
 from tests.harness.mooncake_master import free_port
-from tests.harness.pd_pair import phase_runner, producer_main, wait_for, with_producer, write
+from tests.harness.pd_pair import connector_engine, phase_runner, producer_main, wait_for, with_producer, write
 from vllm_ascend_routing import kv, replay
 from vllm_ascend_routing.preflight import models, offline
 from vllm_ascend_routing.preflight.scenarios import MAX_TOKENS, _verdict, model_dir
@@ -62,18 +62,9 @@ def _with_standin(environment: dict[str, str]) -> dict[str, str]:
 
 
 def _engine(model: models.TinyMoE, role: str, budget: int) -> Any:
-    from vllm.config import KVTransferConfig
-
-    config = KVTransferConfig(
-        kv_connector="MooncakeConnector", kv_role=role, kv_connector_extra_config={"mooncake_protocol": "tcp"}
-    )
-    return offline.make_llm(
-        model,
-        enforce_eager=True,
-        block_size=BLOCK_SIZE,
-        max_num_batched_tokens=budget,
-        enable_prefix_caching=True,
-        kv_transfer_config=config,
+    extra = {"mooncake_protocol": "tcp"}
+    return connector_engine(
+        model, budget, BLOCK_SIZE, kv_connector="MooncakeConnector", kv_role=role, kv_connector_extra_config=extra
     )
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from tests.harness.disaggregation import BLOCK_SIZE, DECODE_BUDGET, PREFILL_BUDGET, prompts
 from tests.harness.mooncake_master import MooncakeMaster, die_with_parent
-from tests.harness.pd_pair import phase_runner, producer_main, wait_for, with_producer, write
+from tests.harness.pd_pair import connector_engine, phase_runner, producer_main, wait_for, with_producer, write
 from vllm_ascend_routing import kv
 from vllm_ascend_routing.kv.carriers import HeldRowsCarrier
 from vllm_ascend_routing.kv.shared import SharedCacheCarrier
@@ -63,17 +63,7 @@ def whole(length: int) -> int:
 
 
 def _engine(model: models.TinyMoE, budget: int) -> Any:
-    from vllm.config import KVTransferConfig
-
-    config = KVTransferConfig(kv_connector="MooncakeStoreConnector", kv_role="kv_both")
-    return offline.make_llm(
-        model,
-        enforce_eager=True,
-        block_size=BLOCK_SIZE,
-        max_num_batched_tokens=budget,
-        enable_prefix_caching=True,
-        kv_transfer_config=config,
-    )
+    return connector_engine(model, budget, BLOCK_SIZE, kv_connector="MooncakeStoreConnector", kv_role="kv_both")
 
 
 def _sets() -> dict[str, Any]:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.harness.disaggregation import BLOCK_SIZE, DECODE_BUDGET, PREFILL_BUDGET, _against_single, _oracle, prompts
-from tests.harness.pd_pair import phase_runner, producer_main, wait_for, with_producer, write
+from tests.harness.pd_pair import connector_engine, phase_runner, producer_main, wait_for, with_producer, write
 from vllm_ascend_routing import kv
 from vllm_ascend_routing.kv import carriers
 from vllm_ascend_routing.preflight import models, offline
@@ -57,21 +57,14 @@ FIELD = carriers.TransferParamsCarrier.FIELD
 
 
 def _engine(model: models.TinyMoE, role: str, budget: int) -> Any:
-    from vllm.config import KVTransferConfig
-
-    config = KVTransferConfig(
+    return connector_engine(
+        model,
+        budget,
+        BLOCK_SIZE,
         kv_connector="NixlConnector",
         kv_role=role,
         kv_buffer_device="cpu",
         kv_connector_extra_config={"kv_lease_duration": LEASE_SECONDS},
-    )
-    return offline.make_llm(
-        model,
-        enforce_eager=True,
-        block_size=BLOCK_SIZE,
-        max_num_batched_tokens=budget,
-        enable_prefix_caching=True,
-        kv_transfer_config=config,
     )
 
 

@@ -76,6 +76,21 @@ def with_producer(
     return out
 
 
+def connector_engine(model: models.TinyMoE, budget: int, block_size: int, **connector: Any) -> Any:
+    """An engine of a two-engine scenario: eager, prefix caching on, ``block_size``, ``budget`` tokens a step, the KV
+    connector ``KVTransferConfig(**connector)``."""
+    from vllm.config import KVTransferConfig
+
+    return offline.make_llm(
+        model,
+        enforce_eager=True,
+        block_size=block_size,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=True,
+        kv_transfer_config=KVTransferConfig(**connector),
+    )
+
+
 def phase_runner(
     llm: Any, model: models.TinyMoE, phases: dict[str, Any], extra_args: dict[str, Any] | None = None
 ) -> Callable[..., list[offline.Completion]]:
