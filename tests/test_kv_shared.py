@@ -129,9 +129,37 @@ def test_the_first_instance_s_rows_are_kept_as_the_cache_keeps_its_first_kv(stor
     a, c, b = instance(), instance(), instance()
     prompt = list(range(90, 102))
     a.put(finished(prompt, "v1"), rows(12, 0))
-    c.put(finished(prompt, "v1"), rows(12, 3))  # the same block computed again elsewhere
+    ledger = _ledger()
+    held = dict(ledger.entries)
+    c.put(finished(prompt, "v1"), rows(12, 3))  # the same block computed again elsewhere (or another sample here)
     assert (a.names_written, c.names_written) == (3, 0)
+    assert ledger.entries == held  # every block named already: no rows written for it
     assert np.array_equal(b.get(arriving(prompt, "v1"), 0, 12), rows(12, 0))
+    longer = prompt + list(range(300, 304))  # one more block: only its name is new, and rows up to its end stored
+    c.put(finished(longer, "v1"), rows(16, 3))
+    assert c.names_written == 1 and len(ledger.entries) == len(held) + 2  # the rows and one pointer
+    assert np.array_equal(b.get(arriving(longer, "v1"), 0, 16), rows(16, 3))  # ends in C's block: C's prefix
+
+
+def test_rows_the_store_cannot_take_leave_no_name_behind(store: None) -> None:
+    """Past the byte cap the rows are not stored, and the names written for them are removed again: another instance
+    computes those blocks instead of finding a name without rows for good."""
+    a, b = instance(), instance()
+    prompt = list(range(140, 152))
+    ledger = _ledger()
+    ledger.cap_bytes = ledger.live_bytes + 100  # the pointers fit, the rows (a header and 72 bytes) do not
+    a.put(finished(prompt, "v1"), rows(12))
+    assert a.names_written == 0 and ledger.entries == {}
+    chain = a.held.chain(arriving(prompt, "v1"), np.asarray(prompt, dtype=np.int64), 12)
+    assert [stored.client().size(a.name("v1", key)) for _, key, _, _ in chain] == [None] * 3  # none left behind
+    declined = b.get(arriving(prompt, "v1"), 0, 12)
+    assert isinstance(declined, Missing) and "no instance's rows of the block of tokens [8, 12)" in declined.reason
+
+
+def _ledger() -> Any:
+    publisher = store_publisher.for_engine()
+    assert publisher is not None
+    return publisher.ledger()
 
 
 def test_a_salt_used_across_a_prefix_cache_reset_is_refused_and_a_new_one_served(store: None) -> None:

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Rows of KV in a cache service other instances share (vLLM's ``MooncakeStoreConnector``, LMCache with a remote
-backend, vllm-ascend's KV pool): kept in the row store beside it, so that a hit on KV another instance computed
-loads with that instance's rows instead of being computed again.
+"""Rows of KV in a cache service other instances share (vLLM's ``MooncakeStoreConnector`` and ``LMCacheMPConnector``,
+vllm-ascend's KV pool; ``SHARED_CACHES``): kept in the row store beside it, so that a hit on KV another instance
+computed loads with that instance's rows instead of being computed again.
 
 The weight-version rule. Those caches key KV by the model and the chain of vLLM's block hashes, not by the weights,
 and keep the first value put under a key: after a weight update they serve KV computed before it. vLLM's block

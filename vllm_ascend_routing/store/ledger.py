@@ -11,6 +11,7 @@ when the cap would be passed (the objects still present are counted again). Past
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -20,7 +21,7 @@ import numpy as np
 
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.store import keys, layout
-from vllm_ascend_routing.store.interface import Backend, StoreFullError
+from vllm_ascend_routing.store.interface import Backend, StoreError, StoreFullError
 from vllm_ascend_routing.store.keys import Namespace
 
 logger = get_logger(__name__)
@@ -57,14 +58,15 @@ class Ledger:
         self.live_bytes = 0
         self.stats = LedgerStats()
 
-    def publish(self, rows: np.ndarray, first_token: int, tokens_sha256: str = "") -> str:
-        """Store ``rows`` (``[T, L, K]`` as vLLM returns them) and return their key, once they are readable.
+    def publish(self, rows: np.ndarray, first_token: int, tokens_sha256: str = "", key: str | None = None) -> str:
+        """Store ``rows`` (``[T, L, K]`` as vLLM returns them) and return their key, once they are readable
+        (``key``: one minted here beforehand, else a fresh one).
 
         Raises:
             StoreFullError: past the byte cap, or the backend has no room. StoreUnavailableError: unreachable.
         """
         self.expire()
-        key = self.namespace.key()
+        key = key or self.namespace.key()
         parts, _ = layout.encode(key, rows, first_token, tokens_sha256)
         nbytes = sum(len(part) for part in parts)
         if self.live_bytes + nbytes > self.cap_bytes:
@@ -94,19 +96,36 @@ class Ledger:
         deadline = self.entries[keys.object_of(key)].deadline  # a key this ledger published (``@rows``: a part)
         self._put_name(name, layout.encode_pointer(name, key, self.namespace.instance), deadline)
 
-    def name_many(self, pairs: list[tuple[str, str]]) -> list[str]:
-        """Pointers under each ``name`` to its ``key`` (published here; ``@rows``: a part), in one batch where the
-        backend allows; a name taken already is left as it is. The names written, each living as long as its key."""
-        encoded = [
-            (name, b"".join(bytes(part) for part in layout.encode_pointer(name, key, self.namespace.instance)), key)
-            for name, key in pairs
-        ]
-        written = set(self.backend.put_new([(name, data) for name, data, _ in encoded]))
-        for name, data, key in encoded:
-            if name in written:
-                self.entries[name] = _Entry(len(data), self.entries[keys.object_of(key)].deadline)
-                self.live_bytes += len(data)
-        return [name for name, _, _ in encoded if name in written]
+    def publish_blocks(self, rows: np.ndarray, names: list[tuple[str, int]]) -> list[str]:
+        """Each ``(name, end)`` pointing to the first ``end`` of ``rows`` (from token 0), in one batch where the backend
+        allows; a name taken already is left as it is. The pointers go first, to a key minted for the rows, and the rows
+        are published only where a name was free: a request whose blocks are all named already (``n`` samples of one
+        prompt) costs one existence check, no rows. A reader between the two finds the name but not yet its rows and
+        computes those tokens (never other rows). The names written, each living as long as the rows.
+
+        Raises:
+            StoreError: the rows could not be published (the names written are removed again).
+        """
+        key = self.namespace.key()
+        encoded = {
+            name: (b"".join(map(bytes, layout.encode_pointer(name, f"{key}@{end}", self.namespace.instance))), end)
+            for name, end in names
+        }
+        written = self.backend.put_new([(name, data) for name, (data, _) in encoded.items()])
+        if not written:
+            return []
+        try:
+            self.publish(rows[: max(encoded[name][1] for name in written)], 0, key=key)
+        except StoreError:
+            for name in written:
+                with contextlib.suppress(StoreError):
+                    self.backend.remove(name)
+            raise
+        deadline = self.entries[key].deadline
+        for name in written:
+            self.entries[name] = _Entry(len(encoded[name][0]), deadline)
+            self.live_bytes += len(encoded[name][0])
+        return written
 
     def mark(self, name: str, reason: str) -> None:
         """Store, under ``name``, that no rows were stored for it and why (its reader declines at once instead of

@@ -20,7 +20,6 @@ import numpy as np
 from vllm_ascend_routing import envs
 from vllm_ascend_routing._logging import get_logger
 from vllm_ascend_routing.reporting import loud
-from vllm_ascend_routing.store import keys
 from vllm_ascend_routing.store import setting as store_setting
 from vllm_ascend_routing.store.interface import StoreError
 from vllm_ascend_routing.store.keys import Namespace
@@ -121,21 +120,13 @@ class Publisher:
             return key
 
     def publish_blocks(self, rows: np.ndarray, names: list[tuple[str, int]]) -> int:
-        """Rows of a shared cache's blocks (``kv.shared``): ``rows`` (from token 0) published once, then each
-        ``(name, end)`` pointing to their first ``end`` rows; a name taken already (another instance's rows of the same
-        block: the first written is kept, as the cache keeps its first KV) is left as it is. How many names were
-        written (none: the object is removed). Raises ``StoreError`` where the rows cannot be published."""
+        """Rows of a shared cache's blocks (``kv.shared``): each ``(name, end)`` pointing to the first ``end`` of
+        ``rows`` (from token 0), the rows published where a name was free; a name taken already (another instance's
+        rows of the same block, or an earlier request's here: the first written is kept, as the cache keeps its first
+        KV) is left as it is (``Ledger.publish_blocks``). How many names were written. Raises ``StoreError`` where the
+        rows cannot be published (nothing of them is left stored)."""
         with self._lock:
-            ledger = self.ledger()
-            key = ledger.publish(rows, 0)
-            try:
-                written = ledger.name_many([(name, keys.parse(key).with_rows(end)) for name, end in names])
-            except StoreError:
-                ledger.remove(key)
-                raise
-            if not written:
-                ledger.remove(key)  # every block named already (by another instance, or an earlier request here)
-            return len(written)
+            return len(self.ledger().publish_blocks(rows, names))
 
     def mark_unlent(self, name: str, reason: str) -> None:
         """Say under ``name`` that its rows were not stored (``reason``): the other instance declines at once rather
